@@ -1,0 +1,617 @@
+"""Core RL-for-LLM tensor math: advantage estimators, policy/value losses, KL.
+
+Everything here is a pure function of tensors, so it can be unit-tested on CPU
+and reused unchanged by any trainer or worker.
+
+Shape conventions (B = batch of responses, T = response length, V = vocab):
+
+* ``mask``: float or bool ``(B, T)``; 1 marks a real response token. Masked
+  positions may hold garbage (padding, tool-observation tokens) and never
+  influence a result.
+* ``log_probs``, ``old_log_probs``, ``ref_log_probs``, ``advantages``,
+  ``values``, ``token_rewards``: float ``(B, T)``.
+* ``rewards``: one scalar per response, ``(B,)``.
+* ``group_ids``: int ``(B,)``; responses sharing an id are the n samples of one
+  prompt. Ids need not be sorted or contiguous.
+
+Advantage estimators and policy losses live in registries so that a config
+string (``"grpo"``, ``"gspo"``, ...) selects the implementation. Estimators
+are called with keyword arguments and each returns ``(advantages, returns)``,
+both ``(B, T)`` and zero on masked positions. Policy losses share the
+signature of :func:`policy_loss_vanilla` and return a :class:`PolicyLossOutput`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+__all__ = [
+    "ADV_ESTIMATORS",
+    "POLICY_LOSSES",
+    "AGG_LOSS_MODES",
+    "KL_PENALTY_KINDS",
+    "PolicyLossOutput",
+    "register_adv_est",
+    "get_adv_estimator",
+    "register_policy_loss",
+    "get_policy_loss",
+    "masked_sum",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "compute_grpo_advantage",
+    "compute_dr_grpo_advantage",
+    "compute_rloo_advantage",
+    "compute_reinforce_plus_plus_advantage",
+    "compute_reinforce_plus_plus_baseline_advantage",
+    "compute_gae_advantage",
+    "agg_loss",
+    "policy_loss_vanilla",
+    "policy_loss_gspo",
+    "kl_penalty",
+    "entropy_from_logits",
+    "log_probs_from_logits",
+    "value_loss_clipped",
+    "overlong_reward_penalty",
+    "token_level_rewards",
+]
+
+# Keep exp() of a log-ratio finite; same bounds as verl (GSPO has no dual clip
+# to cap the loss, hence its tighter bound).
+_LOG_RATIO_CLAMP = 20.0
+_GSPO_LOG_RATIO_MAX = 10.0
+# Variance floor in whitening, so a constant batch whitens to 0 instead of nan.
+_WHITEN_EPS = 1e-8
+
+# --------------------------------------------------------------------------
+# Registries
+# --------------------------------------------------------------------------
+
+ADV_ESTIMATORS: dict[str, Callable] = {}
+POLICY_LOSSES: dict[str, Callable] = {}
+
+
+def _register(registry: dict[str, Callable], kind: str, name: str) -> Callable:
+    def decorator(fn: Callable) -> Callable:
+        existing = registry.get(name)
+        # Silently replacing an entry would make a config string mean two
+        # different algorithms depending on import order.
+        if existing is not None and existing is not fn:
+            raise ValueError(f"{kind} {name!r} is already registered to {existing.__name__}")
+        registry[name] = fn
+        return fn
+
+    return decorator
+
+
+def _lookup(registry: dict[str, Callable], kind: str, name: str) -> Callable:
+    if name not in registry:
+        raise ValueError(f"Unknown {kind} {name!r}; allowed: {sorted(registry)}")
+    return registry[name]
+
+
+def register_adv_est(name: str) -> Callable[[Callable], Callable]:
+    """Decorator registering an advantage estimator under ``name``."""
+    return _register(ADV_ESTIMATORS, "advantage estimator", name)
+
+
+def get_adv_estimator(name: str) -> Callable:
+    """Return the advantage estimator registered as ``name`` (ValueError if none)."""
+    return _lookup(ADV_ESTIMATORS, "advantage estimator", name)
+
+
+def register_policy_loss(name: str) -> Callable[[Callable], Callable]:
+    """Decorator registering a policy loss under ``name``."""
+    return _register(POLICY_LOSSES, "policy loss", name)
+
+
+def get_policy_loss(name: str) -> Callable:
+    """Return the policy loss registered as ``name`` (ValueError if none)."""
+    return _lookup(POLICY_LOSSES, "policy loss", name)
+
+
+# --------------------------------------------------------------------------
+# Masked reductions
+# --------------------------------------------------------------------------
+
+
+def _as_float(x: torch.Tensor) -> torch.Tensor:
+    return x if x.is_floating_point() else x.to(torch.get_default_dtype())
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of ``x * mask``; masked entries contribute 0 even if they are inf/nan."""
+    m = mask.to(x.dtype)
+    # where() rather than a bare product: 0 * inf = nan would leak padding in.
+    prod = torch.where(mask.bool(), x * m, torch.zeros_like(x))
+    return prod.sum() if dim is None else prod.sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``x`` over entries where ``mask`` is set; 0 when nothing is set."""
+    count = mask.to(x.dtype)
+    count = count.sum() if dim is None else count.sum(dim)
+    # A clamp (not + eps) keeps the result exact for any 0/1 mask.
+    return masked_sum(x, mask, dim) / count.clamp(min=_WHITEN_EPS)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``x`` over all masked-in entries (a scalar)."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    if not unbiased:
+        return var
+    count = float(mask.to(x.dtype).sum())
+    if count <= 1:
+        raise ValueError(f"unbiased masked_var needs at least 2 valid entries, got {count:g}")
+    return var * (count / (count - 1))
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Normalise ``x`` to unit (unbiased) variance over valid entries.
+
+    With ``shift_mean=False`` the mean is added back, i.e. only the scale changes.
+    Masked positions are transformed too; callers multiply by the mask.
+    """
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + _WHITEN_EPS)
+    return whitened if shift_mean else whitened + mean
+
+
+# --------------------------------------------------------------------------
+# Advantage estimators
+# --------------------------------------------------------------------------
+
+
+def _check_seq_inputs(rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor | None) -> None:
+    if rewards.dim() != 1 or mask.dim() != 2 or rewards.shape[0] != mask.shape[0]:
+        raise ValueError(f"expected rewards (B,) and mask (B, T), got {tuple(rewards.shape)} and {tuple(mask.shape)}")
+    if group_ids is not None and tuple(group_ids.shape) != tuple(rewards.shape):
+        raise ValueError(f"group_ids shape {tuple(group_ids.shape)} does not match rewards {tuple(rewards.shape)}")
+
+
+def _group_stats(
+    rewards: torch.Tensor, group_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample group (count, sum, mean, unbiased std), each (B,)."""
+    _, inverse = torch.unique(group_ids, return_inverse=True)  # (B,)
+    n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    zeros = rewards.new_zeros(n_groups)  # (G,)
+    count = zeros.index_add(0, inverse, torch.ones_like(rewards))
+    total = zeros.index_add(0, inverse, rewards)
+    mean = total / count
+    # Two-pass variance: the sum-of-squares shortcut cancels badly for large rewards.
+    sq_dev = zeros.index_add(0, inverse, (rewards - mean[inverse]) ** 2)
+    std = torch.sqrt(sq_dev / (count - 1).clamp(min=1))
+    return count[inverse], total[inverse], mean[inverse], std[inverse]
+
+
+@register_adv_est("grpo")
+def compute_grpo_advantage(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO outcome advantage: reward standardised within its prompt group.
+
+    Signature: ``(rewards (B,), mask (B, T), group_ids (B,), *, norm_by_std=True,
+    eps=1e-6) -> (advantages (B, T), returns (B, T))``; returns == advantages.
+
+    ``adv_i = (r_i - mean_g) / (std_g + eps)`` with the unbiased group std, or
+    ``r_i - mean_g`` when ``norm_by_std`` is False (Dr. GRPO). As in verl, a group
+    of size 1 uses mean 0 and std 1, so its advantage is its raw reward.
+    """
+    _check_seq_inputs(rewards, mask, group_ids)
+    rewards = _as_float(rewards)
+    count, _, mean, std = _group_stats(rewards, group_ids)  # (B,)
+    singleton = count < 2
+    mean = torch.where(singleton, torch.zeros_like(mean), mean)
+    std = torch.where(singleton, torch.ones_like(std), std)
+    scores = rewards - mean
+    if norm_by_std:
+        scores = scores / (std + eps)
+    adv = scores.unsqueeze(-1) * mask.to(scores.dtype)  # (B, T)
+    return adv, adv
+
+
+@register_adv_est("dr_grpo")
+def compute_dr_grpo_advantage(
+    rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dr. GRPO advantage: GRPO without the std normalisation.
+
+    Signature: ``(rewards (B,), mask (B, T), group_ids (B,)) ->
+    (advantages (B, T), returns (B, T))``.
+    """
+    return compute_grpo_advantage(rewards, mask, group_ids, norm_by_std=False)
+
+
+@register_adv_est("rloo")
+def compute_rloo_advantage(
+    rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO advantage: reward minus the mean reward of the *other* group samples.
+
+    Signature: ``(rewards (B,), mask (B, T), group_ids (B,)) ->
+    (advantages (B, T), returns (B, T))``; returns == advantages.
+    A group of size 1 has no other sample to compare against, so its advantage is 0.
+    """
+    _check_seq_inputs(rewards, mask, group_ids)
+    rewards = _as_float(rewards)
+    count, total, _, _ = _group_stats(rewards, group_ids)  # (B,)
+    baseline = (total - rewards) / (count - 1).clamp(min=1)
+    scores = torch.where(count > 1, rewards - baseline, torch.zeros_like(rewards))
+    adv = scores.unsqueeze(-1) * mask.to(scores.dtype)  # (B, T)
+    return adv, adv
+
+
+def _discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Return-to-go over valid tokens only; masked tokens are transparent.
+
+    A masked token (e.g. a tool observation inside a multi-turn response) adds no
+    reward and costs no discount step, so the final reward still reaches earlier
+    turns. The output is 0 on masked positions.
+    """
+    m = mask.to(token_rewards.dtype)
+    returns = torch.zeros_like(token_rewards)  # (B, T)
+    running = token_rewards.new_zeros(token_rewards.shape[0])  # (B,)
+    for t in reversed(range(token_rewards.shape[1])):
+        stepped = token_rewards[:, t] + gamma * running
+        running = torch.where(mask[:, t].bool(), stepped, running)
+        returns[:, t] = running * m[:, t]
+    return returns
+
+
+@register_adv_est("reinforce_plus_plus")
+def compute_reinforce_plus_plus_advantage(
+    token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ advantage: discounted return-to-go, whitened over the batch.
+
+    Signature: ``(token_rewards (B, T), mask (B, T), gamma=1.0) ->
+    (advantages (B, T), returns (B, T))``; ``returns`` is the un-whitened
+    return-to-go. Rewards on masked positions are ignored.
+    """
+    returns = _discounted_returns(_as_float(token_rewards), mask, gamma)  # (B, T)
+    adv = masked_whiten(returns, mask) * mask.to(returns.dtype)
+    return adv, returns
+
+
+@register_adv_est("reinforce_plus_plus_baseline")
+def compute_reinforce_plus_plus_baseline_advantage(
+    rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline: subtract the group mean, then whiten over the batch.
+
+    Signature: ``(rewards (B,), mask (B, T), group_ids (B,)) ->
+    (advantages (B, T), returns (B, T))``; returns == advantages. The
+    whitening statistics are taken over all valid tokens, so long responses
+    weigh more, as in verl. Singleton groups use mean 0 (as GRPO).
+    """
+    centred, _ = compute_grpo_advantage(rewards, mask, group_ids, norm_by_std=False)  # (B, T)
+    adv = masked_whiten(centred, mask) * mask.to(centred.dtype)
+    return adv, adv
+
+
+@register_adv_est("gae")
+def compute_gae_advantage(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised Advantage Estimation (Schulman et al. 2016) over valid tokens.
+
+    Signature: ``(token_rewards (B, T), values (B, T), mask (B, T), gamma=1.0,
+    lam=1.0) -> (advantages (B, T), returns (B, T))``. ``returns`` is the
+    un-whitened advantage plus ``values`` (the value-function target);
+    ``advantages`` are whitened over valid tokens. Masked tokens are skipped
+    (no reward, no value, no discount step) and are 0 in both outputs. The
+    value after the last valid token is taken as 0 (terminal).
+    """
+    token_rewards, values = _as_float(token_rewards), _as_float(values)
+    valid = mask.bool()
+    raw_adv = torch.zeros_like(values)  # (B, T)
+    next_value = values.new_zeros(values.shape[0])  # (B,)
+    last_gae = values.new_zeros(values.shape[0])  # (B,)
+    for t in reversed(range(values.shape[1])):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        last_gae = torch.where(valid[:, t], delta + gamma * lam * last_gae, last_gae)
+        next_value = torch.where(valid[:, t], values[:, t], next_value)
+        raw_adv[:, t] = last_gae
+    m = mask.to(values.dtype)
+    returns = (raw_adv + values) * m
+    adv = masked_whiten(raw_adv, mask) * m
+    return adv, returns
+
+
+# --------------------------------------------------------------------------
+# Loss aggregation
+# --------------------------------------------------------------------------
+
+AGG_LOSS_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def _denominator(local: torch.Tensor, global_count: float | None, what: str) -> torch.Tensor | float:
+    if global_count is None:
+        # Empty shard: its sum is 0 anyway, so any positive divisor is correct.
+        return local.clamp(min=1)
+    if global_count <= 0:
+        raise ValueError(f"{what} must be positive, got {global_count}")
+    return float(global_count)
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    *,
+    global_num_tokens: float | None = None,
+    global_num_seqs: float | None = None,
+    norm_len: int | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss ``(B, T)`` to a scalar.
+
+    Modes:
+
+    * ``token-mean``: ``sum(loss * mask) / num_tokens``.
+    * ``seq-mean-token-sum``: ``sum_i (sum_t loss_it) / num_seqs``.
+    * ``seq-mean-token-mean``: ``sum_i (mean_t loss_it) / num_seqs``.
+    * ``seq-mean-token-sum-norm``: ``sum(loss * mask) / (num_seqs * norm_len)``;
+      Dr. GRPO's length-independent normaliser, ``norm_len`` defaults to T.
+
+    ``num_seqs`` counts rows with at least one valid token, so all-masked
+    padding rows do not dilute the loss. Passing ``global_num_tokens`` /
+    ``global_num_seqs`` (counts over the whole batch, across ranks and
+    micro-batches) replaces the local count, so that summing the results of all
+    shards gives exactly the full-batch loss. With sharding, pass ``norm_len``
+    explicitly, since shards may be padded to different T.
+    """
+    m = mask.to(loss_mat.dtype)
+    if mode == "token-mean":
+        return masked_sum(loss_mat, mask) / _denominator(m.sum(), global_num_tokens, "global_num_tokens")
+    if mode not in AGG_LOSS_MODES:
+        raise ValueError(f"Unknown loss_agg_mode {mode!r}; allowed: {list(AGG_LOSS_MODES)}")
+    tokens_per_seq = m.sum(-1)  # (B,)
+    num_seqs = _denominator((tokens_per_seq > 0).to(m.dtype).sum(), global_num_seqs, "global_num_seqs")
+    seq_sums = masked_sum(loss_mat, mask, dim=-1)  # (B,)
+    if mode == "seq-mean-token-sum":
+        return seq_sums.sum() / num_seqs
+    if mode == "seq-mean-token-mean":
+        return (seq_sums / tokens_per_seq.clamp(min=1)).sum() / num_seqs
+    length = loss_mat.shape[-1] if norm_len is None else norm_len
+    if length <= 0:
+        raise ValueError(f"norm_len must be positive, got {length}")
+    return seq_sums.sum() / (num_seqs * length)
+
+
+# --------------------------------------------------------------------------
+# Policy losses
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class PolicyLossOutput:
+    """Policy loss plus detached diagnostics (all scalar tensors)."""
+
+    loss: torch.Tensor
+    clip_frac: torch.Tensor  # valid tokens where the clipped surrogate won
+    clip_frac_lower: torch.Tensor  # valid tokens where the dual-clip bound won
+    approx_kl: torch.Tensor  # masked mean of old_log_prob - log_prob
+
+
+def _check_clip_args(clip_ratio_low: float, clip_ratio_high: float) -> None:
+    if not 0 <= clip_ratio_low < 1:
+        raise ValueError(f"clip_ratio_low must be in [0, 1), got {clip_ratio_low}")
+    if clip_ratio_high < 0:
+        raise ValueError(f"clip_ratio_high must be >= 0, got {clip_ratio_high}")
+
+
+@register_policy_loss("vanilla")
+def policy_loss_vanilla(
+    old_log_probs: torch.Tensor,
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    global_num_tokens: float | None = None,
+    global_num_seqs: float | None = None,
+) -> PolicyLossOutput:
+    """PPO clipped surrogate with clip-higher (DAPO) and dual-clip (Ye et al. 2020).
+
+    The ratio is clipped to ``[1 - clip_ratio_low, 1 + clip_ratio_high]``. For
+    negative advantages the per-token loss is additionally capped at
+    ``-adv * clip_ratio_c``, so a huge ratio on a bad token cannot blow up the
+    update.
+    """
+    _check_clip_args(clip_ratio_low, clip_ratio_high)
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1.0 for dual-clip, got {clip_ratio_c}")
+    log_ratio = (log_probs - old_log_probs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # (B, T)
+    ratio = torch.exp(log_ratio)
+    pg1 = -advantages * ratio
+    pg2 = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    clipped = torch.maximum(pg1, pg2)
+    pg3 = -advantages * clip_ratio_c
+    negative = advantages < 0
+    per_token = torch.where(negative, torch.minimum(clipped, pg3), clipped)  # (B, T)
+    loss = agg_loss(
+        per_token, mask, loss_agg_mode, global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs
+    )
+    with torch.no_grad():
+        clip_frac = masked_mean((pg2 > pg1).to(ratio.dtype), mask)
+        clip_frac_lower = masked_mean(((clipped > pg3) & negative).to(ratio.dtype), mask)
+        approx_kl = masked_mean(-log_ratio, mask)
+    return PolicyLossOutput(loss, clip_frac, clip_frac_lower, approx_kl)
+
+
+@register_policy_loss("gspo")
+def policy_loss_gspo(
+    old_log_probs: torch.Tensor,
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    global_num_tokens: float | None = None,
+    global_num_seqs: float | None = None,
+) -> PolicyLossOutput:
+    """GSPO (Zheng et al. 2025), token form: sequence-level importance ratio.
+
+    ``s_i = exp(mean_t(log_prob - old_log_prob))`` over valid tokens. Each token
+    uses ``exp(logp_t - sg(logp_t) + sg(log s_i))``: its value is ``s_i`` but
+    its gradient flows through that token's own log-prob, which allows
+    per-token advantages. ``clip_ratio_c`` is accepted for signature
+    compatibility and unused (GSPO has no dual clip); ``clip_frac_lower`` is 0.
+    The token log-ratio is capped at 10 (as verl) since no dual clip bounds it.
+    """
+    _check_clip_args(clip_ratio_low, clip_ratio_high)
+    log_ratio = log_probs - old_log_probs  # (B, T)
+    seq_log_ratio = masked_mean(log_ratio, mask, dim=-1)  # (B,)
+    token_log_ratio = log_probs - log_probs.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    ratio = torch.exp(token_log_ratio.clamp(max=_GSPO_LOG_RATIO_MAX))  # (B, T)
+    pg1 = -advantages * ratio
+    pg2 = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    per_token = torch.maximum(pg1, pg2)
+    loss = agg_loss(
+        per_token, mask, loss_agg_mode, global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs
+    )
+    with torch.no_grad():
+        clip_frac = masked_mean((pg2 > pg1).to(ratio.dtype), mask)
+        approx_kl = masked_mean(-log_ratio, mask)
+    return PolicyLossOutput(loss, clip_frac, torch.zeros_like(clip_frac), approx_kl)
+
+
+# --------------------------------------------------------------------------
+# KL, entropy, log-probs
+# --------------------------------------------------------------------------
+
+KL_PENALTY_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs")
+
+
+def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL estimate between the policy and the reference ``(B, T)``.
+
+    ``k1``: ``logp - ref``; ``k2``: ``0.5 (logp - ref)^2``; ``abs``:
+    ``|logp - ref|``; ``k3`` / ``low_var_kl`` (Schulman's estimator):
+    ``exp(ref - logp) - (ref - logp) - 1``, clamped to [-10, 10] as verl does
+    because its tail is exponential.
+    """
+    diff = log_probs - ref_log_probs
+    if kind == "k1":
+        return diff
+    if kind == "k2":
+        return 0.5 * diff.square()
+    if kind == "abs":
+        return diff.abs()
+    if kind in ("k3", "low_var_kl"):
+        log_r = (-diff).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        return (torch.exp(log_r) - log_r - 1).clamp(-10.0, 10.0)
+    raise ValueError(f"Unknown kl penalty kind {kind!r}; allowed: {list(KL_PENALTY_KINDS)}")
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of ``softmax(logits)`` ``(B, T, V) -> (B, T)``.
+
+    Uses ``logsumexp - sum(p * logits)``; ``-inf`` logits (masked vocab) are
+    allowed and contribute 0 rather than ``0 * -inf = nan``.
+    """
+    probs = torch.softmax(logits, dim=-1)
+    weighted = torch.where(probs > 0, probs * logits, torch.zeros_like(logits))
+    return torch.logsumexp(logits, dim=-1) - weighted.sum(-1)
+
+
+def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Log-probability of ``labels`` under ``softmax(logits)``: ``(B, T, V) -> (B, T)``.
+
+    Gathers first and subtracts ``logsumexp``, so no (B, T, V) log-softmax
+    tensor is materialised. Half-precision logits are upcast one row at a time
+    because a bf16 logsumexp over a large vocab loses ~2 digits.
+    """
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        rows = [log_probs_from_logits(row.float(), lab) for row, lab in zip(logits, labels)]
+        return torch.stack(rows).to(logits.dtype)
+    picked = logits.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)  # (B, T)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+# --------------------------------------------------------------------------
+# Value loss and reward shaping
+# --------------------------------------------------------------------------
+
+
+def value_loss_clipped(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+    global_num_tokens: float | None = None,
+    global_num_seqs: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO clipped value loss ``0.5 * max((v - R)^2, (clip(v, old ± c) - R)^2)``.
+
+    Returns ``(loss, clip_frac)``; ``clip_frac`` is the fraction of valid
+    tokens where the clipped term was strictly larger.
+    """
+    clipped_values = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
+    loss1 = (values - returns) ** 2  # (B, T)
+    loss2 = (clipped_values - returns) ** 2
+    per_token = 0.5 * torch.maximum(loss1, loss2)
+    loss = agg_loss(
+        per_token, mask, loss_agg_mode, global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs
+    )
+    with torch.no_grad():
+        clip_frac = masked_mean((loss2 > loss1).to(per_token.dtype), mask)
+    return loss, clip_frac
+
+
+def overlong_reward_penalty(
+    response_lengths: torch.Tensor,
+    max_response_length: int,
+    buffer_length: int,
+    penalty_factor: float = 1.0,
+) -> torch.Tensor:
+    """DAPO soft overlong punishment ``(B,) -> (B,)``.
+
+    0 up to ``max_response_length - buffer_length``, then linear down to
+    ``-penalty_factor`` at ``max_response_length``, and ``-penalty_factor``
+    beyond (clamped, unlike verl which keeps extrapolating).
+    """
+    if not 0 < buffer_length <= max_response_length:
+        raise ValueError(f"buffer_length must be in (0, {max_response_length}], got {buffer_length}")
+    excess = _as_float(response_lengths) - (max_response_length - buffer_length)  # (B,)
+    fraction = (excess / buffer_length).clamp(0.0, 1.0)
+    return -penalty_factor * fraction
+
+
+def token_level_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Place each sequence's reward on its last valid token ``(B,) -> (B, T)``.
+
+    Rows without any valid token get no reward (an all-zero row): there is no
+    token a policy gradient could credit it to.
+    """
+    _check_seq_inputs(rewards, mask, None)
+    rewards = _as_float(rewards)
+    valid = mask.bool()
+    positions = torch.arange(1, mask.shape[-1] + 1, device=mask.device)  # (T,)
+    last = (valid * positions).argmax(-1, keepdim=True)  # (B, 1)
+    out = torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device)
+    out.scatter_(-1, last, rewards.unsqueeze(-1))
+    return out * valid.any(-1, keepdim=True).to(out.dtype)

@@ -1,0 +1,169 @@
+"""`distflow` command line.
+
+    distflow train [--config FILE] [section.key=value ...]
+    distflow build-tiny-model [--out DIR]
+    distflow make-data --split train --num 1000 --out FILE.parquet
+
+A config or input error prints one line and exits with code 2; a failed worker exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from distflow.config import BUILTIN_MODEL, Config, ConfigError, load_config
+
+EXIT_USAGE, EXIT_FAILED = 2, 1
+WORKER_ENTRY = "distflow.trainer.loop:run_worker"
+
+
+def _fail(message: str, code: int = EXIT_USAGE) -> int:
+    print(f"distflow: error: {message}", file=sys.stderr)
+    return code
+
+
+def new_run_dir(cfg: Config) -> Path:
+    if cfg.trainer.output_dir:
+        path = Path(cfg.trainer.output_dir).expanduser()
+    else:
+        path = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.algorithm.name}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path.resolve()
+
+
+def check_inputs(cfg: Config) -> None:
+    """Cheap existence checks before anything starts (contents are read by the workers)."""
+    for key in ("train_files", "val_files"):
+        for source in getattr(cfg.data, key).split(","):
+            source = source.strip()
+            if source and not source.startswith("builtin:") and not os.path.isfile(os.path.expanduser(source)):
+                raise ConfigError(f"data.{key}={source!r}: no such file")
+    if cfg.runtime.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("runtime.device='cuda': no CUDA device is visible; use auto or cpu")
+
+
+class LauncherProgress:
+    """The launcher's view of the run: it tails rank 0's metrics.jsonl (metrics only,
+    never batch data) and draws the progress bar."""
+
+    def __init__(self, run_dir: Path, total: int, enabled: bool):
+        self.path, self.seen, self.bar = run_dir / "metrics.jsonl", 0, None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+
+    def poll(self) -> None:
+        if self.bar is None or not self.path.exists():
+            return
+        lines = self.path.read_text().splitlines()
+        for line in lines[self.seen:]:
+            record = json.loads(line)
+            if record.get("step", 0) > 0:
+                self.bar.update(1)
+                self.bar.set_postfix(reward=f"{record.get('reward/mean', 0):.3f}",
+                                     val=record.get("val/accuracy", "-"))
+        self.seen = len(lines)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.poll()
+            self.bar.close()
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.config, args.overrides)
+        check_inputs(cfg)
+    except ConfigError as e:
+        return _fail(str(e))
+    run_dir = new_run_dir(cfg)
+    cfg.trainer.output_dir = str(run_dir)
+    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    print(f"distflow: run folder {run_dir}", file=sys.stderr)
+    if cfg.runtime.launcher == "torchrun":
+        return _exec_torchrun(cfg, args)
+    from distflow.runtime.ray_launcher import WorkerFailed, launch_ray
+
+    progress = LauncherProgress(run_dir, cfg.trainer.total_steps, cfg.trainer.progress)
+    try:
+        results = launch_ray(WORKER_ENTRY, (cfg.to_dict(), str(run_dir), False), run_dir=run_dir,
+                             num_workers=cfg.runtime.num_workers, device=cfg.runtime.device,
+                             collective_timeout_s=cfg.runtime.collective_timeout_s,
+                             threads=cfg.runtime.threads_per_worker, on_poll=progress.poll)
+    except WorkerFailed as e:
+        progress.close()
+        return _fail(str(e), EXIT_FAILED)
+    progress.close()
+    _print_summary(results[0])
+    return 0
+
+
+def _exec_torchrun(cfg: Config, args: argparse.Namespace) -> int:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={cfg.runtime.num_workers}", "-m", "distflow.train"]
+    cmd += (["--config", args.config] if args.config else []) + list(args.overrides)
+    cmd += [f"trainer.output_dir={cfg.trainer.output_dir}"]
+    return subprocess.call(cmd)
+
+
+def _print_summary(summary: dict) -> None:
+    keys = ("heldout_accuracy_initial", "heldout_accuracy_final", "reward_first", "reward_last",
+            "steps", "num_workers", "wall_seconds", "tokens_per_second")
+    print("  ".join(f"{k}={summary[k]:.4g}" if isinstance(summary[k], float) else f"{k}={summary[k]}"
+                    for k in keys if k in summary))
+    print(f"run folder: {summary['run_dir']}")
+
+
+def cmd_build_tiny_model(args: argparse.Namespace) -> int:
+    from distflow.engines.tiny_model import SFTSpec, build_tiny_model
+
+    record = build_tiny_model(args.out, sft=SFTSpec() if args.steps is None else SFTSpec(steps=args.steps))
+    print(json.dumps({k: record[k] for k in ("num_parameters", "build_seconds")} | record["history"][-1]))
+    return 0
+
+
+def cmd_make_data(args: argparse.Namespace) -> int:
+    from distflow.data.tasks.arith import write_parquet
+
+    print(write_parquet(args.out, args.split, args.num, args.seed))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="distflow", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="run RL training (default: GRPO on the built-in task)")
+    train.add_argument("--config", help="YAML file with sections model, data, rollout, algorithm, ...")
+    train.add_argument("overrides", nargs="*", help="section.key=value, e.g. trainer.total_steps=50")
+    train.set_defaults(fn=cmd_train)
+    tiny = sub.add_parser("build-tiny-model", help=f"rebuild the embedded default model ({BUILTIN_MODEL})")
+    tiny.add_argument("--out", required=True)
+    tiny.add_argument("--steps", type=int, default=None)
+    tiny.set_defaults(fn=cmd_build_tiny_model)
+    data = sub.add_parser("make-data", help="write the built-in task as a verl-format parquet file")
+    data.add_argument("--split", choices=("train", "test"), default="train")
+    data.add_argument("--num", type=int, default=1000)
+    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--out", required=True)
+    data.set_defaults(fn=cmd_make_data)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""Typed run configuration: dataclasses per section, YAML file plus dotted overrides.
+
+A leaf module (no distflow imports), so every layer may read the config types.
+
+    cfg = load_config("grpo.yaml", ["algorithm.group_size=8", "trainer.total_steps=50"])
+
+Every user error is a `ConfigError` whose message is one line naming the key, the bad
+value and what is allowed; the CLI prints it and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message is a single line meant for the user."""
+
+
+def _spec(default: Any, *, min: float | None = None, max: float | None = None,
+          choices: tuple | None = None, doc: str = "") -> Any:
+    """A dataclass field with bounds / choices that `validate` enforces generically."""
+    return field(default=default, metadata={"min": min, "max": max, "choices": choices, "doc": doc})
+
+
+BUILTIN_MODEL = "builtin:tiny-arith"
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    path: str = _spec(BUILTIN_MODEL, doc="local HuggingFace causal-LM folder, or builtin:tiny-arith")
+    dtype: str = _spec("float32", choices=("float32", "bfloat16"))
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    train_files: str = _spec("builtin:arith:train", doc="comma-separated parquet/jsonl files or builtin:arith:train")
+    val_files: str = _spec("builtin:arith:test", doc="comma-separated parquet/jsonl files or builtin:arith:test")
+    train_batch_size: int = _spec(16, min=1, doc="prompts per step, over all workers")
+    val_max_samples: int = _spec(256, min=1)
+    max_prompt_length: int = _spec(192, min=1, doc="tokens; longer prompts are an error")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    temperature: float = _spec(1.0, min=1e-4)
+    top_p: float = _spec(1.0, min=1e-4, max=1.0)
+    max_new_tokens: int = _spec(32, min=1)
+    micro_batch_size: int = _spec(128, min=1, doc="sequences generated per generate() call")
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    name: str = _spec("grpo", choices=("grpo", "dr_grpo"))
+    group_size: int = _spec(8, min=1, doc="responses per prompt (n)")
+    clip_ratio_low: float = _spec(0.2, min=0.0, max=1.0)
+    clip_ratio_high: float = _spec(0.2, min=0.0)
+    clip_ratio_c: float = _spec(3.0, min=1.0001, doc="dual-clip bound for negative advantages")
+    loss_agg_mode: str = _spec("token-mean", choices=(
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
+    use_kl_loss: bool = _spec(True)
+    kl_coef: float = _spec(0.001, min=0.0)
+    kl_type: str = _spec("low_var_kl", choices=("k1", "k2", "k3", "low_var_kl", "abs"))
+    entropy_coef: float = _spec(0.0, min=0.0)
+
+
+@dataclass(kw_only=True)
+class ActorConfig:
+    lr: float = _spec(2e-4, min=0.0)
+    weight_decay: float = _spec(0.0, min=0.0)
+    grad_clip: float = _spec(1.0, min=0.0)
+    ppo_epochs: int = _spec(1, min=1)
+    ppo_mini_batch_size: int = _spec(16, min=1, doc="prompts per optimizer step, over all workers")
+    micro_batch_size: int = _spec(64, min=1, doc="sequences per forward/backward on one worker")
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    custom_fn: str | None = _spec(None, doc="module:function or path.py:function")
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    total_steps: int = _spec(60, min=1)
+    seed: int = _spec(1, min=0)
+    output_dir: str | None = _spec(None, doc="run folder; default runs/<time>-<algorithm>")
+    eval_every: int = _spec(10, min=0, doc="steps between held-out evaluations; 0 = start and end only")
+    save_every: int = _spec(0, min=0, doc="steps between checkpoints; 0 = only at the end")
+    save_final: bool = _spec(True)
+    progress: bool = _spec(True)
+
+
+@dataclass(kw_only=True)
+class RuntimeConfig:
+    launcher: str = _spec("ray", choices=("ray", "torchrun"))
+    num_workers: int = _spec(2, min=1)
+    device: str = _spec("auto", choices=("auto", "cpu", "cuda"))
+    threads_per_worker: int = _spec(1, min=1, doc="torch intra-op threads per CPU worker")
+    collective_timeout_s: int = _spec(300, min=1)
+    start_timeout_s: int = _spec(120, min=1)
+
+
+@dataclass(kw_only=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
+
+
+# ---------------------------------------------------------------------------- coercion
+
+
+def _allowed_types(annotation: Any) -> tuple[type, ...]:
+    hint = annotation
+    if get_origin(hint) in (typing.Union, types.UnionType):
+        return tuple(a for a in get_args(hint))
+    if get_origin(hint) is Literal:
+        return (str,)
+    return (hint,)
+
+
+def _type_name(types_: tuple) -> str:
+    names = ["null" if t is type(None) else t.__name__ for t in types_]
+    return " or ".join(names)
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    allowed = _allowed_types(annotation)
+    if value is None:
+        if type(None) in allowed:
+            return None
+        raise ConfigError(f"{key}=null: expected {_type_name(allowed)}")
+    for t in allowed:
+        if t is bool and isinstance(value, bool):
+            return value
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if t is float and isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if t is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"{key}={value!r}: expected {_type_name(allowed)}, got {type(value).__name__}")
+
+
+def _section_fields(section: str) -> dict[str, dataclasses.Field]:
+    cls = typing.get_type_hints(Config)[section]
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _set(cfg: Config, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    if parts[0] not in SECTIONS:
+        raise ConfigError(f"unknown config key '{dotted}': sections are {', '.join(SECTIONS)}")
+    if len(parts) != 2:
+        raise ConfigError(f"unknown config key '{dotted}': use section.key, e.g. {parts[0]}.<key>")
+    section, name = parts
+    fields = _section_fields(section)
+    if name not in fields:
+        raise ConfigError(
+            f"unknown config key '{dotted}': keys in {section} are {', '.join(sorted(fields))}")
+    hints = typing.get_type_hints(type(getattr(cfg, section)))
+    setattr(getattr(cfg, section), name, _coerce(dotted, value, hints[name]))
+
+
+def validate(cfg: Config) -> Config:
+    """Check every field's bounds and choices, then cross-field rules."""
+    for section in SECTIONS:
+        obj = getattr(cfg, section)
+        for f in dataclasses.fields(obj):
+            value, meta, key = getattr(obj, f.name), f.metadata, f"{section}.{f.name}"
+            if value is None:
+                continue
+            if meta.get("choices") and value not in meta["choices"]:
+                raise ConfigError(f"{key}={value!r}: allowed values are {', '.join(map(str, meta['choices']))}")
+            if meta.get("min") is not None and value < meta["min"]:
+                raise ConfigError(f"{key}={value!r}: must be >= {meta['min']}")
+            if meta.get("max") is not None and value > meta["max"]:
+                raise ConfigError(f"{key}={value!r}: must be <= {meta['max']}")
+    _validate_cross(cfg)
+    return cfg
+
+
+def _validate_cross(cfg: Config) -> None:
+    n_workers, batch = cfg.runtime.num_workers, cfg.data.train_batch_size
+    if batch % n_workers:
+        raise ConfigError(f"data.train_batch_size={batch}: must be divisible by runtime.num_workers={n_workers}")
+    mini = cfg.actor.ppo_mini_batch_size
+    if batch % mini:
+        raise ConfigError(f"actor.ppo_mini_batch_size={mini}: must divide data.train_batch_size={batch}")
+    if mini % n_workers:
+        raise ConfigError(f"actor.ppo_mini_batch_size={mini}: must be divisible by runtime.num_workers={n_workers}")
+    if cfg.model.path != BUILTIN_MODEL:
+        path = os.path.expanduser(cfg.model.path)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(
+                f"model.path={cfg.model.path!r}: not a local HuggingFace model folder "
+                f"(no config.json there); use {BUILTIN_MODEL} or a folder made by save_pretrained")
+    if cfg.reward.custom_fn is not None and ":" not in cfg.reward.custom_fn:
+        raise ConfigError(f"reward.custom_fn={cfg.reward.custom_fn!r}: expected module:function or path.py:function")
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def _flatten(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    items = []
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and (prefix or key in SECTIONS):
+            items.extend(_flatten(value, dotted + "."))
+        else:
+            items.append((dotted, value))
+    return items
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise ConfigError(f"bad override '{text}': expected key=value, e.g. trainer.total_steps=50")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    cfg = Config()
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"--config {path}: no such file")
+        try:
+            with open(path, encoding="utf-8") as f:
+                tree = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"--config {path}: top level must be a mapping of sections")
+        for key, value in _flatten(tree):
+            _set(cfg, key, value)
+    for text in overrides:
+        _set(cfg, *parse_override(text))
+    return validate(cfg)
+
+
+def from_dict(tree: dict[str, dict[str, Any]]) -> Config:
+    """Rebuild a Config sent to a worker as a plain dict (already validated by the launcher)."""
+    cfg = Config()
+    for key, value in _flatten(tree):
+        _set(cfg, key, value)
+    return cfg

@@ -1,0 +1,62 @@
+"""The one batch type: named tensors sharing a leading sample dimension, plus
+per-sample Python values (strings such as ground truths) that never become tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+
+@dataclass
+class Batch:
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict[str, list[Any]] = field(default_factory=dict)  # per-sample non-tensor fields
+
+    def __post_init__(self) -> None:
+        sizes = {k: v.shape[0] for k, v in self.tensors.items()} | {k: len(v) for k, v in self.meta.items()}
+        assert len(set(sizes.values())) <= 1, f"fields disagree on batch size: {sizes}"
+
+    def __len__(self) -> int:
+        for v in self.tensors.values():
+            return v.shape[0]
+        for m in self.meta.values():
+            return len(m)
+        return 0
+
+    def __getitem__(self, key: str) -> Any:
+        return self.tensors[key] if key in self.tensors else self.meta[key]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors or key in self.meta
+
+    def keys(self) -> list[str]:
+        return [*self.tensors, *self.meta]
+
+    def update(self, other: "Batch") -> "Batch":
+        assert len(other) == len(self) or not self.keys(), "update with a batch of another size"
+        self.tensors.update(other.tensors)
+        self.meta.update(other.meta)
+        return self
+
+    def select(self, index: Sequence[int] | torch.Tensor) -> "Batch":
+        idx = torch.as_tensor(index, dtype=torch.long)
+        rows = idx.tolist()
+        return Batch({k: v[idx] for k, v in self.tensors.items()},
+                     {k: [v[i] for i in rows] for k, v in self.meta.items()})
+
+    def split(self, size: int) -> list["Batch"]:
+        return [self.select(range(i, min(i + size, len(self)))) for i in range(0, len(self), size)]
+
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for v in self.tensors.values())
+
+    @staticmethod
+    def concat(batches: Sequence["Batch"]) -> "Batch":
+        first = batches[0]
+        return Batch({k: torch.cat([b.tensors[k] for b in batches]) for k in first.tensors},
+                     {k: [x for b in batches for x in b.meta[k]] for k in first.meta})
+
+    def to_device(self, device: torch.device | str) -> "Batch":
+        return Batch({k: v.to(device) for k, v in self.tensors.items()}, dict(self.meta))

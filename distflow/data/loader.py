@@ -1,0 +1,49 @@
+"""Which prompts each worker takes at each step.
+
+The global stream is a seeded permutation of the dataset per epoch; step s takes the
+next `batch_size` positions. Position i of a step's batch belongs to rank i % world
+(interleaved), so that every contiguous slice of the global batch (a PPO mini-batch) is
+spread evenly over the ranks, and any number of workers trains on the same mini-batches.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass
+class ShardedSampler:
+    num_rows: int
+    batch_size: int  # global prompts per step
+    rank: int
+    world_size: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        assert self.batch_size % self.world_size == 0, "batch must split evenly over ranks"
+        self._perm_cache: dict[int, list[int]] = {}
+
+    def _perm(self, epoch: int) -> list[int]:
+        if epoch not in self._perm_cache:
+            order = list(range(self.num_rows))
+            random.Random(f"{self.seed}-{epoch}").shuffle(order)
+            self._perm_cache = {epoch: order}  # keep only the current epoch
+        return self._perm_cache[epoch]
+
+    def global_indices(self, step: int) -> list[int]:
+        """Dataset rows of the whole step's batch (step counts from 1)."""
+        start = (step - 1) * self.batch_size
+        out = []
+        for pos in range(start, start + self.batch_size):
+            epoch, offset = divmod(pos, self.num_rows)
+            out.append(self._perm(epoch)[offset])
+        return out
+
+    def local_indices(self, step: int) -> list[int]:
+        return self.global_indices(step)[self.rank::self.world_size]
+
+    def position(self, step: int) -> dict[str, int]:
+        """(epoch, offset) of the next unread position after `step`: the resumable state."""
+        epoch, offset = divmod(step * self.batch_size, self.num_rows)
+        return {"epoch": epoch, "offset": offset}

@@ -1,0 +1,96 @@
+"""The built-in verifiable task: arithmetic word problems with integer answers.
+
+GSM8K's convention: the worked solution ends with `#### <answer>`. Three difficulty
+levels (one addition; add then subtract; a product). Train and test are disjoint and
+deterministic: a problem belongs to a split by a stable hash of its question text, so the
+same seed always yields the same rows whatever the requested sizes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+
+DATA_SOURCE = "distflow/arith"
+
+_NAMES = ("Ann", "Bob", "Cat", "Dan", "Eve", "Fay", "Gus", "Hal", "Ivy", "Jo", "Kim", "Lee", "Max", "Ned", "Oli", "Pam")
+_ITEMS = ("pens", "cups", "eggs", "hats", "keys", "maps", "nuts", "pins", "toys", "jars", "apples", "books")
+
+LEVELS = (1, 2, 3)
+
+
+@dataclass(frozen=True)
+class Problem:
+    question: str
+    solution: str  # worked steps, then "#### <answer>"
+    answer: int
+    level: int
+
+
+def make_problem(rng: random.Random, level: int) -> Problem:
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    if level == 1:
+        a, b = rng.randint(1, 30), rng.randint(1, 30)
+        ans = a + b
+        q = f"{name} has {a} {item}, gets {b} more. How many?"
+        steps = f"{a}+{b}={ans}"
+    elif level == 2:
+        a, b = rng.randint(10, 40), rng.randint(1, 9)
+        c = rng.randint(1, 20)
+        mid = a - b
+        ans = mid + c
+        q = f"{name} has {a} {item}, loses {b}, gets {c}. How many?"
+        steps = f"{a}-{b}={mid}\n{mid}+{c}={ans}"
+    elif level == 3:
+        a, b = rng.randint(2, 9), rng.randint(2, 12)
+        ans = a * b
+        q = f"{name} buys {a} bags of {b} {item}. How many?"
+        steps = f"{a}*{b}={ans}"
+    else:
+        raise ValueError(f"level={level}: allowed levels are {LEVELS}")
+    return Problem(question=q, solution=f"{steps}\n#### {ans}", answer=ans, level=level)
+
+
+def _split_of(question: str) -> str:
+    digest = hashlib.sha256(question.encode()).digest()
+    return "test" if digest[0] < 26 else "train"  # about 10% of the problem space is held out
+
+
+def generate(split: str, num: int, seed: int = 0) -> list[Problem]:
+    """`num` distinct problems of `split` ('train' or 'test'), levels mixed evenly."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split={split!r}: allowed are train, test")
+    rng = random.Random(f"arith-{seed}")
+    seen: set[str] = set()
+    out: list[Problem] = []
+    while len(out) < num:
+        p = make_problem(rng, LEVELS[len(out) % len(LEVELS)])
+        if p.question in seen or _split_of(p.question) != split:
+            continue
+        seen.add(p.question)
+        out.append(p)
+    return out
+
+
+def to_verl_row(p: Problem, index: int, split: str) -> dict:
+    """One row in verl's parquet schema (as verl's gsm8k preprocessing writes it)."""
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": p.question}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(p.answer)},
+        "extra_info": {"split": split, "index": index, "level": p.level, "answer": p.solution},
+    }
+
+
+def verl_rows(split: str, num: int, seed: int = 0) -> list[dict]:
+    return [to_verl_row(p, i, split) for i, p in enumerate(generate(split, num, seed))]
+
+
+def write_parquet(path: str, split: str, num: int, seed: int = 0) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(verl_rows(split, num, seed)), path)
+    return path

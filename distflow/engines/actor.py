@@ -1,0 +1,120 @@
+"""Training engine: the policy wrapped in FSDP2 (`fully_shard`), AdamW, grad clipping,
+micro-batch gradient accumulation. Also the frozen reference model.
+
+Loss normalisation across ranks: the trainer's loss function divides each micro-batch's
+sum by the *global* token (or sequence) count of the mini-batch, so the sum over all
+micro-batches and ranks is exactly the full-batch loss. FSDP averages gradients over
+the data-parallel ranks, so the engine multiplies by the DP size before backward to turn
+that average back into the sum. Result: the same gradient for any number of workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from distflow.data.batch import Batch
+from distflow.engines.common import forward_response
+
+# (log_probs (B,R), entropy (B,R), micro-batch) -> (loss share, metrics to sum)
+LossFn = Callable[[torch.Tensor, torch.Tensor, Batch], tuple[torch.Tensor, dict[str, float]]]
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    betas: tuple[float, float] = (0.9, 0.999)
+
+
+def _decoder_layer_classes(model) -> tuple[type, ...]:
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return tuple({type(m) for m in model.modules() if type(m).__name__ in names})
+
+
+def shard_model(model) -> None:
+    """FSDP2: one unit per decoder layer (HF's `_no_split_modules`), then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    layer_types = _decoder_layer_classes(model)
+    for module in model.modules():
+        if layer_types and isinstance(module, layer_types):
+            fully_shard(module)
+    fully_shard(model)
+
+
+def _forward_chunks(model, batch: Batch, micro_batch_size: int, with_entropy: bool):
+    for micro in batch.split(micro_batch_size):
+        log_probs, entropy = forward_response(model, micro["prompts"], micro["prompt_mask"],
+                                              micro["responses"], micro["response_mask"], with_entropy)
+        yield micro, log_probs, entropy
+
+
+class FSDPActor:
+    def __init__(self, model, optim: OptimConfig, device: torch.device):
+        self.device = device
+        self.dp_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.model = model.to(device)
+        self.model.config.use_cache = False
+        if dist.is_initialized():
+            shard_model(self.model)
+        self.optim = optim
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=optim.betas,
+                                           weight_decay=optim.weight_decay)
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
+        self.model.eval()
+        out = [lp for _, lp, _ in _forward_chunks(self.model, batch.to_device(self.device), micro_batch_size, False)]
+        return torch.cat(out).cpu()
+
+    def train_mini_batch(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over `batch` (this rank's share of a mini-batch).
+
+        Every rank must call this with the same number of micro-batches: FSDP's
+        collectives run in lockstep."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {}
+        for micro, log_probs, entropy in _forward_chunks(self.model, batch.to_device(self.device),
+                                                         micro_batch_size, True):
+            loss, metrics = loss_fn(log_probs, entropy, micro)
+            (loss * self.dp_size).backward()
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + v
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        if torch.isfinite(torch.tensor(grad_norm)):
+            self.optimizer.step()
+        totals["grad_norm"] = grad_norm
+        return totals
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded weights on every rank (an all-gather when sharded)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if not dist.is_initialized():
+            return {k: v.detach() for k, v in self.model.state_dict().items()}
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+
+
+class ReferenceModel:
+    """Frozen policy copy for the KL term; replicated, since at small sizes a replica is
+    cheaper than the all-gathers of a sharded forward."""
+
+    def __init__(self, model, device: torch.device):
+        self.device = device
+        self.model = model.to(device).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
+        out = [lp for _, lp, _ in _forward_chunks(self.model, batch.to_device(self.device), micro_batch_size, False)]
+        return torch.cat(out).cpu()

@@ -1,0 +1,96 @@
+"""Pieces the engines share: loading a HF causal LM and tokenizer from a local folder,
+and the one forward pass that turns (prompt, response) pairs into per-token log-probs."""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+import torch
+
+from distflow.algos.core import entropy_from_logits, log_probs_from_logits
+
+BUILTIN_MODEL = "builtin:tiny-arith"
+
+
+def resolve_model_path(path: str) -> str:
+    if path == BUILTIN_MODEL:
+        from distflow.engines.tiny_model import ASSET_DIR
+
+        return str(ASSET_DIR)
+    return os.path.expanduser(path)
+
+
+def quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    quiet_transformers()
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(path))
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:  # many causal LMs ship without one; EOS is the usual stand-in
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_causal_lm(path: str, dtype: str = "float32", device: torch.device | str = "cpu"):
+    from transformers import AutoModelForCausalLM
+
+    quiet_transformers()
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=getattr(torch, dtype))
+    return model.to(device)
+
+
+def render_prompt(tokenizer, messages: list[dict[str, str]]) -> str:
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return "\n".join(m["content"] for m in messages) + "\n"
+
+
+class LogProbModel(Protocol):
+    """What the trainer needs from anything that scores responses (actor, reference)."""
+
+    def compute_log_probs(self, batch, micro_batch_size: int) -> torch.Tensor: ...
+
+
+def trim_padding(prompts: torch.Tensor, prompt_mask: torch.Tensor,
+                 responses: torch.Tensor, response_mask: torch.Tensor):
+    """Drop prompt columns that are padding in every row (left) and response columns
+    that are padding in every row (right): less compute, same result."""
+    keep_left = int((prompt_mask.sum(0) > 0).nonzero().min()) if prompt_mask.any() else 0
+    valid_right = (response_mask.sum(0) > 0).nonzero()
+    keep_right = int(valid_right.max()) + 1 if len(valid_right) else 1
+    return (prompts[:, keep_left:], prompt_mask[:, keep_left:],
+            responses[:, :keep_right], response_mask[:, :keep_right])
+
+
+def forward_response(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
+                     responses: torch.Tensor, response_mask: torch.Tensor,
+                     with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (and entropy) of `responses` given left-padded `prompts`.
+
+    Returns tensors of the full response width R; columns trimmed as padding are 0.
+    Position ids follow the attention mask, as generation with left padding does.
+    """
+    full_width = responses.shape[1]
+    p, pm, r, rm = trim_padding(prompts, prompt_mask, responses, response_mask)
+    input_ids = torch.cat([p, r], dim=1)  # (B, P + R')
+    attention = torch.cat([pm, rm], dim=1).long()
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                   use_cache=False).logits
+    width = r.shape[1]
+    logits = logits[:, p.shape[1] - 1: p.shape[1] - 1 + width].float()  # (B, R', V): predicts r
+    log_probs = log_probs_from_logits(logits, r)
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    pad = full_width - width
+    if pad:
+        log_probs = torch.nn.functional.pad(log_probs, (0, pad))
+        entropy = torch.nn.functional.pad(entropy, (0, pad)) if entropy is not None else None
+    return log_probs, entropy

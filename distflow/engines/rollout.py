@@ -1,0 +1,136 @@
+"""Rollout with HuggingFace `generate` on a plain (unsharded) copy of the policy.
+
+Every worker owns a full copy of the policy for generation, so generation never runs a
+collective per token (DESIGN.md); fresh weights arrive after each update.
+
+Sampling is *placement-invariant*: each sequence draws its randomness from its own
+generator, seeded from (run seed, step, prompt id, sample number), via the Gumbel-max
+trick inside a logits processor: argmax(logits / T + Gumbel noise) is an exact sample of
+softmax(logits / T). So the same prompt yields the same responses whichever worker
+generates it and whatever else shares its batch; this is what lets 1 and 2 workers
+produce the same training run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from distflow.data.batch import Batch
+
+
+def sample_seed(*parts: int) -> int:
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 32
+    greedy: bool = False
+
+
+class PerSequenceSampler:
+    """A logits processor that turns greedy decoding into seeded per-row sampling."""
+
+    def __init__(self, seeds: list[int], temperature: float, top_p: float):
+        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+        self.temperature, self.top_p = temperature, top_p
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.float() / self.temperature  # (B, V)
+        if self.top_p < 1.0:
+            sorted_scores, order = scores.sort(dim=-1, descending=True)
+            cum = sorted_scores.softmax(-1).cumsum(-1)
+            drop_sorted = cum - sorted_scores.softmax(-1) > self.top_p  # keep the token crossing top_p
+            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+            scores = scores.masked_fill(drop, float("-inf"))
+        vocab = scores.shape[-1]
+        uniform = torch.stack([torch.rand(vocab, generator=g) for g in self.generators])
+        gumbel = -torch.log(-torch.log(uniform.clamp(1e-12, 1 - 1e-7)))
+        return scores + gumbel.to(scores.device)
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], seeds: list[int] | None, params: SamplingParams) -> Batch: ...
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None: ...
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # (B, P)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s):] = 1
+    return ids, mask
+
+
+def response_mask_from(responses: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """1 up to and including the first EOS; a response without EOS is all valid."""
+    is_eos = responses == eos_id  # (B, R)
+    after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
+    return (~after_eos).long()
+
+
+class HFRolloutEngine:
+    def __init__(self, model, tokenizer, micro_batch_size: int = 128):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.micro_batch_size = micro_batch_size
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state_dict, strict=False)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], seeds: list[int] | None, params: SamplingParams) -> Batch:
+        """Batch with `prompts`/`prompt_mask` (B, P) left-padded and `responses`/
+        `response_mask` (B, R) right-padded, R = params.max_new_tokens."""
+        chunks = []
+        for start in range(0, len(prompts), self.micro_batch_size):
+            chunk_seeds = None if seeds is None else seeds[start: start + self.micro_batch_size]
+            chunks.append(self._generate_chunk(prompts[start: start + self.micro_batch_size], chunk_seeds, params))
+        width = max(c[0].shape[1] for c in chunks)
+        prompt_ids, prompt_mask, responses = [], [], []
+        for ids, mask, resp in chunks:
+            pad = width - ids.shape[1]
+            prompt_ids.append(torch.nn.functional.pad(ids, (pad, 0), value=self.tokenizer.pad_token_id))
+            prompt_mask.append(torch.nn.functional.pad(mask, (pad, 0), value=0))
+            responses.append(resp)
+        responses_t = torch.cat(responses)
+        return Batch({
+            "prompts": torch.cat(prompt_ids), "prompt_mask": torch.cat(prompt_mask),
+            "responses": responses_t, "response_mask": response_mask_from(responses_t, self.tokenizer.eos_token_id),
+        })
+
+    def _generate_chunk(self, prompts: list[list[int]], seeds: list[int] | None, params: SamplingParams):
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        device = next(self.model.parameters()).device
+        ids, mask = left_pad(prompts, self.tokenizer.pad_token_id)
+        processors = LogitsProcessorList()
+        if not params.greedy:
+            assert seeds is not None and len(seeds) == len(prompts), "sampling needs one seed per sequence"
+            processors.append(PerSequenceSampler(seeds, params.temperature, params.top_p))
+        # An explicit config: a model's own generation_config (repetition penalty, top-k,
+        # ...) must not silently change the policy's distribution in RL.
+        # (HF fills every field left unset from the model's config, so neutral values are explicit.)
+        config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=params.max_new_tokens,
+                                  min_new_tokens=0, repetition_penalty=1.0, no_repeat_ngram_size=0,
+                                  pad_token_id=self.tokenizer.pad_token_id,
+                                  eos_token_id=self.tokenizer.eos_token_id)
+        out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                  generation_config=config, logits_processor=processors)
+        resp = out[:, ids.shape[1]:].cpu()
+        if resp.shape[1] < params.max_new_tokens:  # every row stopped early
+            resp = torch.nn.functional.pad(resp, (0, params.max_new_tokens - resp.shape[1]),
+                                           value=self.tokenizer.pad_token_id)
+        return ids, mask, resp

@@ -1,0 +1,168 @@
+"""The embedded default policy: a tiny Llama with a character-level tokenizer,
+warm-started by a short supervised fine-tune on the built-in arithmetic task.
+
+It is an ordinary HuggingFace folder (config.json, model.safetensors, tokenizer.json),
+shipped in `distflow/assets/tiny-arith` and rebuilt bit-for-bit by
+
+    distflow build-tiny-model --out distflow/assets/tiny-arith
+
+The SFT is deliberately short: the model learns the answer format and part of the
+arithmetic (held-out greedy accuracy in the 10-60% band), leaving room for RL to show.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import string
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from distflow.data.tasks import arith
+
+ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-arith"
+SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
+CHARS = tuple(string.ascii_letters + string.digits + string.punctuation + " \n")
+# The chat template renders one user turn and opens the answer; verl-format prompts
+# (lists of chat messages) go through it like through any HF tokenizer's template.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}A: {% endif %}"
+)
+
+
+@dataclass(kw_only=True)
+class TinyModelSpec:
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    intermediate_size: int = 384
+    max_positions: int = 256
+
+
+@dataclass(kw_only=True)
+class SFTSpec:
+    steps: int = 300
+    batch_size: int = 64
+    lr: float = 3e-3
+    warmup: int = 50
+    seed: int = 0
+    eval_every: int = 100
+    eval_size: int = 256
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    # BPE without merges is exactly character-level; Fuse joins characters back on decode.
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens(list(SPECIALS))
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
+                                  pad_token="<pad>", unk_token="<unk>")
+    tok.chat_template = CHAT_TEMPLATE
+    tok.padding_side = "left"
+    return tok
+
+
+def build_model(tokenizer, spec: TinyModelSpec, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads, max_position_embeddings=spec.max_positions,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _sft_batch(tokenizer, problems: list[arith.Problem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, labels), right-padded; loss only on the answer."""
+    seqs, label_seqs = [], []
+    for p in problems:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": p.question}],
+                                               add_generation_prompt=True, tokenize=False)
+        p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        a_ids = tokenizer(p.solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        seqs.append(p_ids + a_ids)
+        label_seqs.append([-100] * len(p_ids) + a_ids)
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), tokenizer.pad_token_id)  # (B, T)
+    labels = torch.full((len(seqs), width), -100)
+    for i, (s, lab) in enumerate(zip(seqs, label_seqs)):
+        ids[i, : len(s)] = torch.tensor(s)
+        labels[i, : len(lab)] = torch.tensor(lab)
+    return ids, (labels != -100) | (ids != tokenizer.pad_token_id), labels
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, problems: list[arith.Problem], max_new_tokens: int = 32) -> float:
+    from distflow.engines.reward import gsm8k_score
+
+    model.eval()
+    correct = 0
+    for start in range(0, len(problems), 128):
+        chunk = problems[start: start + 128]
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p.question}],
+                                                 add_generation_prompt=True, tokenize=False) for p in chunk]
+        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        correct += sum(gsm8k_score(t, str(p.answer)) for t, p in zip(texts, chunk))
+    model.train()
+    return correct / len(problems)
+
+
+def supervised_finetune(model, tokenizer, sft: SFTSpec, log=print) -> list[dict]:
+    rng = random.Random(sft.seed)
+    train = arith.generate("train", 20000, seed=0)
+    test = arith.generate("test", sft.eval_size, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / sft.warmup) * max(0.0, 1 - s / sft.steps))
+    history = []
+    model.train()
+    for step in range(1, sft.steps + 1):
+        ids, mask, labels = _sft_batch(tokenizer, rng.sample(train, sft.batch_size))
+        loss = model(input_ids=ids, attention_mask=mask.long(), labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % sft.eval_every == 0 or step == sft.steps:
+            acc = greedy_accuracy(model, tokenizer, test)
+            history.append({"step": step, "loss": round(loss.item(), 4), "heldout_accuracy": acc})
+            log(f"sft step {step}: loss {loss.item():.4f} held-out accuracy {acc:.3f}")
+    return history
+
+
+def build_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = None,
+                     sft: SFTSpec | None = None, log=print) -> dict:
+    """Build, warm-start and save the tiny model; returns the build record (also saved)."""
+    spec, sft = spec or TinyModelSpec(), sft or SFTSpec()
+    torch.set_num_threads(1)  # single-threaded CPU math keeps the build reproducible
+    start = time.time()
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, spec, seed=sft.seed)
+    history = supervised_finetune(model, tokenizer, sft, log=log)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    record = {"model": spec.__dict__, "sft": sft.__dict__, "history": history,
+              "num_parameters": sum(p.numel() for p in model.parameters()),
+              "build_seconds": round(time.time() - start, 1)}
+    (out / "distflow_build.json").write_text(json.dumps(record, indent=1))
+    return record

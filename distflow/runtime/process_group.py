@@ -1,0 +1,58 @@
+"""Process-group setup shared by every launcher: the worker side of the runtime."""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import socket
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+WORKER_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def resolve_entry(entry: str) -> Callable[..., Any]:
+    module, _, name = entry.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int,
+                       device: str, timeout_s: int, threads: int) -> torch.device:
+    """Join the job's process group (gloo on CPU, NCCL on GPU); returns this rank's device."""
+    os.environ.update(WORKER_ENV)
+    use_cuda = device != "cpu" and torch.cuda.is_available()
+    if not use_cuda:
+        torch.set_num_threads(threads)
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    dist.init_process_group(
+        backend="nccl" if use_cuda else "gloo",
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+
+
+def run_in_group(entry: str, args: tuple, rank: int, world_size: int, master_addr: str,
+                 master_port: int, device: str, timeout_s: int, threads: int) -> Any:
+    """Initialise the group, run `entry(*args)`, always tear the group down."""
+    init_process_group(rank, world_size, master_addr, master_port, device, timeout_s, threads)
+    try:
+        return resolve_entry(entry)(*args)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,132 @@
+"""The Ray launcher: starts N identical workers as Ray actors, watches them, reports.
+
+It never touches a batch. Everything it receives from the workers goes through
+`_receive`, which measures it: `payload` counts tensor / array / bytes content (what a
+batch is made of), `control` the whole pickled size. The launcher writes both to
+`launcher.json`; a test asserts the payload stays 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from distflow.runtime.process_group import WORKER_ENV, free_port, run_in_group
+
+# AF_UNIX socket paths are limited to 107 bytes; Ray puts its sockets at
+# <temp>/session_<date>_<pid>/sockets/plasma_store, which leaves about 44 for <temp>.
+_MAX_RAY_TEMP_LEN = 44
+
+
+class WorkerFailed(RuntimeError):
+    pass
+
+
+def payload_bytes(obj: Any) -> int:
+    """Bytes of tensor/array/bytes content inside `obj` (recursively)."""
+    import numpy as np
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return len(obj)
+    if isinstance(obj, dict):
+        return sum(payload_bytes(k) + payload_bytes(v) for k, v in obj.items())
+    if isinstance(obj, (list, tuple, set)):
+        return sum(payload_bytes(x) for x in obj)
+    if hasattr(obj, "__dict__"):
+        return payload_bytes(vars(obj))
+    return 0
+
+
+@dataclass
+class ReceivedBytes:
+    payload: int = 0
+    control: int = 0
+
+    def count(self, obj: Any) -> Any:
+        self.payload += payload_bytes(obj)
+        self.control += len(pickle.dumps(obj))
+        return obj
+
+
+def ray_temp_dir(run_dir: Path) -> tuple[str, str | None]:
+    """Ray's temp dir inside the run folder; through a short link when the path is too
+    long for Ray's unix sockets. Returns (path for ray.init, dir to remove afterwards)."""
+    wanted = run_dir / "ray"
+    if len(str(wanted)) <= _MAX_RAY_TEMP_LEN:
+        wanted.mkdir(parents=True, exist_ok=True)
+        return str(wanted), None
+    short = tempfile.mkdtemp(prefix="dfray-", dir="/tmp")
+    if not wanted.exists():
+        wanted.symlink_to(short, target_is_directory=True)
+    return short, short
+
+
+class _Worker:
+    """The Ray actor: a process that joins the group and runs the worker program."""
+
+    def run(self, entry: str, args: tuple, rank: int, world_size: int, master_addr: str,
+            master_port: int, device: str, timeout_s: int, threads: int) -> Any:
+        return run_in_group(entry, args, rank, world_size, master_addr, master_port, device, timeout_s, threads)
+
+
+def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, device: str,
+               collective_timeout_s: int, threads: int, on_poll: Callable[[], None] | None = None,
+               poll_s: float = 0.5) -> list[Any]:
+    """Run `entry(*args)` on `num_workers` Ray actors in one process group; return their
+    results in rank order. A worker that fails fails the launch, naming its rank."""
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    import ray
+
+    temp_dir, cleanup = ray_temp_dir(run_dir)
+    received = ReceivedBytes()
+    actors: list[Any] = []
+    try:
+        ray.init(num_cpus=num_workers, include_dashboard=False, _temp_dir=temp_dir,
+                 _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False,
+                 runtime_env={"env_vars": WORKER_ENV})
+        use_gpu = device != "cpu" and ray.cluster_resources().get("GPU", 0) >= num_workers
+        actor_cls = ray.remote(num_cpus=1, num_gpus=1 if use_gpu else 0)(_Worker)
+        actors = [actor_cls.options(name=f"distflow-worker-{r}").remote() for r in range(num_workers)]
+        port = free_port()
+        pending = {actors[r].run.remote(entry, args, r, num_workers, "127.0.0.1", port, device,
+                                        collective_timeout_s, threads): r for r in range(num_workers)}
+        results: dict[int, Any] = {}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=poll_s)
+            if on_poll is not None:
+                on_poll()
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = received.count(ray.get(ref, timeout=60))
+                except Exception as e:  # RayTaskError carries the worker's traceback
+                    raise WorkerFailed(f"worker {rank} failed: {_describe(e)}") from e
+        return [results[r] for r in range(num_workers)]
+    finally:
+        for actor in actors:
+            try:
+                ray.kill(actor)
+            except Exception:
+                pass
+        ray.shutdown()
+        (run_dir / "launcher.json").write_text(json.dumps(
+            {"payload_bytes_received": received.payload, "control_bytes_received": received.control}))
+        if cleanup:
+            shutil.rmtree(cleanup, ignore_errors=True)
+
+
+def _describe(e: Exception) -> str:
+    text = str(e).strip()
+    return text if len(text) < 4000 else text[-4000:]
+

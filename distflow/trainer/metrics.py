@@ -1,0 +1,76 @@
+"""Metrics: local sums reduced across workers in one all-reduce, stage timers, and
+rank 0's `metrics.jsonl`."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+class MeanAccumulator:
+    """Collects (sum, count) pairs so that means are exact over all workers."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, float] = defaultdict(float)
+        self.maxima: dict[str, float] = {}
+
+    def add(self, name: str, total: float, count: float) -> None:
+        self.sums[name] += float(total)
+        self.counts[name] += float(count)
+
+    def add_total(self, name: str, value: float) -> None:
+        """A quantity summed over workers (not averaged), e.g. tokens processed."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.add(name, value, 1.0 if rank == 0 else 0.0)  # sum / 1
+
+    def add_max(self, name: str, value: float) -> None:
+        self.maxima[name] = max(self.maxima.get(name, float("-inf")), float(value))
+
+    def reduce(self) -> dict[str, float]:
+        """Global means and maxima; collective, so every rank must call it with the same keys."""
+        names, max_names = sorted(self.sums), sorted(self.maxima)
+        sums = torch.tensor([[self.sums[n], self.counts[n]] for n in names] or [[0.0, 0.0]], dtype=torch.float64)
+        maxima = torch.tensor([self.maxima[n] for n in max_names] or [0.0], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(sums)
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        out = {n: (s / c if c else 0.0) for n, (s, c) in zip(names, sums.tolist())}
+        out.update(dict(zip(max_names, maxima.tolist())))
+        return out
+
+
+class StageTimer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+
+class MetricsWriter:
+    """Append-only JSON lines; one record per step (rank 0 only)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def read(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,36 @@
+import re
+
+from distflow.data.dataset import load_rows
+from distflow.data.tasks import arith
+from distflow.engines.reward import gsm8k_score
+
+
+def test_splits_are_deterministic_and_disjoint():
+    a, b = arith.generate("train", 500), arith.generate("train", 500)
+    assert [p.question for p in a] == [p.question for p in b]
+    test = arith.generate("test", 200)
+    assert not {p.question for p in a} & {p.question for p in test}
+    assert len({p.question for p in a}) == 500
+
+
+def test_other_seed_other_problems():
+    assert arith.generate("train", 50, seed=1)[0].question != arith.generate("train", 50, seed=0)[0].question
+
+
+def test_solutions_are_correct_arithmetic_and_gsm8k_format():
+    for p in arith.generate("train", 300):
+        for lhs, rhs in re.findall(r"([\d+\-*]+)=(\d+)", p.solution):
+            assert eval(lhs) == int(rhs)  # noqa: S307 - digits and operators only
+        assert p.solution.endswith(f"#### {p.answer}")
+        assert gsm8k_score(p.solution, str(p.answer)) == 1.0
+    assert {p.level for p in arith.generate("test", 30)} == set(arith.LEVELS)
+
+
+def test_parquet_roundtrip_equals_builtin(tmp_path):
+    path = arith.write_parquet(str(tmp_path / "train.parquet"), "train", 40)
+    from_file = load_rows(path)
+    builtin = load_rows("builtin:arith:train:40")
+    assert from_file == builtin
+    row = from_file[3]
+    assert row.messages[0]["role"] == "user" and row.data_source == arith.DATA_SOURCE
+    assert row.extra_info["split"] == "train" and row.extra_info["index"] == 3

@@ -1,0 +1,70 @@
+"""FSDP2 actor on 2 gloo ranks == the same actor in one process (the loss normalisation
+and FSDP's gradient averaging cancel exactly)."""
+
+import torch
+import torch.distributed as dist
+
+from distflow.config import load_config
+from distflow.data.batch import Batch
+from distflow.engines.actor import FSDPActor, OptimConfig
+from distflow.engines.common import load_causal_lm, load_tokenizer
+from distflow.engines.rollout import HFRolloutEngine, SamplingParams
+from distflow.trainer.stages import make_policy_loss
+from helpers import run_gloo
+
+
+def _batch(model_dir: str) -> Batch:
+    tok = load_tokenizer(model_dir)
+    engine = HFRolloutEngine(load_causal_lm(model_dir), tok)
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in
+               ["Ann has 3 pens.\nA: ", "Bo buys 4 bags.\nA: ", "Cy\nA: ", "Di has 12 hats, gets 4.\nA: "]]
+    out = engine.generate(prompts, [1, 2, 3, 4], SamplingParams(max_new_tokens=10))
+    gen = torch.Generator().manual_seed(0)
+    # advantages of very different magnitudes so a mis-summed rank would show
+    out.tensors["advantages"] = torch.tensor([4.5, -45.0, 450.0, -0.45])[:, None] * out["response_mask"]
+    out.tensors["ref_log_probs"] = -torch.rand(out["responses"].shape, generator=gen)
+    return out
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        out[name] = g.detach().clone()
+    return out
+
+
+def _train(rank: int, world: int, model_dir: str):
+    cfg = load_config(None, [f"runtime.num_workers={world}", "data.train_batch_size=4",
+                             "actor.ppo_mini_batch_size=4", "algorithm.kl_coef=0.1"])
+    batch = _batch(model_dir)
+    local = batch.select(list(range(rank, len(batch), world)))
+    num_tokens, num_seqs = float(batch["response_mask"].sum()), float(len(batch))
+    actor = FSDPActor(load_causal_lm(model_dir), OptimConfig(lr=1e-3, grad_clip=1e9), torch.device("cpu"))
+    sums = actor.train_mini_batch(local, 1, make_policy_loss(cfg, num_tokens, num_seqs))
+    state = {k: v.clone() for k, v in actor.full_state_dict().items()}
+    return _grads(actor.model), sums["grad_norm"], state
+
+
+def test_two_ranks_match_one_process(random_model_dir):
+    ref_grads, ref_norm, ref_state = _train(0, 1, random_model_dir)
+    results = run_gloo(_train, 2, random_model_dir)
+    for grads, norm, state in results:
+        assert abs(norm - ref_norm) < 1e-4 * max(1.0, ref_norm)
+        assert ref_norm > 0
+        for name, g in ref_grads.items():
+            assert torch.allclose(grads[name], g, atol=1e-6, rtol=1e-4), name
+        for name, w in ref_state.items():
+            assert torch.allclose(state[name], w, atol=1e-6), name
+
+
+def _load_full_state(rank, world, model_dir):
+    actor = FSDPActor(load_causal_lm(model_dir), OptimConfig(lr=1e-3), torch.device("cpu"))
+    plain = load_causal_lm(model_dir)
+    missing, unexpected = plain.load_state_dict(actor.full_state_dict(), strict=False)
+    return sorted(unexpected), dist.get_world_size()
+
+
+def test_full_state_dict_loads_into_plain_model(random_model_dir):
+    for unexpected, world in run_gloo(_load_full_state, 2, random_model_dir):
+        assert unexpected == [] and world == 2

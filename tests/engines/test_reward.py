@@ -1,0 +1,51 @@
+import pytest
+
+from distflow.engines.reward import (default_compute_score, extract_hash_answer, gsm8k_score, load_reward_fn,
+                                     math_verify_score)
+
+
+def test_hash_answer_extraction():
+    assert extract_hash_answer("3+4=7\n#### 7") == "7"
+    assert extract_hash_answer("#### -1,234") == "-1234"
+    assert extract_hash_answer("#### 2.5 and #### 9") == "2.5"
+    assert extract_hash_answer("the answer is 7") is None
+
+
+def test_gsm8k_score():
+    assert gsm8k_score("5*6=30\n#### 30", "30") == 1.0
+    assert gsm8k_score("#### 30.0", "30") == 1.0
+    assert gsm8k_score("#### 31", "30") == 0.0
+    assert gsm8k_score("30", "30") == 0.0  # no #### -> no credit, as in verl's strict mode
+
+
+def test_math_verify_boxed():
+    assert math_verify_score("so the result is $\\boxed{\\frac{1}{2}}$", "0.5") == 1.0
+    assert math_verify_score("$\\boxed{3}$", "\\boxed{4}") == 0.0
+
+
+def test_default_dispatch():
+    assert default_compute_score("distflow/arith", "#### 12", "12") == 1.0
+    assert default_compute_score("lighteval/MATH", "$\\boxed{12}$", "12") == 1.0
+    assert default_compute_score("lighteval/MATH", "#### 12", "12") == 1.0
+
+
+def test_custom_reward_from_file_and_module(tmp_path, monkeypatch):
+    (tmp_path / "my_reward.py").write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return 45.0 if ground_truth in solution_str else -4.5\n")
+    fn = load_reward_fn(f"{tmp_path / 'my_reward.py'}:score")
+    assert fn("x", "abc", "b", {}) == 45.0 and fn("x", "abc", "z", {}) == -4.5
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert load_reward_fn("my_reward:score")("x", "q", "q", {}) == 45.0
+    assert load_reward_fn(None) is default_compute_score
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("nosuchmodule_xyz:fn", "cannot import nosuchmodule_xyz"),
+    ("/no/file.py:fn", "no such file"),
+    ("distflow.engines.reward:nope", "has no function nope"),
+    ("justaname", "expected module:function"),
+])
+def test_bad_custom_reward_specs(spec, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        load_reward_fn(spec)

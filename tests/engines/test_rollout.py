@@ -1,0 +1,82 @@
+import torch
+
+from distflow.engines.common import forward_response, load_causal_lm, load_tokenizer
+from distflow.engines.rollout import (HFRolloutEngine, PerSequenceSampler, SamplingParams, left_pad,
+                                      response_mask_from, sample_seed)
+
+
+def _engine(path, micro=128):
+    tok = load_tokenizer(path)
+    return HFRolloutEngine(load_causal_lm(path), tok, micro), tok
+
+
+def _prompts(tok, texts):
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def test_sampling_is_placement_invariant(random_model_dir):
+    """The same (prompt, seed) gives the same response alone or batched with others."""
+    engine, tok = _engine(random_model_dir)
+    prompts = _prompts(tok, ["Ann has 3 pens.\nA: ", "Bo buys 4 bags of 5 cups. How many?\nA: ", "x\nA: "])
+    seeds = [sample_seed(1, 2, i) for i in range(3)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=12)
+    together = engine.generate(prompts, seeds, params)
+    for i in range(3):
+        alone = engine.generate([prompts[i]], [seeds[i]], params)
+        n = int(alone["response_mask"][0].sum())
+        assert torch.equal(alone["responses"][0, :n], together["responses"][i, :n])
+    again = engine.generate(prompts, seeds, params)
+    assert torch.equal(again["responses"], together["responses"])
+    other = engine.generate(prompts, [s + 1 for s in seeds], params)
+    assert not torch.equal(other["responses"], together["responses"])
+
+
+def test_gumbel_sampler_matches_softmax_distribution():
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    probs = torch.softmax(logits / 0.7, -1)[0]
+    counts = torch.zeros(4)
+    for s in range(4000):
+        counts[int(PerSequenceSampler([s], 0.7, 1.0)(None, logits).argmax())] += 1
+    assert torch.allclose(counts / 4000, probs, atol=0.03)
+
+
+def test_top_p_keeps_the_nucleus_only():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    seen = {int(PerSequenceSampler([s], 1.0, 0.7)(None, logits).argmax()) for s in range(300)}
+    assert seen == {0, 1}  # 0.5 < 0.7 so token 1 (crossing 0.7) is kept, 2 and 3 never
+
+
+def test_greedy_matches_plain_hf_generate(random_model_dir):
+    engine, tok = _engine(random_model_dir)
+    prompts = _prompts(tok, ["Ann has 3 pens.\nA: ", "Q\nA: "])
+    out = engine.generate(prompts, None, SamplingParams(max_new_tokens=10, greedy=True))
+    for i, p in enumerate(prompts):
+        ref = engine.model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                    do_sample=False, max_new_tokens=10, pad_token_id=tok.pad_token_id,
+                                    eos_token_id=tok.eos_token_id)[0, len(p):]
+        n = min(len(ref), 10)
+        assert torch.equal(out["responses"][i, :n], ref[:n])
+
+
+def test_response_mask_stops_after_first_eos():
+    eos = 2
+    resp = torch.tensor([[5, 6, eos, 0, 0], [5, eos, 7, eos, 0], [5, 6, 7, 8, 9]])
+    assert response_mask_from(resp, eos).tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
+
+
+def test_log_probs_with_left_padding_match_unpadded(random_model_dir):
+    """The training forward scores a padded batch exactly like each sequence alone."""
+    engine, tok = _engine(random_model_dir, micro=2)
+    prompts = _prompts(tok, ["Ann has 3 pens and more.\nA: ", "Q\nA: "])
+    out = engine.generate(prompts, [11, 12], SamplingParams(max_new_tokens=8))
+    lp, ent = forward_response(engine.model, out["prompts"], out["prompt_mask"], out["responses"],
+                               out["response_mask"], with_entropy=True)
+    assert lp.shape == out["responses"].shape and ent.shape == lp.shape
+    for i, p in enumerate(prompts):
+        ids, mask = left_pad([p], tok.pad_token_id)
+        lp_i, _ = forward_response(engine.model, ids, mask, out["responses"][i:i + 1], out["response_mask"][i:i + 1])
+        m = out["response_mask"][i].bool()
+        assert torch.allclose(lp[i][m], lp_i[0][m], atol=1e-5)
+    # and they are the log-probs of a real distribution: the sampled tokens are plausible
+    assert (lp[out["response_mask"].bool()] <= 0).all()

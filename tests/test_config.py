@@ -1,0 +1,69 @@
+import subprocess
+import sys
+
+import pytest
+
+from distflow.config import ConfigError, load_config
+
+
+def test_defaults_are_valid():
+    cfg = load_config()
+    assert cfg.algorithm.name == "grpo" and cfg.runtime.num_workers == 2
+
+
+def test_dotted_overrides_are_typed():
+    cfg = load_config(None, ["algorithm.group_size=4", "actor.lr=1e-5", "trainer.save_final=false",
+                             "trainer.output_dir=/tmp/x", "rollout.temperature=1"])
+    assert cfg.algorithm.group_size == 4
+    assert cfg.actor.lr == 1e-5
+    assert cfg.trainer.save_final is False
+    assert cfg.rollout.temperature == 1.0 and isinstance(cfg.rollout.temperature, float)
+
+
+def test_yaml_file_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("algorithm:\n  group_size: 4\ntrainer:\n  total_steps: 7\n")
+    cfg = load_config(str(path), ["trainer.total_steps=9"])
+    assert cfg.algorithm.group_size == 4 and cfg.trainer.total_steps == 9
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("algorithm.nope=1", "unknown config key 'algorithm.nope'"),
+    ("nope=1", "unknown config key 'nope'"),
+    ("trainer.total_steps=-3", "trainer.total_steps=-3: must be >= 1"),
+    ("trainer.total_steps=abc", "trainer.total_steps='abc': expected int"),
+    ("algorithm.name=sac", "algorithm.name='sac': allowed values are"),
+    ("rollout.top_p=1.5", "rollout.top_p=1.5: must be <= 1.0"),
+    ("trainer.save_final=3", "trainer.save_final=3: expected bool"),
+    ("model.path=/does/not/exist", "model.path='/does/not/exist': not a local HuggingFace model folder"),
+    ("data.train_batch_size=15", "data.train_batch_size=15: must be divisible by runtime.num_workers=2"),
+    ("actor.ppo_mini_batch_size=5", "actor.ppo_mini_batch_size=5: must divide"),
+])
+def test_bad_values_name_key_and_value(override, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert fragment in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_yaml_unknown_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  total_stepz: 3\n")
+    with pytest.raises(ConfigError, match="unknown config key 'trainer.total_stepz'"):
+        load_config(str(path))
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("algorithm.nope=1", "algorithm.nope"),
+    ("trainer.total_steps=-3", "trainer.total_steps=-3"),
+    ("model.path=/does/not/exist", "/does/not/exist"),
+    ("data.train_files=/no/such.parquet", "/no/such.parquet"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(override, fragment, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "distflow.cli", "train", override],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0] and lines[0].startswith("distflow: error:")
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs").exists(), "a rejected config must not create a run folder"
