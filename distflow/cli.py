@@ -56,7 +56,7 @@ class LauncherProgress:
     never batch data) and draws the progress bar."""
 
     def __init__(self, run_dir: Path, total: int, enabled: bool):
-        self.path, self.seen, self.bar = run_dir / "metrics.jsonl", 0, None
+        self.path, self.seen, self.bar, self.last_val = run_dir / "metrics.jsonl", 0, None, None
         if enabled:
             from tqdm import tqdm
 
@@ -68,10 +68,10 @@ class LauncherProgress:
         lines = self.path.read_text().splitlines()
         for line in lines[self.seen:]:
             record = json.loads(line)
+            self.last_val = record.get("val/accuracy", self.last_val)
             if record.get("step", 0) > 0:
                 self.bar.update(1)
-                self.bar.set_postfix(reward=f"{record.get('reward/mean', 0):.3f}",
-                                     val=record.get("val/accuracy", "-"))
+                self.bar.set_postfix(reward=f"{record['reward/mean']:.3f}", heldout=f"{self.last_val:.3f}")
         self.seen = len(lines)
 
     def close(self) -> None:

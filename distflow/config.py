@@ -73,7 +73,7 @@ class AlgorithmConfig:
 
 @dataclass(kw_only=True)
 class ActorConfig:
-    lr: float = _spec(2e-4, min=0.0)
+    lr: float = _spec(1e-4, min=0.0)
     weight_decay: float = _spec(0.0, min=0.0)
     grad_clip: float = _spec(1.0, min=0.0)
     ppo_epochs: int = _spec(1, min=1)

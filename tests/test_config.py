@@ -67,3 +67,10 @@ def test_cli_bad_input_is_one_line_and_exit_2(override, fragment, tmp_path):
     assert len(lines) == 1 and fragment in lines[0] and lines[0].startswith("distflow: error:")
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "runs").exists(), "a rejected config must not create a run folder"
+
+
+def test_example_config_loads_and_matches_defaults():
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "examples" / "grpo_tiny.yaml"
+    assert load_config(str(path)).to_dict() == load_config().to_dict()

@@ -6,8 +6,12 @@ shipped in `distflow/assets/tiny-arith` and rebuilt bit-for-bit by
 
     distflow build-tiny-model --out distflow/assets/tiny-arith
 
-The SFT is deliberately short: the model learns the answer format and part of the
-arithmetic (held-out greedy accuracy in the 10-60% band), leaving room for RL to show.
+The SFT is deliberately short and its data deliberately mixed: half of the worked
+solutions end with GSM8K's `#### 42`, the other half with `The answer is 42.`, which
+the rule reward does not accept (as verl's strict GSM8K score would not). The model
+learns both styles and part of the arithmetic, so it starts in the 10-60% band of
+held-out accuracy, and RL has two real things to learn: prefer the verifiable answer
+style, and get more sums right.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class SFTSpec:
     seed: int = 0
     eval_every: int = 100
     eval_size: int = 256
+    unverifiable_style_fraction: float = 0.5
 
 
 def build_tokenizer():
@@ -85,14 +90,21 @@ def build_model(tokenizer, spec: TinyModelSpec, seed: int):
     return LlamaForCausalLM(config)
 
 
-def _sft_batch(tokenizer, problems: list[arith.Problem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sft_target(p: arith.Problem, unverifiable: bool) -> str:
+    if not unverifiable:
+        return p.solution
+    steps = p.solution.rsplit("\n####", 1)[0]
+    return f"{steps}\nThe answer is {p.answer}."
+
+
+def _sft_batch(tokenizer, problems: list[arith.Problem], targets: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask, labels), right-padded; loss only on the answer."""
     seqs, label_seqs = [], []
-    for p in problems:
+    for p, target in zip(problems, targets):
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": p.question}],
                                                add_generation_prompt=True, tokenize=False)
         p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        a_ids = tokenizer(p.solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        a_ids = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         seqs.append(p_ids + a_ids)
         label_seqs.append([-100] * len(p_ids) + a_ids)
     width = max(map(len, seqs))
@@ -101,7 +113,7 @@ def _sft_batch(tokenizer, problems: list[arith.Problem]) -> tuple[torch.Tensor, 
     for i, (s, lab) in enumerate(zip(seqs, label_seqs)):
         ids[i, : len(s)] = torch.tensor(s)
         labels[i, : len(lab)] = torch.tensor(lab)
-    return ids, (labels != -100) | (ids != tokenizer.pad_token_id), labels
+    return ids, ids != tokenizer.pad_token_id, labels
 
 
 @torch.no_grad()
@@ -133,7 +145,9 @@ def supervised_finetune(model, tokenizer, sft: SFTSpec, log=print) -> list[dict]
     history = []
     model.train()
     for step in range(1, sft.steps + 1):
-        ids, mask, labels = _sft_batch(tokenizer, rng.sample(train, sft.batch_size))
+        problems = rng.sample(train, sft.batch_size)
+        targets = [sft_target(p, rng.random() < sft.unverifiable_style_fraction) for p in problems]
+        ids, mask, labels = _sft_batch(tokenizer, problems, targets)
         loss = model(input_ids=ids, attention_mask=mask.long(), labels=labels).loss
         opt.zero_grad()
         loss.backward()
