@@ -13,6 +13,7 @@ import os
 import pickle
 import shutil
 import tempfile
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -26,6 +27,17 @@ _MAX_RAY_TEMP_LEN = 44
 
 class WorkerFailed(RuntimeError):
     pass
+
+
+class WorkerError(RuntimeError):
+    """Raised inside a worker: a one-line headline plus the full traceback."""
+
+    def __init__(self, rank: int, headline: str, traceback_text: str):
+        super().__init__(headline)
+        self.rank, self.headline, self.traceback_text = rank, headline, traceback_text
+
+    def __reduce__(self):  # Ray pickles exceptions back to the launcher
+        return (WorkerError, (self.rank, self.headline, self.traceback_text))
 
 
 def payload_bytes(obj: Any) -> int:
@@ -77,7 +89,11 @@ class _Worker:
 
     def run(self, entry: str, args: tuple, rank: int, world_size: int, master_addr: str,
             master_port: int, device: str, timeout_s: int, threads: int) -> Any:
-        return run_in_group(entry, args, rank, world_size, master_addr, master_port, device, timeout_s, threads)
+        try:
+            return run_in_group(entry, args, rank, world_size, master_addr, master_port, device, timeout_s, threads)
+        except Exception as e:
+            headline = f"{type(e).__name__}: {e}".splitlines()[0]
+            raise WorkerError(rank, headline, traceback.format_exc()) from None
 
 
 def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, device: str,
@@ -110,8 +126,8 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
                 rank = pending.pop(ref)
                 try:
                     results[rank] = received.count(ray.get(ref, timeout=60))
-                except Exception as e:  # RayTaskError carries the worker's traceback
-                    raise WorkerFailed(f"worker {rank} failed: {_describe(e)}") from e
+                except Exception as e:
+                    raise WorkerFailed(_describe(rank, e, run_dir)) from None
         return [results[r] for r in range(num_workers)]
     finally:
         for actor in actors:
@@ -126,7 +142,16 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
             shutil.rmtree(cleanup, ignore_errors=True)
 
 
-def _describe(e: Exception) -> str:
-    text = str(e).strip()
-    return text if len(text) < 4000 else text[-4000:]
+def _describe(rank: int, e: Exception, run_dir: Path) -> str:
+    """One line for the user; the worker's full traceback goes to a file in the run folder."""
+    import ray
+
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, WorkerError):
+        path = run_dir / f"worker-{rank}-traceback.txt"
+        path.write_text(cause.traceback_text)
+        return f"worker {rank} failed: {cause.headline} (traceback: {path})"
+    if isinstance(e, ray.exceptions.RayActorError):
+        return f"worker {rank} died: its process exited unexpectedly ({type(e).__name__})"
+    return f"worker {rank} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
