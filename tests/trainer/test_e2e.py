@@ -106,3 +106,25 @@ def test_worker_failure_is_reported_with_its_rank(tmp_path):
     error_lines = [line for line in proc.stderr.splitlines() if line.startswith("distflow: error:")]
     assert len(error_lines) == 1 and "DatasetError" in error_lines[0]
     assert list((tmp_path / "run").glob("worker-*-traceback.txt")), "the full traceback is kept in the run folder"
+
+
+def test_any_local_model_parquet_data_custom_reward_and_periodic_checkpoints(tmp_path, random_model_dir):
+    """The non-default path: model.path, verl parquet files, reward.custom_fn, save_every."""
+    from distflow.data.tasks.arith import write_parquet
+
+    train = write_parquet(str(tmp_path / "train.parquet"), "train", 64)
+    val = write_parquet(str(tmp_path / "val.parquet"), "test", 8)
+    (tmp_path / "length_reward.py").write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return len(solution_str) / 100.0\n")
+    out = tmp_path / "run"
+    _distflow([*SMALL, "trainer.total_steps=2", "runtime.launcher=torchrun", "runtime.num_workers=1",
+               f"model.path={random_model_dir}", f"data.train_files={train}", f"data.val_files={val}",
+               f"reward.custom_fn={tmp_path / 'length_reward.py'}:score", "trainer.save_every=1",
+               f"trainer.output_dir={out}"], tmp_path)
+    records = _metrics(out)
+    # the custom reward is used for training (an untrained model never solves a problem,
+    # but its responses have length), the rule-based accuracy is still reported
+    assert records[1]["reward/mean"] > 0 and records[1]["reward/accuracy"] == 0.0
+    assert (out / "checkpoints" / "step_1" / "model.safetensors").exists()
+    assert (out / "checkpoints" / "final" / "model.safetensors").exists()
