@@ -9,6 +9,18 @@ from typing import Any, Sequence
 import torch
 
 
+# Fields whose padding sits on the left (prompts are left-padded for generation).
+LEFT_PADDED = frozenset({"prompts", "prompt_mask"})
+
+
+def _cat_padded(parts: list[torch.Tensor], left: bool) -> torch.Tensor:
+    if parts[0].dim() == 2:
+        width = max(p.shape[1] for p in parts)
+        parts = [torch.nn.functional.pad(p, (width - p.shape[1], 0) if left else (0, width - p.shape[1]))
+                 if p.shape[1] < width else p for p in parts]
+    return torch.cat(parts)
+
+
 @dataclass
 class Batch:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -54,8 +66,10 @@ class Batch:
 
     @staticmethod
     def concat(batches: Sequence["Batch"]) -> "Batch":
+        """Row-wise concatenation; 2-D fields of different widths are padded with 0 to
+        the widest (on the left for LEFT_PADDED fields, e.g. prompts)."""
         first = batches[0]
-        return Batch({k: torch.cat([b.tensors[k] for b in batches]) for k in first.tensors},
+        return Batch({k: _cat_padded([b.tensors[k] for b in batches], left=k in LEFT_PADDED) for k in first.tensors},
                      {k: [x for b in batches for x in b.meta[k]] for k in first.meta})
 
     def to_device(self, device: torch.device | str) -> "Batch":

@@ -98,18 +98,10 @@ class HFRolloutEngine:
         for start in range(0, len(prompts), self.micro_batch_size):
             chunk_seeds = None if seeds is None else seeds[start: start + self.micro_batch_size]
             chunks.append(self._generate_chunk(prompts[start: start + self.micro_batch_size], chunk_seeds, params))
-        width = max(c[0].shape[1] for c in chunks)
-        prompt_ids, prompt_mask, responses = [], [], []
-        for ids, mask, resp in chunks:
-            pad = width - ids.shape[1]
-            prompt_ids.append(torch.nn.functional.pad(ids, (pad, 0), value=self.tokenizer.pad_token_id))
-            prompt_mask.append(torch.nn.functional.pad(mask, (pad, 0), value=0))
-            responses.append(resp)
-        responses_t = torch.cat(responses)
-        return Batch({
-            "prompts": torch.cat(prompt_ids), "prompt_mask": torch.cat(prompt_mask),
-            "responses": responses_t, "response_mask": response_mask_from(responses_t, self.tokenizer.eos_token_id),
-        })
+        batch = Batch.concat([Batch({"prompts": ids, "prompt_mask": mask, "responses": resp})
+                              for ids, mask, resp in chunks])  # re-pads prompts on the left
+        batch.tensors["response_mask"] = response_mask_from(batch["responses"], self.tokenizer.eos_token_id)
+        return batch
 
     def _generate_chunk(self, prompts: list[list[int]], seeds: list[int] | None, params: SamplingParams):
         from transformers import GenerationConfig, LogitsProcessorList

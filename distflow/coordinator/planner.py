@@ -1,0 +1,424 @@
+"""Reshard planning: which samples go to which rank when a stage's layout changes.
+
+A reshard runs in three steps. Workers first exchange only per-sample token lengths
+(metadata, a few bytes per sample); then every worker runs ``plan_reshard`` on the
+same metadata and so reaches the same plan without further talk (the planner is pure
+and deterministic); then an executor moves the payloads with collectives.
+
+Balancing (``karmarkar_karp``, ``greedy_lpt``)
+    Samples are split into one bin per destination DP replica so that the bins'
+    token totals are as even as possible: the slowest replica sets the step time.
+    ``karmarkar_karp`` is the k-way largest differencing method as used by verl's
+    ``seqlen_balancing.py``: every item starts as a k-tuple of partitions holding
+    just that item; the two tuples with the largest spread (max minus min total)
+    are repeatedly merged by pairing the heaviest partition of one with the lightest
+    of the other, until one tuple is left. Merging never makes the spread larger
+    than the larger of the two inputs' spreads, so the result's max and min totals
+    differ by at most the longest item. Where this departs from verl:
+
+    * ``equal_size`` does not require ``len(weights) % k == 0`` (verl asserts it).
+      Items are seeded k at a time (one per partition) from the sorted order; the
+      ``n % k`` smallest items form one extra, partial seed. Only that one seed has
+      unequal sizes, so final sizes differ by at most 1.
+    * Ties are broken by item index, never by object identity, and partitions come
+      back as sorted index lists ordered by descending total (ties: more items
+      first, then lowest first index; so empty partitions come last).
+    * Empty partitions are allowed (verl asserts none); callers that need every
+      bin filled check ``len(weights) >= k`` themselves, as ``plan_reshard`` does.
+    * Merging extends the longer item list with the shorter one, so the total
+      copying stays O(n log n).
+
+    ``greedy_lpt`` (longest item to the lightest bin) is the simpler fallback and
+    ``contiguous_split`` the naive baseline for benchmarks.
+
+Partition, then match (``plan_reshard``)
+    With ``balance="kk"`` or ``"lpt"`` the planner first partitions the samples into
+    ``dst.dp_size`` bins by tokens alone, then decides which destination DP group
+    gets which bin. Every destination group has the same shape and needs a full copy
+    of its bin on each member, so *any* one-to-one assignment of bins to groups gives
+    the same per-replica token totals: the second step cannot spoil the balance. It
+    is therefore free to pick the assignment that maximises the tokens each group's
+    members already hold, which minimises bytes moved (exactly, by a DP over subsets
+    of groups, for up to 8 groups; greedily beyond). What this does *not* do is pick,
+    among equally balanced partitions, the one with the most locality; as a cheap
+    guard the planner also builds the "stay put" partition (``balance="none"``) and
+    keeps it whenever its largest bin is no larger than the balancer's, so an
+    already balanced placement moves nothing.
+
+Sources
+    A destination rank that lacks a sample of its bin fetches it from one of the
+    sample's holders: the holder that has sent the fewest tokens so far (ties: lowest
+    rank), visiting the largest samples first so senders' loads even out like LPT.
+"""
+
+from __future__ import annotations
+
+import heapq
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from distflow.coordinator.layout import Layout
+
+BALANCE_MODES = ("kk", "lpt", "none")
+# Exact bin-to-group matching walks all 2**k subsets of groups; 8 keeps it instant.
+_EXACT_MATCH_MAX = 8
+
+
+# ---------------------------------------------------------------------------------
+# Partitioning
+
+
+class _Part:
+    """One partition of a KK tuple: its items and their total."""
+
+    __slots__ = ("total", "items", "lead")
+
+    def __init__(self, items: list[int], total: int) -> None:
+        self.total = total
+        self.items = items
+        # Smallest index, for index tie-breaks; empty parts sort after every item.
+        self.lead = min(items) if items else sys.maxsize
+
+    def absorb(self, other: _Part) -> None:
+        if len(self.items) < len(other.items):
+            self.items, other.items = other.items, self.items
+        self.items.extend(other.items)
+        self.total += other.total
+        self.lead = min(self.lead, other.lead)
+
+
+def _check_weights(weights: Sequence[int], k: int) -> None:
+    if k < 1:
+        raise ValueError(f"k={k} partitions requested; k must be >= 1")
+    for i, w in enumerate(weights):
+        if w < 0:
+            raise ValueError(f"weights[{i}]={w} is negative; weights must be >= 0")
+
+
+def _descending(parts: list[_Part]) -> list[_Part]:
+    return sorted(parts, key=lambda p: (-p.total, -len(p.items), p.lead))
+
+
+def _seeds(order: list[int], k: int, equal_size: bool) -> Iterator[list[int]]:
+    """The items each starting k-tuple holds, one item per partition."""
+    if not equal_size:
+        yield from ([i] for i in order)
+        return
+    rest = len(order) % k
+    if rest:
+        # The only seed with unequal partition sizes: merging it with equal-size
+        # tuples keeps sizes within 1 of each other, whatever the pairing.
+        yield order[:rest]
+    for start in range(rest, len(order), k):
+        yield order[start:start + k]
+
+
+def karmarkar_karp(weights: Sequence[int], k: int, equal_size: bool = False) -> list[list[int]]:
+    """Split item indices into ``k`` partitions of near-equal total weight (LDM).
+
+    Returns ``k`` sorted index lists ordered by descending total (ties: more items
+    first, then lowest first index). The largest and smallest totals differ by at most
+    ``max(weights)``. With ``equal_size`` the partition sizes differ by at most 1.
+    """
+    _check_weights(weights, k)
+    order = sorted(range(len(weights)), key=lambda i: (weights[i], i))
+    heap: list[tuple[int, int, list[_Part]]] = []
+
+    def push(parts: list[_Part], seq: int) -> None:
+        parts = _descending(parts)
+        # seq (creation order) settles equal spreads, so parts are never compared.
+        heapq.heappush(heap, (parts[-1].total - parts[0].total, seq, parts))
+
+    for seq, seed in enumerate(_seeds(order, k, equal_size)):
+        parts = [_Part([i], weights[i]) for i in seed]
+        push(parts + [_Part([], 0) for _ in range(k - len(seed))], seq)
+    if not heap:
+        return [[] for _ in range(k)]
+    seq = len(heap)
+    while len(heap) > 1:
+        a, b = heapq.heappop(heap)[2], heapq.heappop(heap)[2]
+        # Heaviest with lightest: the merged spread is at most max(spread a, spread b).
+        for pa, pb in zip(a, reversed(b)):
+            pa.absorb(pb)
+        push(a, seq)
+        seq += 1
+    return [sorted(p.items) for p in _descending(heap[0][2])]
+
+
+class _CountCap:
+    """Keeps ``n`` items in ``k`` bins at floor(n/k) or ceil(n/k) items each."""
+
+    def __init__(self, n: int, k: int) -> None:
+        self.low, self.spare = divmod(n, k)  # `spare` bins may hold low + 1
+        self.full_high = 0
+
+    def has_room(self, size: int) -> bool:
+        return size < self.low or (size == self.low and self.full_high < self.spare)
+
+    def took(self, new_size: int) -> None:
+        if new_size == self.low + 1:
+            self.full_high += 1
+
+
+def _ordered(parts: list[list[int]], weights: Sequence[int]) -> list[list[int]]:
+    """Sorted index lists, in ``karmarkar_karp``'s order."""
+    def key(p: list[int]) -> tuple[int, int, int]:
+        return (-sum(weights[i] for i in p), -len(p), min(p, default=sys.maxsize))
+    return [sorted(p) for p in sorted(parts, key=key)]
+
+
+def greedy_lpt(weights: Sequence[int], k: int, equal_size: bool = False) -> list[list[int]]:
+    """Longest-processing-time greedy: heaviest item first, into the lightest bin.
+
+    Same return shape and order as ``karmarkar_karp``. Ties go to the lower bin.
+    With ``equal_size`` a bin stops taking items once it has its share of the count.
+    """
+    _check_weights(weights, k)
+    cap = _CountCap(len(weights), k) if equal_size else None
+    parts: list[list[int]] = [[] for _ in range(k)]
+    totals = [0] * k
+    for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+        open_bins = [b for b in range(k) if cap is None or cap.has_room(len(parts[b]))]
+        b = min(open_bins, key=lambda b: (totals[b], b))
+        parts[b].append(i)
+        totals[b] += weights[i]
+        if cap is not None:
+            cap.took(len(parts[b]))
+    return _ordered(parts, weights)
+
+
+def contiguous_split(weights: Sequence[int], k: int) -> list[list[int]]:
+    """Consecutive chunks of near-equal count (the first ``n % k`` get one more).
+
+    Ignores the weights' values: the naive baseline the balancers are measured
+    against. Partitions are in index order.
+    """
+    _check_weights(weights, k)
+    low, spare = divmod(len(weights), k)
+    parts, start = [], 0
+    for b in range(k):
+        size = low + (1 if b < spare else 0)
+        parts.append(list(range(start, start + size)))
+        start += size
+    return parts
+
+
+def imbalance(weights: Sequence[int], parts: Sequence[Sequence[int]]) -> float:
+    """Largest partition total over the mean total: 1.0 is perfect balance.
+
+    Defined as 1.0 when every total is 0 (nothing to balance).
+    """
+    if not parts:
+        raise ValueError("parts=[] has no partitions; imbalance needs at least one")
+    totals = [sum(weights[i] for i in p) for p in parts]
+    mean = sum(totals) / len(totals)
+    return 1.0 if mean == 0 else max(totals) / mean
+
+
+# ---------------------------------------------------------------------------------
+# Reshard plan
+
+
+@dataclass(frozen=True)
+class Move:
+    """Send one sample's payload from rank ``src`` to rank ``dst``."""
+
+    sample: int
+    src: int
+    dst: int
+
+
+@dataclass
+class ReshardPlan:
+    """What every rank keeps, sends and receives in one reshard.
+
+    ``assignment[d]`` is the sorted sample ids of destination DP replica ``d``; every
+    member of that replica's TP group ends up holding exactly them. ``moves`` lists
+    only real transfers (a rank already holding a sample it keeps gets no move),
+    sorted by (src, dst, sample). ``keep`` has one entry per destination member:
+    the sorted samples it already holds and keeps.
+    """
+
+    assignment: list[list[int]]
+    moves: list[Move]
+    keep: dict[int, list[int]]
+
+    def sends(self, rank: int) -> list[Move]:
+        return [m for m in self.moves if m.src == rank]
+
+    def receives(self, rank: int) -> list[Move]:
+        return [m for m in self.moves if m.dst == rank]
+
+    def samples_for(self, rank: int) -> list[int]:
+        """Sorted sample ids ``rank`` holds after the reshard; [] off the layout."""
+        return sorted(self.keep.get(rank, []) + [m.sample for m in self.receives(rank)])
+
+    def moved_tokens(self, lengths: Mapping[int, int]) -> int:
+        return sum(lengths[m.sample] for m in self.moves)
+
+
+def plan_reshard(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]],
+                 lengths: Mapping[int, int], *, balance: str = "kk",
+                 equal_count: bool = False, tolerance: float = 0.0) -> ReshardPlan:
+    """Plan moving samples from layout ``src`` to layout ``dst``.
+
+    ``holdings[rank]`` are the sample ids ``rank`` holds now (a sample may be held by
+    several ranks, e.g. a whole TP group); ``lengths[sample]`` its token count.
+    ``balance``: "kk" (Karmarkar-Karp), "lpt" (greedy), or "none" (keep samples with
+    a destination group that already holds them; zero moves when the layouts are
+    equal). ``equal_count`` also keeps the replicas' sample counts within 1.
+    ``tolerance``: keep the stay-put placement unless the balancer's largest bin is
+    smaller by more than this fraction (e.g. 0.02: a 2% straggler is cheaper than
+    moving most of the batch to remove it).
+    Raises ``ValueError`` on inconsistent inputs, before anything moves.
+    """
+    holders = _validate(src, dst, holdings, lengths, balance)
+    stay = _locality_bins(dst, holders, lengths, equal_count)
+    bins = stay
+    if balance != "none":
+        split = karmarkar_karp if balance == "kk" else greedy_lpt
+        ids = sorted(lengths)
+        parts = split([lengths[s] for s in ids], dst.dp_size, equal_count)
+        balanced = [[ids[i] for i in p] for p in parts]
+        # Staying put costs no bytes, so the balancer must be strictly better to win.
+        if _largest_bin(balanced, lengths) * (1.0 + tolerance) < _largest_bin(stay, lengths):
+            bins = balanced
+    return _route(_match_bins(bins, dst, holders, lengths), dst, holders, lengths)
+
+
+def _validate(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]],
+              lengths: Mapping[int, int], balance: str) -> dict[int, frozenset[int]]:
+    """Check the inputs; return each sample's holders."""
+    if balance not in BALANCE_MODES:
+        raise ValueError(f"balance={balance!r} is not one of {', '.join(map(repr, BALANCE_MODES))}")
+    if src.world_size != dst.world_size:
+        raise ValueError(f"src world_size={src.world_size} differs from dst world_size="
+                         f"{dst.world_size}; a reshard moves data within one set of workers")
+    for s, n in lengths.items():
+        if n < 0:
+            raise ValueError(f"sample {s} has negative length {n}; lengths must be >= 0")
+    if len(lengths) < dst.dp_size:
+        raise ValueError(f"{len(lengths)} samples cannot fill the {dst.dp_size} destination "
+                         f"DP ranks; each DP rank needs at least one sample")
+    members = set(src.members)
+    held: dict[int, set[int]] = defaultdict(set)
+    for rank, samples in holdings.items():
+        for s in samples:
+            if rank not in members:
+                raise ValueError(f"rank {rank} holds sample {s} but is not in the source "
+                                 f"layout's ranks {src.members}")
+            if s not in lengths:
+                raise ValueError(f"rank {rank} holds sample {s}, which has no entry in lengths")
+            held[s].add(rank)
+    unheld = [s for s in sorted(lengths) if s not in held]
+    if unheld:
+        raise ValueError(f"sample {unheld[0]} has no holder ({len(unheld)} unheld in all); "
+                         f"every sample in lengths must be held by a source rank")
+    return {s: frozenset(held[s]) for s in lengths}
+
+
+def _largest_bin(bins: list[list[int]], lengths: Mapping[int, int]) -> int:
+    return max(sum(lengths[s] for s in b) for b in bins)
+
+
+def _locality_bins(dst: Layout, holders: Mapping[int, frozenset[int]],
+                   lengths: Mapping[int, int], equal_count: bool) -> list[list[int]]:
+    """Each sample to the destination group with the most members holding it.
+
+    Samples held by no destination member, or by several groups equally, go to the
+    lightest such group; largest samples are placed first so those choices even out.
+    """
+    k = dst.dp_size
+    group = {r: dst.dp_rank(r) for r in dst.members}
+    cap = _CountCap(len(lengths), k) if equal_count else None
+    bins: list[list[int]] = [[] for _ in range(k)]
+    totals = [0] * k
+    for s in sorted(lengths, key=lambda s: (-lengths[s], s)):
+        votes = Counter(group[r] for r in holders[s] if r in group)
+        open_groups = [g for g in range(k) if cap is None or cap.has_room(len(bins[g]))]
+        g = min(open_groups, key=lambda g: (-votes[g], totals[g], g))
+        bins[g].append(s)
+        totals[g] += lengths[s]
+        if cap is not None:
+            cap.took(len(bins[g]))
+    return bins
+
+
+def _match_bins(bins: list[list[int]], dst: Layout, holders: Mapping[int, frozenset[int]],
+                lengths: Mapping[int, int]) -> list[list[int]]:
+    """Give each destination group one bin, maximising the tokens it already holds."""
+    group = {r: dst.dp_rank(r) for r in dst.members}
+    k = dst.dp_size
+    # score[b][g]: tokens of bin b that group g's members already hold (one count per
+    # member, since each member needs its own copy).
+    score = [[0] * k for _ in bins]
+    for b, samples in enumerate(bins):
+        for s in samples:
+            for r in holders[s]:
+                if r in group:
+                    score[b][group[r]] += lengths[s]
+    match = _exact_matching if k <= _EXACT_MATCH_MAX else _greedy_matching
+    assignment: list[list[int]] = [[] for _ in range(k)]
+    for b, g in enumerate(match(score)):
+        assignment[g] = sorted(bins[b])
+    return assignment
+
+
+def _exact_matching(score: list[list[int]]) -> tuple[int, ...]:
+    """Max-score bin->group bijection by DP over the set of groups used so far.
+
+    Ties go to the lexicographically smallest group tuple, so the result is canonical.
+    """
+    k = len(score)
+    best: dict[int, tuple[int, tuple[int, ...]]] = {0: (0, ())}
+    for b in range(k):
+        step: dict[int, tuple[int, tuple[int, ...]]] = {}
+        for used, (total, groups) in best.items():
+            for g in range(k):
+                if used >> g & 1:
+                    continue
+                cand = (total + score[b][g], groups + (g,))
+                cur = step.get(used | 1 << g)
+                if cur is None or (-cand[0], cand[1]) < (-cur[0], cur[1]):
+                    step[used | 1 << g] = cand
+        best = step
+    return best[(1 << k) - 1][1]
+
+
+def _greedy_matching(score: list[list[int]]) -> tuple[int, ...]:
+    """Best remaining (bin, group) pair first; ties by bin, then group."""
+    k = len(score)
+    pairs = sorted(((score[b][g], b, g) for b in range(k) for g in range(k)),
+                   key=lambda t: (-t[0], t[1], t[2]))
+    of_bin: dict[int, int] = {}
+    taken: set[int] = set()
+    for _, b, g in pairs:
+        if b not in of_bin and g not in taken:
+            of_bin[b] = g
+            taken.add(g)
+    return tuple(of_bin[b] for b in range(k))
+
+
+def _route(assignment: list[list[int]], dst: Layout, holders: Mapping[int, frozenset[int]],
+           lengths: Mapping[int, int]) -> ReshardPlan:
+    """Keep what is already in place; fetch the rest from the least-loaded holder."""
+    keep: dict[int, list[int]] = {r: [] for r in dst.members}
+    need: list[tuple[int, int]] = []
+    for g, ranks in enumerate(dst.dp_groups()):
+        for r in ranks:
+            for s in assignment[g]:
+                if r in holders[s]:
+                    keep[r].append(s)
+                else:
+                    need.append((s, r))
+    sent: dict[int, int] = defaultdict(int)
+    moves = []
+    for s, r in sorted(need, key=lambda p: (-lengths[p[0]], p[0], p[1])):
+        source = min(holders[s], key=lambda h: (sent[h], h))
+        sent[source] += lengths[s]
+        moves.append(Move(s, source, r))
+    moves.sort(key=lambda m: (m.src, m.dst, m.sample))
+    return ReshardPlan(assignment, moves, keep)
+
