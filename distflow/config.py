@@ -54,6 +54,7 @@ class RolloutConfig:
     top_p: float = _spec(1.0, min=1e-4, max=1.0)
     max_new_tokens: int = _spec(32, min=1)
     micro_batch_size: int = _spec(128, min=1, doc="sequences generated per generate() call")
+    tensor_parallel_size: int = _spec(1, min=1, doc="ranks per rollout replica (a TP group)")
 
 
 @dataclass(kw_only=True)
@@ -79,6 +80,8 @@ class ActorConfig:
     ppo_epochs: int = _spec(1, min=1)
     ppo_mini_batch_size: int = _spec(16, min=1, doc="prompts per optimizer step, over all workers")
     micro_batch_size: int = _spec(64, min=1, doc="sequences per forward/backward on one worker")
+    use_dynamic_bsz: bool = _spec(False, doc="form micro-batches by token budget instead of count")
+    max_tokens_per_micro_batch: int = _spec(4096, min=1, doc="token budget with use_dynamic_bsz")
 
 
 @dataclass(kw_only=True)
@@ -205,13 +208,15 @@ def validate(cfg: Config) -> Config:
 
 def _validate_cross(cfg: Config) -> None:
     n_workers, batch = cfg.runtime.num_workers, cfg.data.train_batch_size
-    if batch % n_workers:
-        raise ConfigError(f"data.train_batch_size={batch}: must be divisible by runtime.num_workers={n_workers}")
+    tp = cfg.rollout.tensor_parallel_size
+    if n_workers % tp:
+        raise ConfigError(f"rollout.tensor_parallel_size={tp}: must divide runtime.num_workers={n_workers}")
+    if batch % (n_workers // tp):
+        raise ConfigError(f"data.train_batch_size={batch}: must be divisible by the number of rollout "
+                          f"replicas, runtime.num_workers / rollout.tensor_parallel_size = {n_workers // tp}")
     mini = cfg.actor.ppo_mini_batch_size
     if batch % mini:
         raise ConfigError(f"actor.ppo_mini_batch_size={mini}: must divide data.train_batch_size={batch}")
-    if mini % n_workers:
-        raise ConfigError(f"actor.ppo_mini_batch_size={mini}: must be divisible by runtime.num_workers={n_workers}")
     if cfg.model.path != BUILTIN_MODEL:
         path = os.path.expanduser(cfg.model.path)
         if not os.path.isfile(os.path.join(path, "config.json")):

@@ -36,7 +36,8 @@ def test_yaml_file_then_overrides(tmp_path):
     ("rollout.top_p=1.5", "rollout.top_p=1.5: must be <= 1.0"),
     ("trainer.save_final=3", "trainer.save_final=3: expected bool"),
     ("model.path=/does/not/exist", "model.path='/does/not/exist': not a local HuggingFace model folder"),
-    ("data.train_batch_size=15", "data.train_batch_size=15: must be divisible by runtime.num_workers=2"),
+    ("data.train_batch_size=15", "data.train_batch_size=15: must be divisible by the number of rollout replicas"),
+    ("rollout.tensor_parallel_size=3", "rollout.tensor_parallel_size=3: must divide runtime.num_workers=2"),
     ("actor.ppo_mini_batch_size=5", "actor.ppo_mini_batch_size=5: must divide"),
 ])
 def test_bad_values_name_key_and_value(override, fragment):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -40,14 +40,13 @@ class TransferStats:
     payload_received: int = 0
     meta_sent: int = 0
     meta_received: int = 0
-    counts: dict[str, int] = field(default_factory=dict)
 
     def add(self, other: "TransferStats") -> None:
         for name in ("payload_sent", "payload_received", "meta_sent", "meta_received"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def as_metrics(self, prefix: str = "coordinator/") -> dict[str, int]:
-        return {f"{prefix}{k}_bytes": v for k, v in vars(self).items() if k != "counts"}
+        return {f"{prefix}{k}_bytes": v for k, v in vars(self).items()}
 
 
 def _world(group) -> tuple[int, int]:

@@ -35,6 +35,10 @@ class LocalStore:
     def all(self) -> Batch:
         return self._batch
 
+    def replace(self, batch: Batch) -> None:
+        """After a reshard: the samples this worker holds now, with all their fields."""
+        self._batch = batch
+
     def clear(self) -> None:
         self._batch = Batch()
 

@@ -43,6 +43,10 @@ class ShardedSampler:
     def local_indices(self, step: int) -> list[int]:
         return self.global_indices(step)[self.rank::self.world_size]
 
+    def local_positions(self, step: int) -> list[tuple[int, int]]:
+        """(position in the step's global batch, dataset row) of this rank's prompts."""
+        return list(enumerate(self.global_indices(step)))[self.rank::self.world_size]
+
     def position(self, step: int) -> dict[str, int]:
         """(epoch, offset) of the next unread position after `step`: the resumable state."""
         epoch, offset = divmod(step * self.batch_size, self.num_rows)

@@ -47,11 +47,28 @@ def shard_model(model) -> None:
     fully_shard(model)
 
 
-def _forward_chunks(model, batch: Batch, micro_batch_size: int, with_entropy: bool):
-    for micro in batch.split(micro_batch_size):
+MicroBatches = list[list[int]]  # row indices per micro-batch; [] = a lockstep-only pass
+
+
+def _forward_chunks(model, batch: Batch, micro_batches: MicroBatches, with_entropy: bool):
+    for rows in micro_batches:
+        # An empty micro-batch still runs (FSDP's collectives need every rank), on one
+        # row with its response masked out: its loss and gradient are exactly zero.
+        micro = batch.select(rows or [0])
+        if not rows:
+            micro.tensors["response_mask"] = torch.zeros_like(micro["response_mask"])
         log_probs, entropy = forward_response(model, micro["prompts"], micro["prompt_mask"],
                                               micro["responses"], micro["response_mask"], with_entropy)
-        yield micro, log_probs, entropy
+        yield rows, micro, log_probs, entropy
+
+
+def _gather_rows(batch: Batch, model, micro_batches: MicroBatches) -> torch.Tensor:
+    """Log-probs of every row of `batch`, in row order."""
+    out = torch.zeros(batch["responses"].shape, dtype=torch.float32)
+    for rows, _, lp, _ in _forward_chunks(model, batch, micro_batches, False):
+        if rows:
+            out[rows] = lp.float().cpu()
+    return out
 
 
 class FSDPActor:
@@ -67,12 +84,11 @@ class FSDPActor:
                                            weight_decay=optim.weight_decay)
 
     @torch.no_grad()
-    def compute_log_probs(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
+    def compute_log_probs(self, batch: Batch, micro_batches: MicroBatches) -> torch.Tensor:
         self.model.eval()
-        out = [lp for _, lp, _ in _forward_chunks(self.model, batch.to_device(self.device), micro_batch_size, False)]
-        return torch.cat(out).cpu()
+        return _gather_rows(batch.to_device(self.device), self.model, micro_batches)
 
-    def train_mini_batch(self, batch: Batch, micro_batch_size: int, loss_fn: LossFn) -> dict[str, float]:
+    def train_mini_batch(self, batch: Batch, micro_batches: MicroBatches, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over `batch` (this rank's share of a mini-batch).
 
         Every rank must call this with the same number of micro-batches: FSDP's
@@ -80,8 +96,8 @@ class FSDPActor:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
-        for micro, log_probs, entropy in _forward_chunks(self.model, batch.to_device(self.device),
-                                                         micro_batch_size, True):
+        for _, micro, log_probs, entropy in _forward_chunks(self.model, batch.to_device(self.device),
+                                                            micro_batches, True):
             loss, metrics = loss_fn(log_probs, entropy, micro)
             (loss * self.dp_size).backward()
             for k, v in metrics.items():
@@ -115,6 +131,5 @@ class ReferenceModel:
             p.requires_grad_(False)
 
     @torch.no_grad()
-    def compute_log_probs(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
-        out = [lp for _, lp, _ in _forward_chunks(self.model, batch.to_device(self.device), micro_batch_size, False)]
-        return torch.cat(out).cpu()
+    def compute_log_probs(self, batch: Batch, micro_batches: MicroBatches) -> torch.Tensor:
+        return _gather_rows(batch.to_device(self.device), self.model, micro_batches)

@@ -56,7 +56,7 @@ def render_prompt(tokenizer, messages: list[dict[str, str]]) -> str:
 class LogProbModel(Protocol):
     """What the trainer needs from anything that scores responses (actor, reference)."""
 
-    def compute_log_probs(self, batch, micro_batch_size: int) -> torch.Tensor: ...
+    def compute_log_probs(self, batch, micro_batches: list[list[int]]) -> torch.Tensor: ...
 
 
 def trim_padding(prompts: torch.Tensor, prompt_mask: torch.Tensor,

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 
 from distflow.config import Config, from_dict
+from distflow.coordinator.executor import TransferStats
+from distflow.coordinator.layout import Layout
 from distflow.coordinator.store import LocalStore
 from distflow.data.dataset import load_rows
 from distflow.data.loader import ShardedSampler
@@ -33,8 +35,12 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.train_rows = load_rows(cfg.data.train_files)
         self.val_rows = load_rows(cfg.data.val_files, limit=cfg.data.val_max_samples)
+        # Layouts: rollout replicas are TP groups; training is data-parallel over all ranks.
+        self.rollout_layout = Layout(self.world, tp_size=cfg.rollout.tensor_parallel_size)
+        self.train_layout = Layout.data_parallel(self.world)
+        self.replica = self.rollout_layout.dp_rank(self.rank)
         self.sampler = ShardedSampler(len(self.train_rows), cfg.data.train_batch_size,
-                                      self.rank, self.world, cfg.trainer.seed)
+                                      self.replica, self.rollout_layout.dp_size, cfg.trainer.seed)
         self.reward_fn = load_reward_fn(cfg.reward.custom_fn)
         torch.manual_seed(cfg.trainer.seed)
         self.actor = FSDPActor(load_causal_lm(cfg.model.path, cfg.model.dtype),
@@ -52,25 +58,36 @@ class Trainer:
 
     def step(self, step: int) -> dict[str, float]:
         cfg, store, timer, acc = self.cfg, self.store, StageTimer(), MeanAccumulator()
+        moved, tp = TransferStats(), self.rollout_layout.tp_size
         store.clear()
         with timer("prompts"):
-            rows = [self.train_rows[i] for i in self.sampler.local_indices(step)]
-            prompt_ids = stages.stage_prompts(store, rows, cfg, self.tokenizer)
+            rows = [(pos, self.train_rows[i]) for pos, i in self.sampler.local_positions(step)]
+            share = (self.rollout_layout.tp_rank(self.rank), tp)
+            prompt_ids = stages.stage_prompts(store, rows, cfg, self.tokenizer, share)
         with timer("rollout"):
             stages.stage_rollout(store, prompt_ids, self.rollout, cfg, step)
         with timer("reward"):
             stages.stage_reward(store, self.tokenizer, self.reward_fn)
+        if tp > 1:  # the TP group's members generated halves of one replica: gather it
+            with timer("reshard"):
+                stages.stage_reshard(store, self.train_layout, self.rollout_layout, "none", moved)
+        with timer("advantage"):  # GRPO groups are whole on every replica
+            stages.stage_advantage(store, cfg)
+        if tp > 1:  # to the training layout, balancing tokens over the DP ranks
+            with timer("reshard"):
+                stages.stage_reshard(store, self.rollout_layout, self.train_layout, "kk", moved)
         with timer("ref_log_prob"):
             stages.stage_ref_log_prob(store, self.ref, cfg)
         with timer("old_log_prob"):
             stages.stage_old_log_prob(store, self.actor, cfg)
-        with timer("advantage"):
-            stages.stage_advantage(store, cfg)
         with timer("actor_update"):
             stages.stage_actor_update(store, self.actor, cfg, acc)
         with timer("weight_sync"):
             stages.stage_weight_sync(self.actor, self.rollout)
         stages.record_rollout_metrics(store, acc)
+        for name, value in moved.as_metrics().items():
+            acc.add_total(name, value)
+            acc.add_max(f"{name}_busiest_rank", value)
         for stage, seconds in timer.seconds.items():
             acc.add_max(f"time/{stage}", seconds)
         return acc.reduce()

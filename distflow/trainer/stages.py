@@ -4,9 +4,11 @@ local store and adds the fields it produces; the step loop calls them in order.
     prompts -> rollout -> reward, ref_log_prob, old_log_prob -> advantage -> actor_update
               -> weight_sync
 
-Fields (one row per response, n rows per prompt, prompts interleaved over ranks):
+Fields (one row per response, n rows per prompt, prompts interleaved over replicas):
+  sample_id, sample_k                          meta: position * n + k in the step; k
   uid, ground_truth, data_source, extra_info   meta, from the dataset
   group                                        (N,) prompt id: GRPO's groups
+  mini_batch                                   (N,) the PPO mini-batch of its prompt
   prompts, prompt_mask                         (N, P) left-padded
   responses, response_mask                     (N, R) right-padded
   rewards, accuracy                            (N,)
@@ -21,6 +23,9 @@ import torch.distributed as dist
 
 from distflow.algos import core
 from distflow.config import Config
+from distflow.coordinator.executor import TransferStats, reshard
+from distflow.coordinator.layout import Layout
+from distflow.coordinator.microbatch import plan_micro_batches
 from distflow.coordinator.store import LocalStore
 from distflow.data.batch import Batch
 from distflow.data.dataset import PromptRow
@@ -53,24 +58,28 @@ def tokenize_prompts(tokenizer, rows: list[PromptRow], max_len: int) -> list[lis
     return out
 
 
-def stage_prompts(store: LocalStore, rows: list[PromptRow], cfg: Config, tokenizer) -> list[list[int]]:
-    """This worker's prompts for the step, each repeated group_size times."""
-    n = cfg.algorithm.group_size
-    ids = tokenize_prompts(tokenizer, rows, cfg.data.max_prompt_length)
-    store.put(Batch({"group": torch.tensor([r.index for r in rows for _ in range(n)])}, {
-        "uid": [r.index for r in rows for _ in range(n)],
-        "ground_truth": [r.ground_truth for r in rows for _ in range(n)],
-        "data_source": [r.data_source for r in rows for _ in range(n)],
-        "extra_info": [r.extra_info for r in rows for _ in range(n)],
+def stage_prompts(store: LocalStore, rows: list[tuple[int, PromptRow]], cfg: Config, tokenizer,
+                  share: tuple[int, int] = (0, 1)) -> list[list[int]]:
+    """This worker's sequences for the step: `rows` are (position in the step's global
+    batch, row) of its rollout replica; with a TP group of size t, member j of the
+    group takes every t-th of the replica's sequences (`share` = (j, t))."""
+    n, (member, size) = cfg.algorithm.group_size, share
+    ids = tokenize_prompts(tokenizer, [r for _, r in rows], cfg.data.max_prompt_length)
+    seqs = [(pos, row, p, k) for (pos, row), p in zip(rows, ids) for k in range(n)][member::size]
+    mini = cfg.actor.ppo_mini_batch_size
+    store.put(Batch({"group": torch.tensor([r.index for _, r, _, _ in seqs]),
+                     "mini_batch": torch.tensor([pos // mini for pos, _, _, _ in seqs])}, {
+        "sample_id": [pos * n + k for pos, _, _, k in seqs], "sample_k": [k for _, _, _, k in seqs],
+        "uid": [r.index for _, r, _, _ in seqs], "ground_truth": [r.ground_truth for _, r, _, _ in seqs],
+        "data_source": [r.data_source for _, r, _, _ in seqs], "extra_info": [r.extra_info for _, r, _, _ in seqs],
     }))
-    return [p for p in ids for _ in range(n)]
+    return [p for _, _, p, _ in seqs]
 
 
 def stage_rollout(store: LocalStore, prompt_ids: list[list[int]], rollout: HFRolloutEngine,
                   cfg: Config, step: int) -> None:
-    n = cfg.algorithm.group_size
-    uids = store.get("uid")["uid"]
-    seeds = [sample_seed(cfg.trainer.seed, step, uid, k % n) for k, uid in enumerate(uids)]
+    b = store.get("uid", "sample_k")
+    seeds = [sample_seed(cfg.trainer.seed, step, uid, k) for uid, k in zip(b["uid"], b["sample_k"])]
     params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                             max_new_tokens=cfg.rollout.max_new_tokens)
     store.put(rollout.generate(prompt_ids, seeds, params))
@@ -97,9 +106,21 @@ def _scoring_view(store: LocalStore) -> Batch:
     return store.get("prompts", "prompt_mask", "responses", "response_mask")
 
 
+def sequence_lengths(batch: Batch) -> list[int]:
+    return (batch["prompt_mask"].sum(-1) + batch["response_mask"].sum(-1)).tolist()
+
+
+def micro_batches(batch: Batch, cfg: Config) -> list[list[int]]:
+    """The same number of micro-batches on every rank (FSDP's lockstep)."""
+    if cfg.actor.use_dynamic_bsz:
+        return plan_micro_batches(sequence_lengths(batch), max_tokens=cfg.actor.max_tokens_per_micro_batch)
+    return plan_micro_batches(sequence_lengths(batch), micro_batch_size=cfg.actor.micro_batch_size)
+
+
 def stage_ref_log_prob(store: LocalStore, ref: ReferenceModel | None, cfg: Config) -> None:
     if ref is not None:
-        store.put(Batch({"ref_log_probs": ref.compute_log_probs(_scoring_view(store), cfg.actor.micro_batch_size)}))
+        view = _scoring_view(store)
+        store.put(Batch({"ref_log_probs": ref.compute_log_probs(view, micro_batches(view, cfg))}))
 
 
 def on_policy(cfg: Config) -> bool:
@@ -110,7 +131,17 @@ def on_policy(cfg: Config) -> bool:
 
 def stage_old_log_prob(store: LocalStore, actor: FSDPActor, cfg: Config) -> None:
     if not on_policy(cfg):
-        store.put(Batch({"old_log_probs": actor.compute_log_probs(_scoring_view(store), cfg.actor.micro_batch_size)}))
+        view = _scoring_view(store)
+        store.put(Batch({"old_log_probs": actor.compute_log_probs(view, micro_batches(view, cfg))}))
+
+
+def stage_reshard(store: LocalStore, src: Layout, dst: Layout, balance: str, stats: TransferStats) -> None:
+    """Move the step's samples from layout `src` to `dst` (Data Coordinator); with equal
+    layouts and balance="none" nothing moves."""
+    batch = store.all()
+    new, _, _ = reshard(batch, batch["sample_id"], sequence_lengths(batch), src, dst,
+                        balance=balance, tolerance=0.02, stats=stats)
+    store.replace(new)
 
 
 def stage_advantage(store: LocalStore, cfg: Config) -> None:
@@ -133,7 +164,8 @@ def make_policy_loss(cfg: Config, num_tokens: float, num_seqs: float):
                                       clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode, **counts)
         loss = pg.loss
         tokens = float(mask.sum())
-        metrics = {"pg_loss": float(pg.loss.detach()), "clip_frac": float(pg.clip_frac) * tokens,
+        clip = float(pg.clip_frac) * tokens if tokens else 0.0  # an empty (lockstep-only) micro-batch
+        metrics = {"pg_loss": float(pg.loss.detach()), "clip_frac": clip,
                    "entropy": float((entropy.detach() * mask).sum()), "tokens": tokens}
         if a.use_kl_loss:
             kl = core.kl_penalty(log_probs, micro["ref_log_probs"], a.kl_type)
@@ -147,20 +179,25 @@ def make_policy_loss(cfg: Config, num_tokens: float, num_seqs: float):
 
 
 def stage_actor_update(store: LocalStore, actor: FSDPActor, cfg: Config, acc: MeanAccumulator) -> None:
-    fields = ["prompts", "prompt_mask", "responses", "response_mask", "advantages"]
+    """PPO epochs over mini-batches. A mini-batch is a fixed set of prompts of the step's
+    global batch (its `mini_batch` field), wherever their samples live, so the updates
+    do not depend on the number of workers or the layout."""
+    fields = ["prompts", "prompt_mask", "responses", "response_mask", "advantages", "mini_batch"]
     fields += ["ref_log_probs"] if cfg.algorithm.use_kl_loss else []
     fields += [] if on_policy(cfg) else ["old_log_probs"]
     batch = store.get(*fields)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    local_mini = cfg.actor.ppo_mini_batch_size // world * cfg.algorithm.group_size
-    num_minibatches = cfg.actor.ppo_epochs * (len(batch) // local_mini)
+    num_minibatches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
     for _ in range(cfg.actor.ppo_epochs):
-        for mini in batch.split(local_mini):
+        for index in range(num_minibatches):
+            mini = batch.select((batch["mini_batch"] == index).nonzero().flatten())
             num_tokens = _all_reduce_sum(float(mini["response_mask"].sum()))
             num_seqs = _all_reduce_sum(float(len(mini)))
-            sums = actor.train_mini_batch(mini, cfg.actor.micro_batch_size,
+            if not len(mini):  # none of this mini-batch's samples live here: run in lockstep on a masked row
+                mini = batch.select([0])
+                mini.tensors["response_mask"] = torch.zeros_like(mini["response_mask"])
+            sums = actor.train_mini_batch(mini, micro_batches(mini, cfg),
                                           make_policy_loss(cfg, num_tokens, num_seqs))
-            acc.add_total("actor/pg_loss", sums["pg_loss"] / num_minibatches)
+            acc.add_total("actor/pg_loss", sums["pg_loss"] / (num_minibatches * cfg.actor.ppo_epochs))
             for name in ("clip_frac", "entropy", "kl"):
                 if name in sums:
                     acc.add(f"actor/{name}", sums[name], sums["tokens"])

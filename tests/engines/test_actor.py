@@ -41,7 +41,7 @@ def _train(rank: int, world: int, model_dir: str):
     local = batch.select(list(range(rank, len(batch), world)))
     num_tokens, num_seqs = float(batch["response_mask"].sum()), float(len(batch))
     actor = FSDPActor(load_causal_lm(model_dir), OptimConfig(lr=1e-3, grad_clip=1e9), torch.device("cpu"))
-    sums = actor.train_mini_batch(local, 1, make_policy_loss(cfg, num_tokens, num_seqs))
+    sums = actor.train_mini_batch(local, [[i] for i in range(len(local))], make_policy_loss(cfg, num_tokens, num_seqs))
     state = {k: v.clone() for k, v in actor.full_state_dict().items()}
     return _grads(actor.model), sums["grad_norm"], state
 

@@ -128,3 +128,23 @@ def test_any_local_model_parquet_data_custom_reward_and_periodic_checkpoints(tmp
     assert records[1]["reward/mean"] > 0 and records[1]["reward/accuracy"] == 0.0
     assert (out / "checkpoints" / "step_1" / "model.safetensors").exists()
     assert (out / "checkpoints" / "final" / "model.safetensors").exists()
+
+
+def test_tensor_parallel_rollout_layout_trains_like_plain_data_parallel(tmp_path):
+    """4 workers with rollout TP groups of 2 (2 replicas, reshard to DP=4 for training)
+    run the same math as 2 plain data-parallel workers: same samples, same updates."""
+    runs = {}
+    for name, extra in {"dp2": ["runtime.num_workers=2"],
+                        "tp2": ["runtime.num_workers=4", "rollout.tensor_parallel_size=2"]}.items():
+        out = tmp_path / name
+        _distflow([*SMALL, "runtime.launcher=torchrun", "trainer.total_steps=2", "trainer.save_final=false",
+                   "actor.ppo_mini_batch_size=2", "actor.micro_batch_size=3", *extra,
+                   f"trainer.output_dir={out}"], tmp_path)
+        runs[name] = _metrics(out)
+    for a, b in zip(runs["dp2"][1:], runs["tp2"][1:]):
+        for k in ["reward/mean", "reward/accuracy", "response/length_mean", "tokens/total"]:
+            assert a[k] == b[k], (k, a[k], b[k])
+        for k in ["actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm"]:
+            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-5), (k, a[k], b[k])
+        assert a["coordinator/payload_received_bytes"] == 0  # one layout: the local cache
+        assert b["coordinator/payload_received_bytes"] > 0  # TP halves gathered, then rebalanced
