@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from distflow.config import Config, from_dict
+from distflow.coordinator.double_buffer import DoubleBuffer
 from distflow.coordinator.executor import TransferStats
 from distflow.coordinator.layout import Layout
 from distflow.coordinator.store import LocalStore
@@ -33,6 +34,9 @@ class Trainer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.tokenizer = load_tokenizer(cfg.model.path)
+        # The prefetch thread gets its own instance: HF fast tokenizers may mutate their
+        # padding/truncation state per call, which two threads must not share.
+        self.prefetch_tokenizer = load_tokenizer(cfg.model.path)
         self.train_rows = load_rows(cfg.data.train_files)
         self.val_rows = load_rows(cfg.data.val_files, limit=cfg.data.val_max_samples)
         # Layouts: rollout replicas are TP groups; training is data-parallel over all ranks.
@@ -56,14 +60,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def step(self, step: int) -> dict[str, float]:
+    def prepare(self, step: int) -> list[stages.Sequence_]:
+        """The step's prompts, tokenised: runs on the prefetch thread one step ahead."""
+        rows = [(pos, self.train_rows[i]) for pos, i in self.sampler.local_positions(step)]
+        share = (self.rollout_layout.tp_rank(self.rank), self.rollout_layout.tp_size)
+        return stages.prepare_sequences(rows, self.cfg, self.prefetch_tokenizer, share)
+
+    def step(self, step: int, seqs: list[stages.Sequence_]) -> dict[str, float]:
         cfg, store, timer, acc = self.cfg, self.store, StageTimer(), MeanAccumulator()
         moved, tp = TransferStats(), self.rollout_layout.tp_size
         store.clear()
         with timer("prompts"):
-            rows = [(pos, self.train_rows[i]) for pos, i in self.sampler.local_positions(step)]
-            share = (self.rollout_layout.tp_rank(self.rank), tp)
-            prompt_ids = stages.stage_prompts(store, rows, cfg, self.tokenizer, share)
+            prompt_ids = stages.stage_prompts(store, seqs, cfg)
         with timer("rollout"):
             stages.stage_rollout(store, prompt_ids, self.rollout, cfg, step)
         with timer("reward"):
@@ -122,9 +130,11 @@ class Trainer:
         self._log({"step": 0, "val/accuracy": initial})
         bar = self._progress_bar(total)
         tokens, train_seconds, final = 0.0, 0.0, initial
-        for step in range(1, total + 1):
+        # the next step's prompts are read and tokenised while this step computes
+        for index, seqs in DoubleBuffer(lambda i: self.prepare(i + 1), total):
+            step = index + 1
             t0 = time.perf_counter()
-            metrics = self.step(step)
+            metrics = self.step(step, seqs)
             seconds = time.perf_counter() - t0
             train_seconds += seconds
             tokens += metrics["tokens/total"]

@@ -58,15 +58,21 @@ def tokenize_prompts(tokenizer, rows: list[PromptRow], max_len: int) -> list[lis
     return out
 
 
-def stage_prompts(store: LocalStore, rows: list[tuple[int, PromptRow]], cfg: Config, tokenizer,
-                  share: tuple[int, int] = (0, 1)) -> list[list[int]]:
-    """This worker's sequences for the step: `rows` are (position in the step's global
-    batch, row) of its rollout replica; with a TP group of size t, member j of the
-    group takes every t-th of the replica's sequences (`share` = (j, t))."""
+Sequence_ = tuple[int, PromptRow, list[int], int]  # (position in the step's batch, row, prompt ids, k)
+
+
+def prepare_sequences(rows: list[tuple[int, PromptRow]], cfg: Config, tokenizer,
+                      share: tuple[int, int] = (0, 1)) -> list[Sequence_]:
+    """This worker's sequences for a step (pure CPU work, so it can be prefetched):
+    `rows` are (position in the step's global batch, row) of its rollout replica; with a
+    TP group of size t, member j takes every t-th of the replica's sequences (`share`)."""
     n, (member, size) = cfg.algorithm.group_size, share
     ids = tokenize_prompts(tokenizer, [r for _, r in rows], cfg.data.max_prompt_length)
-    seqs = [(pos, row, p, k) for (pos, row), p in zip(rows, ids) for k in range(n)][member::size]
-    mini = cfg.actor.ppo_mini_batch_size
+    return [(pos, row, p, k) for (pos, row), p in zip(rows, ids) for k in range(n)][member::size]
+
+
+def stage_prompts(store: LocalStore, seqs: list[Sequence_], cfg: Config) -> list[list[int]]:
+    n, mini = cfg.algorithm.group_size, cfg.actor.ppo_mini_batch_size
     store.put(Batch({"group": torch.tensor([r.index for _, r, _, _ in seqs]),
                      "mini_batch": torch.tensor([pos // mini for pos, _, _, _ in seqs])}, {
         "sample_id": [pos * n + k for pos, _, _, k in seqs], "sample_k": [k for _, _, _, k in seqs],

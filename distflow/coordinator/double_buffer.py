@@ -1,0 +1,94 @@
+"""Asynchronous double buffering: item i+1 is produced (transferred, prefetched) on a
+background thread while the caller computes on item i.
+
+A producer that runs collectives must use its own process group (`background_group`):
+collectives on one group are ordered per rank, so a background transfer on the default
+group could interleave with the main thread's (FSDP's) collectives in a different order
+on different ranks and deadlock.
+
+Every produce and compute span is recorded in an `EventLog`, so overlap is shown from
+events (transfer i+1 finished before compute i did), not inferred from timings.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Span:
+    kind: str  # "produce" or "compute"
+    index: int
+    start: float
+    end: float
+
+
+@dataclass
+class EventLog:
+    spans: list[Span] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @contextmanager
+    def span(self, kind: str, index: int):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.spans.append(Span(kind, index, start, time.perf_counter()))
+
+    def get(self, kind: str, index: int) -> Span:
+        return next(s for s in self.spans if s.kind == kind and s.index == index)
+
+    def overlapped(self, index: int) -> bool:
+        """Did producing item index+1 finish while item index was still computing?"""
+        nxt, cur = self.get("produce", index + 1), self.get("compute", index)
+        return nxt.start < cur.end and nxt.end <= cur.end
+
+
+_BACKGROUND_GROUP = None
+
+
+def background_group():
+    """A second gloo group for background transfers (created once, collectively)."""
+    global _BACKGROUND_GROUP
+    if _BACKGROUND_GROUP is None and dist.is_initialized():
+        _BACKGROUND_GROUP = dist.new_group(backend="gloo")
+    return _BACKGROUND_GROUP
+
+
+class DoubleBuffer(Generic[T]):
+    """Iterate over `produce(0..count-1)` with the next item always in flight.
+
+        for i, item in DoubleBuffer(fetch, n, log):
+            with log.span("compute", i):
+                work(item)
+    """
+
+    def __init__(self, produce: Callable[[int], T], count: int, log: EventLog | None = None):
+        self.produce, self.count, self.log = produce, count, log or EventLog()
+
+    def _run(self, index: int) -> T:
+        with self.log.span("produce", index):
+            return self.produce(index)
+
+    def __iter__(self) -> Iterator[tuple[int, T]]:
+        if self.count == 0:
+            return
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="distflow-prefetch") as pool:
+            pending: Future = pool.submit(self._run, 0)
+            for index in range(self.count):
+                item = pending.result()
+                if index + 1 < self.count:  # start the next one before handing this one out
+                    pending = pool.submit(self._run, index + 1)
+                yield index, item
