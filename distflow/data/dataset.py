@@ -55,29 +55,6 @@ def _row(raw: Any, index: int, where: str) -> PromptRow:
     )
 
 
-def _read_file(path: str) -> list[Any]:
-    if not os.path.isfile(path):
-        raise DatasetError(f"{path}: no such file")
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        try:
-            return pq.read_table(path).to_pylist()
-        except Exception as e:  # pyarrow raises several types for a non-parquet file
-            raise DatasetError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
-    if path.endswith((".jsonl", ".json")):
-        rows = []
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise DatasetError(f"{path}: line {line_no} is not JSON ({e.msg})") from None
-        return rows
-    raise DatasetError(f"{path}: unknown file type; expected .parquet or .jsonl")
-
-
 def _builtin(spec: str) -> list[Any]:
     rest = spec[len(BUILTIN_PREFIX):]
     split, _, size = rest.partition(":")
@@ -88,12 +65,120 @@ def _builtin(spec: str) -> list[Any]:
 
 
 def load_rows(spec: str, limit: int | None = None) -> list[PromptRow]:
-    """Rows of every comma-separated source in `spec`, in order, re-indexed from 0."""
-    rows: list[PromptRow] = []
-    for source in [s.strip() for s in spec.split(",") if s.strip()]:
-        raws = _builtin(source) if source.startswith(BUILTIN_PREFIX) else _read_file(os.path.expanduser(source))
-        for i, raw in enumerate(raws):
-            rows.append(_row(raw, len(rows), f"{source}: row {i}"))
-    if not rows:
-        raise DatasetError(f"{spec}: the dataset is empty")
-    return rows[:limit] if limit is not None else rows
+    """All rows (or the first `limit`) of the comma-separated sources in `spec`."""
+    data = ShardedDataset(spec)
+    return data.rows(list(range(len(data) if limit is None else min(limit, len(data)))))
+
+
+# ---------------------------------------------------------------------------- sharded reading
+
+
+class _ParquetSource:
+    """Reads only the row groups that hold requested rows (the footer gives the layout)."""
+
+    def __init__(self, path: str):
+        import pyarrow.parquet as pq
+
+        if not os.path.isfile(path):
+            raise DatasetError(f"{path}: no such file")
+        try:
+            self.file = pq.ParquetFile(path)
+        except Exception as e:  # pyarrow raises several types for a non-parquet file
+            raise DatasetError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
+        meta = self.file.metadata
+        self.starts = [0]
+        for g in range(meta.num_row_groups):
+            self.starts.append(self.starts[-1] + meta.row_group(g).num_rows)
+        self.num_rows, self.rows_read, self._cache = self.starts[-1], 0, {}
+
+    def read(self, index: int) -> Any:
+        import bisect
+
+        group = bisect.bisect_right(self.starts, index) - 1
+        if group not in self._cache:
+            self._cache = {group: self.file.read_row_group(group).to_pylist()}  # keep one group
+            self.rows_read += len(self._cache[group])
+        return self._cache[group][index - self.starts[group]]
+
+
+class _JsonlSource:
+    """Indexes line offsets once (bytes only, no parsing); parses only requested lines."""
+
+    def __init__(self, path: str):
+        if not os.path.isfile(path):
+            raise DatasetError(f"{path}: no such file")
+        self.path, self.offsets, self.line_numbers, self.rows_read = path, [], [], 0
+        with open(path, "rb") as f:
+            offset = 0
+            for line_no, line in enumerate(f, 1):
+                if line.strip():
+                    self.offsets.append(offset)
+                    self.line_numbers.append(line_no)
+                offset += len(line)
+        self.num_rows = len(self.offsets)
+
+    def read(self, index: int) -> Any:
+        with open(self.path, "rb") as f:
+            f.seek(self.offsets[index])
+            line = f.readline()
+        self.rows_read += 1
+        try:
+            return json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DatasetError(f"{self.path}: line {self.line_numbers[index]} is not UTF-8 JSON "
+                               f"({type(e).__name__})") from None
+
+
+class _ListSource:
+    def __init__(self, rows: list[Any]):
+        self.rows, self.num_rows, self.rows_read = rows, len(rows), 0
+
+    def read(self, index: int) -> Any:
+        self.rows_read += 1
+        return self.rows[index]
+
+
+def _open_source(source: str):
+    if source.startswith(BUILTIN_PREFIX):
+        return _ListSource(_builtin(source))
+    path = os.path.expanduser(source)
+    if path.endswith(".parquet"):
+        return _ParquetSource(path)
+    if path.endswith((".jsonl", ".json")):
+        return _JsonlSource(path)
+    if not os.path.isfile(path):
+        raise DatasetError(f"{path}: no such file")
+    raise DatasetError(f"{path}: unknown file type; expected .parquet or .jsonl")
+
+
+class ShardedDataset:
+    """The concatenated sources as one indexable dataset that reads rows on demand, so a
+    worker reads (and validates) only the rows of its own shard."""
+
+    def __init__(self, spec: str):
+        self.names = [s.strip() for s in spec.split(",") if s.strip()]
+        self.sources = [_open_source(s) for s in self.names]
+        self.starts = [0]
+        for src in self.sources:
+            self.starts.append(self.starts[-1] + src.num_rows)
+        if not len(self):
+            raise DatasetError(f"{spec}: the dataset is empty")
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    @property
+    def rows_read(self) -> int:
+        return sum(s.rows_read for s in self.sources)
+
+    def __getitem__(self, index: int) -> PromptRow:
+        import bisect
+
+        which = bisect.bisect_right(self.starts, index) - 1
+        local = index - self.starts[which]
+        return _row(self.sources[which].read(local), index, f"{self.names[which]}: row {local}")
+
+    def rows(self, indices: list[int]) -> list[PromptRow]:
+        # sorted reads keep a row group in the one-group cache while its rows are taken
+        by_index = {i: self[i] for i in sorted(set(indices))}
+        return [by_index[i] for i in indices]

@@ -51,3 +51,16 @@ class ShardedSampler:
         """(epoch, offset) of the next unread position after `step`: the resumable state."""
         epoch, offset = divmod(step * self.batch_size, self.num_rows)
         return {"epoch": epoch, "offset": offset}
+
+    def state_dict(self, step: int) -> dict[str, int]:
+        return self.position(step) | {"seed": self.seed, "batch_size": self.batch_size, "num_rows": self.num_rows}
+
+    def next_step(self, state: dict[str, int]) -> int:
+        """The step to run next after restoring `state` (saved by `state_dict`)."""
+        for key in ("seed", "batch_size", "num_rows"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"dataloader state has {key}={state[key]} but this run has "
+                                 f"{getattr(self, key)}; resume with the same data and batch size")
+        consumed = state["epoch"] * self.num_rows + state["offset"]
+        assert consumed % self.batch_size == 0, "positions are saved at step boundaries"
+        return consumed // self.batch_size + 1

@@ -17,7 +17,7 @@ from distflow.coordinator.double_buffer import DoubleBuffer
 from distflow.coordinator.executor import TransferStats
 from distflow.coordinator.layout import Layout
 from distflow.coordinator.store import LocalStore
-from distflow.data.dataset import load_rows
+from distflow.data.dataset import ShardedDataset
 from distflow.data.loader import ShardedSampler
 from distflow.engines.actor import FSDPActor, OptimConfig, ReferenceModel
 from distflow.engines.common import load_causal_lm, load_tokenizer
@@ -37,8 +37,10 @@ class Trainer:
         # The prefetch thread gets its own instance: HF fast tokenizers may mutate their
         # padding/truncation state per call, which two threads must not share.
         self.prefetch_tokenizer = load_tokenizer(cfg.model.path)
-        self.train_rows = load_rows(cfg.data.train_files)
-        self.val_rows = load_rows(cfg.data.val_files, limit=cfg.data.val_max_samples)
+        # Each worker opens the files (metadata only) and reads the rows of its own shard.
+        self.train_rows = ShardedDataset(cfg.data.train_files)
+        val = ShardedDataset(cfg.data.val_files)
+        self.val_rows = val.rows(list(range(min(len(val), cfg.data.val_max_samples)))[self.rank::self.world])
         # Layouts: rollout replicas are TP groups; training is data-parallel over all ranks.
         self.rollout_layout = Layout(self.world, tp_size=cfg.rollout.tensor_parallel_size)
         self.train_layout = Layout.data_parallel(self.world)
@@ -62,7 +64,8 @@ class Trainer:
 
     def prepare(self, step: int) -> list[stages.Sequence_]:
         """The step's prompts, tokenised: runs on the prefetch thread one step ahead."""
-        rows = [(pos, self.train_rows[i]) for pos, i in self.sampler.local_positions(step)]
+        positions = self.sampler.local_positions(step)
+        rows = list(zip([p for p, _ in positions], self.train_rows.rows([i for _, i in positions])))
         share = (self.rollout_layout.tp_rank(self.rank), self.rollout_layout.tp_size)
         return stages.prepare_sequences(rows, self.cfg, self.prefetch_tokenizer, share)
 
@@ -105,7 +108,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Greedy held-out accuracy over all workers (validation rows interleaved)."""
-        rows = self.val_rows[self.rank::self.world]
+        rows = self.val_rows
         correct = 0.0
         if rows:
             ids = stages.tokenize_prompts(self.tokenizer, rows, self.cfg.data.max_prompt_length)

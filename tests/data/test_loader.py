@@ -38,3 +38,13 @@ def test_position_is_resumable_state():
     s = ShardedSampler(num_rows=10, batch_size=4, rank=0, world_size=1, seed=0)
     assert s.position(0) == {"epoch": 0, "offset": 0}
     assert s.position(3) == {"epoch": 1, "offset": 2}
+
+
+def test_state_roundtrip_resumes_the_same_stream():
+    s = ShardedSampler(num_rows=10, batch_size=4, rank=1, world_size=2, seed=5)
+    state = s.state_dict(7)
+    fresh = ShardedSampler(num_rows=10, batch_size=4, rank=1, world_size=2, seed=5)
+    nxt = fresh.next_step(state)
+    assert nxt == 8 and fresh.local_positions(nxt) == s.local_positions(8)
+    with pytest.raises(ValueError, match="seed=5 but this run has 6"):
+        ShardedSampler(num_rows=10, batch_size=4, rank=1, world_size=2, seed=6).next_step(state)
