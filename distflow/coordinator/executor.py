@@ -6,7 +6,8 @@ Three collectives at most, all rank-to-rank (no process sees more than its own s
    sample, so that every rank can run the pure planner on identical inputs.
 2. a size exchange (`all_to_all_single` of one int64 per peer): how many bytes each
    rank will receive from each other rank;
-3. the payload exchange (`all_to_all_single` on one uint8 buffer per peer).
+3. the payload exchange: one uint8 buffer per peer, through shared memory to peers on
+   the same host and `all_to_all_single` to the others (see "transports" below).
 
 A peer's buffer is a small JSON header (field names, dtypes, shapes, and the non-tensor
 fields such as ground-truth strings, which are JSON, never pickled) followed by the raw
@@ -18,7 +19,9 @@ ranks computed the same plan: zero bytes move.
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,6 +43,7 @@ class TransferStats:
     payload_received: int = 0
     meta_sent: int = 0
     meta_received: int = 0
+    shm_sent: int = 0  # the part of payload_sent that went through shared memory
 
     def add(self, other: "TransferStats") -> None:
         for name in ("payload_sent", "payload_received", "meta_sent", "meta_received"):
@@ -110,7 +114,7 @@ def unpack(buffer: torch.Tensor) -> tuple[Batch, list[int], int]:
 
 
 def execute(plan: ReshardPlan, batch: Batch, sample_ids: Sequence[int], group=None,
-            stats: TransferStats | None = None) -> tuple[Batch, list[int]]:
+            stats: TransferStats | None = None, transport: str = "auto") -> tuple[Batch, list[int]]:
     """Apply `plan` to this rank's `batch` (rows labelled by `sample_ids`). Returns the
     rank's new batch and its sample ids, sorted by id (the same order on every replica)."""
     rank, world = _world(group)
@@ -119,7 +123,7 @@ def execute(plan: ReshardPlan, batch: Batch, sample_ids: Sequence[int], group=No
     kept = [s for s in plan.samples_for(rank) if s in row_of]
     pieces: list[tuple[Batch, list[int]]] = [(batch.select([row_of[s] for s in kept]), kept)] if kept else []
     if plan.moves:
-        pieces += _exchange(plan, batch, row_of, rank, world, group, stats)
+        pieces += _exchange(plan, batch, row_of, rank, world, group, stats, transport)
     if not pieces:
         return batch.select([]), []
     merged, ids = Batch.concat([p for p, _ in pieces]), [s for _, i in pieces for s in i]
@@ -127,22 +131,91 @@ def execute(plan: ReshardPlan, batch: Batch, sample_ids: Sequence[int], group=No
     return merged.select(order), [ids[i] for i in order]
 
 
+# ---------------------------------------------------------------------------- transports
+#
+# Peers on the same host exchange payloads through shared memory (/dev/shm): the sender
+# writes one file per peer, the collective size exchange that follows orders the write
+# before the read, and the receiver reads and unlinks it. Only cross-host payloads go
+# through gloo/NCCL. "Same host" is DISTFLOW_HOST_ID when set (the emulated cluster sets
+# one per network namespace, which share a filesystem), else hostname + boot id.
+
+_GROUP_INFO: dict[int, tuple[list[int], int, itertools.count]] = {}
+_SHM_DIR = "/dev/shm"
+
+
+def _host_key() -> int:
+    import hashlib
+    import socket
+
+    key = os.environ.get("DISTFLOW_HOST_ID")
+    if key is None:
+        try:
+            boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+        except OSError:
+            boot = ""
+        key = f"{socket.gethostname()}-{boot}"
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=7).digest(), "little")
+
+
+def _group_info(group, world: int) -> tuple[list[int], int, itertools.count]:
+    """(host key of every rank, a token naming this group's shm files, the group's
+    exchange counter); one all-gather on first use. The counter is per group because
+    exchanges on different groups (a background transfer) interleave differently per rank."""
+    gid = id(group)
+    if gid not in _GROUP_INFO:
+        mine = torch.tensor([_host_key(), int.from_bytes(os.urandom(6), "little")], dtype=torch.int64)
+        every = [torch.empty(2, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(every, mine, group=group)
+        _GROUP_INFO[gid] = ([int(t[0]) for t in every], int(every[0][1]), itertools.count())  # rank 0's token
+    return _GROUP_INFO[gid]
+
+
+class _Shm:
+    def __init__(self, group, world: int, rank: int, transport: str):
+        hosts, self.token, rounds = _group_info(group, world)
+        shm_ok = transport != "gloo" and os.path.isdir(_SHM_DIR)
+        self.local = [shm_ok and p != rank and hosts[p] == hosts[rank] for p in range(world)]
+        self.rank, self.round = rank, next(rounds)
+
+    def path(self, src: int, dst: int) -> str:
+        return f"{_SHM_DIR}/distflow-{self.token}-{self.round}-{src}-{dst}"
+
+    def write(self, peer: int, buffer: torch.Tensor) -> None:
+        buffer.numpy().tofile(self.path(self.rank, peer))
+
+    def read(self, peer: int, size: int) -> torch.Tensor:
+        path = self.path(peer, self.rank)
+        data = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+        os.unlink(path)
+        return data
+
+
 def _exchange(plan: ReshardPlan, batch: Batch, row_of: dict[int, int], rank: int, world: int,
-              group, stats: TransferStats) -> list[tuple[Batch, list[int]]]:
+              group, stats: TransferStats, transport: str = "auto") -> list[tuple[Batch, list[int]]]:
     outgoing: list[torch.Tensor] = []
     for peer in range(world):
         samples = sorted(m.sample for m in plan.sends(rank) if m.dst == peer)
         outgoing.append(pack(batch, [row_of[s] for s in samples], samples) if samples
                         else torch.empty(0, dtype=torch.uint8))
-    send_sizes = torch.tensor([len(b) for b in outgoing], dtype=torch.int64)
-    recv_sizes = torch.empty(world, dtype=torch.int64)
+    shm, empty = _Shm(group, world, rank, transport), torch.empty(0, dtype=torch.uint8)
+    for peer, buf in enumerate(outgoing):
+        if shm.local[peer] and len(buf):
+            shm.write(peer, buf)  # before the size exchange, which orders it before the read
+            stats.shm_sent += len(buf)
+    wire = [empty if shm.local[p] else b for p, b in enumerate(outgoing)]
+    send_sizes = torch.tensor([[len(w), len(b) if shm.local[p] else 0]
+                               for p, (w, b) in enumerate(zip(wire, outgoing))], dtype=torch.int64)
+    recv_sizes = torch.empty(world, 2, dtype=torch.int64)
     dist.all_to_all_single(recv_sizes, send_sizes, group=group)
-    stats.meta_sent += 8 * (world - 1)
-    stats.meta_received += 8 * (world - 1)
-    recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
-    dist.all_to_all_single(recv, torch.cat(outgoing), recv_sizes.tolist(), send_sizes.tolist(), group=group)
+    stats.meta_sent += 16 * (world - 1)
+    stats.meta_received += 16 * (world - 1)
+    wire_sizes = recv_sizes[:, 0].tolist()
+    recv = torch.empty(sum(wire_sizes), dtype=torch.uint8)
+    dist.all_to_all_single(recv, torch.cat(wire), wire_sizes, [len(w) for w in wire], group=group)
+    chunks = [shm.read(p, int(recv_sizes[p, 1])) if recv_sizes[p, 1] else c
+              for p, c in enumerate(recv.split(wire_sizes))]
     pieces = []
-    for peer, chunk in enumerate(recv.split(recv_sizes.tolist())):
+    for peer, chunk in enumerate(chunks):
         if peer != rank and len(chunk):
             part, ids, head = unpack(chunk)
             stats.payload_received += len(chunk) - head
@@ -158,10 +231,12 @@ def _exchange(plan: ReshardPlan, batch: Batch, row_of: dict[int, int], rank: int
 
 def reshard(batch: Batch, sample_ids: Sequence[int], lengths: Sequence[int], src: Layout, dst: Layout,
             *, balance: str = "kk", equal_count: bool = False, tolerance: float = 0.0, group=None,
-            stats: TransferStats | None = None) -> tuple[Batch, list[int], ReshardPlan]:
-    """Metadata all-gather, the same plan on every rank, then the payload exchange."""
+            stats: TransferStats | None = None, transport: str = "auto") -> tuple[Batch, list[int], ReshardPlan]:
+    """Metadata all-gather, the same plan on every rank, then the payload exchange.
+    transport: "auto" (shared memory between ranks on one host, the collective backend
+    across hosts) or "gloo" (the collective backend for everything)."""
     holdings, all_lengths = gather_metadata(sample_ids, lengths, group, stats)
     plan = plan_reshard(src, dst, holdings, all_lengths, balance=balance, equal_count=equal_count,
                         tolerance=tolerance)
-    new_batch, new_ids = execute(plan, batch, sample_ids, group, stats)
+    new_batch, new_ids = execute(plan, batch, sample_ids, group, stats, transport)
     return new_batch, new_ids, plan

@@ -99,3 +99,30 @@ def test_unsatisfiable_plan_fails_on_every_rank_before_any_transfer():
     messages = run_gloo(_too_few, WORLD)
     assert all(m is not None and "1 samples cannot fill the 2 destination" in m for m in messages), messages
     assert dist.is_available()
+
+
+def _both_transports(rank, world, separate_hosts):
+    import os
+
+    if separate_hosts:
+        os.environ["DISTFLOW_HOST_ID"] = f"host-{rank}"
+    batch, ids, lengths = _sample_batch(rank)
+    results = {}
+    for transport in ("gloo", "auto"):
+        stats = TransferStats()
+        out, out_ids, _ = reshard(batch, ids, lengths, Layout.data_parallel(world), Layout(world, tp_size=2),
+                                  stats=stats, transport=transport)
+        _check_rows(out, out_ids)
+        results[transport] = (out_ids, out["prompts"].tolist(), stats.shm_sent, stats.payload_sent)
+    return results
+
+
+def test_shared_memory_and_gloo_transports_agree():
+    for r in run_gloo(_both_transports, WORLD, False):
+        assert r["gloo"][:2] == r["auto"][:2]
+        assert r["gloo"][2] == 0 and r["auto"][2] > 0  # one host: auto goes through /dev/shm
+        assert r["gloo"][3] == r["auto"][3]
+    for r in run_gloo(_both_transports, WORLD, True):  # every rank its own "host": no shm
+        assert r["auto"][2] == 0 and r["gloo"][:2] == r["auto"][:2]
+    import os
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("distflow-")], "shm files are cleaned up"
