@@ -3,6 +3,7 @@
     distflow train [--config FILE] [section.key=value ...]
     distflow build-tiny-model [--out DIR]
     distflow make-data --split train --num 1000 --out FILE.parquet
+    distflow bench dataplane [--quick] [--workers N ...] [--json FILE] [--results-md FILE]
 
 A config or input error prints one line and exits with code 2; a failed worker exits 1.
 """
@@ -139,6 +140,12 @@ def cmd_make_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from distflow.benchmarks.dataplane import main as dataplane_main
+
+    return dataplane_main(args.bench_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="distflow", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -157,6 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--out", required=True)
     data.set_defaults(fn=cmd_make_data)
+    bench = sub.add_parser("bench", help="benchmarks; `distflow bench dataplane --help` for options")
+    bench_sub = bench.add_subparsers(dest="benchmark", required=True)
+    # prefix_chars="+": this parser claims no "-" options, so every option after
+    # `dataplane` (--help included) reaches the benchmark's own parser untouched.
+    dataplane = bench_sub.add_parser("dataplane", add_help=False, prefix_chars="+",
+                                     help="Data Coordinator vs single-controller data path")
+    dataplane.add_argument("bench_args", nargs=argparse.REMAINDER)
+    dataplane.set_defaults(fn=cmd_bench)
     return parser
 
 

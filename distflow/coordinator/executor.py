@@ -119,8 +119,11 @@ def execute(plan: ReshardPlan, batch: Batch, sample_ids: Sequence[int], group=No
     rank's new batch and its sample ids, sorted by id (the same order on every replica)."""
     rank, world = _world(group)
     stats = stats if stats is not None else TransferStats()
+    mine = plan.samples_for(rank)
+    if not plan.moves and mine == list(sample_ids):  # the local cache: nothing to do, not even a copy
+        return batch, list(sample_ids)
     row_of = {int(s): i for i, s in enumerate(sample_ids)}
-    kept = [s for s in plan.samples_for(rank) if s in row_of]
+    kept = [s for s in mine if s in row_of]
     pieces: list[tuple[Batch, list[int]]] = [(batch.select([row_of[s] for s in kept]), kept)] if kept else []
     if plan.moves:
         pieces += _exchange(plan, batch, row_of, rank, world, group, stats, transport)
