@@ -33,6 +33,7 @@ from distflow.coordinator.planner import ReshardPlan, plan_reshard
 from distflow.data.batch import Batch
 
 _HEADER_LEN_BYTES = 8
+_ALIGN = 8  # every tensor field starts at a multiple of the widest element size
 
 
 @dataclass
@@ -81,18 +82,31 @@ def gather_metadata(sample_ids: Sequence[int], lengths: Sequence[int], group=Non
     return holdings, all_lengths
 
 
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
 def pack(batch: Batch, rows: Sequence[int], sample_ids: Sequence[int]) -> torch.Tensor:
-    """Rows of `batch` as one uint8 buffer: header length, JSON header, tensor bytes."""
-    part = batch.select(list(rows))
-    tensors = {k: v.contiguous() for k, v in part.tensors.items()}
+    """Rows of `batch` as one uint8 buffer: header length, JSON header, then each tensor
+    field's rows, gathered straight into the buffer (one copy) at 8-byte-aligned offsets
+    so that the receiver can view them in place."""
+    index = torch.as_tensor(list(rows), dtype=torch.long)
+    fields = [(k, v, (len(rows), *v.shape[1:])) for k, v in batch.tensors.items()]
     header = {"ids": [int(s) for s in sample_ids],
-              "tensors": [[k, str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in tensors.items()],
-              "meta": part.meta}
+              "tensors": [[k, str(v.dtype).removeprefix("torch."), list(shape)] for k, v, shape in fields],
+              "meta": {k: [m[i] for i in index.tolist()] for k, m in batch.meta.items()}}
     head = json.dumps(header).encode()
-    chunks = [torch.tensor([len(head)], dtype=torch.int64).view(torch.uint8),
-              torch.frombuffer(bytearray(head), dtype=torch.uint8)]
-    chunks += [v.reshape(-1).view(torch.uint8) for v in tensors.values()]
-    return torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+    offset = _aligned(_HEADER_LEN_BYTES + len(head))
+    sizes = [_aligned(torch.Size(shape).numel() * v.element_size()) for _, v, shape in fields]
+    buffer = torch.empty(offset + sum(sizes), dtype=torch.uint8)
+    buffer[:_HEADER_LEN_BYTES] = torch.tensor([len(head)], dtype=torch.int64).view(torch.uint8)
+    buffer[_HEADER_LEN_BYTES: _HEADER_LEN_BYTES + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    for (_, v, shape), size in zip(fields, sizes):
+        nbytes = torch.Size(shape).numel() * v.element_size()
+        out = buffer[offset: offset + nbytes].view(v.dtype).view(shape)
+        torch.index_select(v, 0, index, out=out)
+        offset += size
+    return buffer
 
 
 def _header_len(buffer: torch.Tensor) -> int:
@@ -101,16 +115,19 @@ def _header_len(buffer: torch.Tensor) -> int:
 
 
 def unpack(buffer: torch.Tensor) -> tuple[Batch, list[int], int]:
-    """Inverse of `pack`; returns (batch, sample ids, header bytes)."""
+    """Inverse of `pack`; returns (batch, sample ids, header bytes). Tensor fields are
+    views into `buffer` (copied once first if it does not start 8-byte aligned)."""
+    if buffer.storage_offset() % _ALIGN:
+        buffer = buffer.clone()
     head_len = _header_len(buffer)
     header = json.loads(bytes(buffer[_HEADER_LEN_BYTES: _HEADER_LEN_BYTES + head_len].tolist()))
-    offset, tensors = _HEADER_LEN_BYTES + head_len, {}
+    offset, tensors = _aligned(_HEADER_LEN_BYTES + head_len), {}
     for name, dtype_name, shape in header["tensors"]:
         dtype = getattr(torch, dtype_name)
         nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-        tensors[name] = buffer[offset: offset + nbytes].clone().view(dtype).reshape(shape)
-        offset += nbytes
-    return Batch(tensors, header["meta"]), header["ids"], _HEADER_LEN_BYTES + head_len
+        tensors[name] = buffer[offset: offset + nbytes].view(dtype).view(shape)
+        offset += _aligned(nbytes)
+    return Batch(tensors, header["meta"]), header["ids"], _aligned(_HEADER_LEN_BYTES + head_len)
 
 
 def execute(plan: ReshardPlan, batch: Batch, sample_ids: Sequence[int], group=None,
@@ -226,7 +243,7 @@ def _exchange(plan: ReshardPlan, batch: Batch, row_of: dict[int, int], rank: int
             pieces.append((part, ids))
     for peer, chunk in enumerate(outgoing):
         if peer != rank and len(chunk):
-            head = _header_len(chunk) + _HEADER_LEN_BYTES
+            head = _aligned(_header_len(chunk) + _HEADER_LEN_BYTES)
             stats.payload_sent += len(chunk) - head
             stats.meta_sent += head
     return pieces

@@ -277,7 +277,10 @@ def plan_reshard(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]]
     holders = _validate(src, dst, holdings, lengths, balance)
     stay = _locality_bins(dst, holders, lengths, equal_count)
     bins = stay
-    if balance != "none":
+    # No partition's largest bin is below this bound: when staying put is within the
+    # tolerance of it, the balancer cannot win and need not run.
+    bound = max(max(lengths.values()), -(-sum(lengths.values()) // dst.dp_size))
+    if balance != "none" and _largest_bin(stay, lengths) > bound * (1.0 + tolerance):
         split = karmarkar_karp if balance == "kk" else greedy_lpt
         ids = sorted(lengths)
         parts = split([lengths[s] for s in ids], dst.dp_size, equal_count)
