@@ -86,10 +86,12 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def pack(batch: Batch, rows: Sequence[int], sample_ids: Sequence[int]) -> torch.Tensor:
+def pack(batch: Batch, rows: Sequence[int], sample_ids: Sequence[int],
+         alloc=lambda n: torch.empty(n, dtype=torch.uint8)) -> torch.Tensor:
     """Rows of `batch` as one uint8 buffer: header length, JSON header, then each tensor
     field's rows, gathered straight into the buffer (one copy) at 8-byte-aligned offsets
-    so that the receiver can view them in place."""
+    so that the receiver can view them in place. `alloc(n)` provides the buffer (a
+    shared-memory file for a peer on the same host)."""
     index = torch.as_tensor(list(rows), dtype=torch.long)
     fields = [(k, v, (len(rows), *v.shape[1:])) for k, v in batch.tensors.items()]
     header = {"ids": [int(s) for s in sample_ids],
@@ -98,7 +100,7 @@ def pack(batch: Batch, rows: Sequence[int], sample_ids: Sequence[int]) -> torch.
     head = json.dumps(header).encode()
     offset = _aligned(_HEADER_LEN_BYTES + len(head))
     sizes = [_aligned(torch.Size(shape).numel() * v.element_size()) for _, v, shape in fields]
-    buffer = torch.empty(offset + sum(sizes), dtype=torch.uint8)
+    buffer = alloc(offset + sum(sizes))
     buffer[:_HEADER_LEN_BYTES] = torch.tensor([len(head)], dtype=torch.int64).view(torch.uint8)
     buffer[_HEADER_LEN_BYTES: _HEADER_LEN_BYTES + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
     for (_, v, shape), size in zip(fields, sizes):
@@ -146,7 +148,10 @@ def execute(plan: ReshardPlan, batch: Batch, sample_ids: Sequence[int], group=No
         pieces += _exchange(plan, batch, row_of, rank, world, group, stats, transport)
     if not pieces:
         return batch.select([]), []
+    pieces.sort(key=lambda piece: piece[1][0])  # disjoint sorted runs usually end up in order
     merged, ids = Batch.concat([p for p, _ in pieces]), [s for _, i in pieces for s in i]
+    if all(a < b for a, b in zip(ids, ids[1:])):
+        return merged, ids
     order = sorted(range(len(ids)), key=ids.__getitem__)
     return merged.select(order), [ids[i] for i in order]
 
@@ -200,28 +205,34 @@ class _Shm:
     def path(self, src: int, dst: int) -> str:
         return f"{_SHM_DIR}/distflow-{self.token}-{self.round}-{src}-{dst}"
 
-    def write(self, peer: int, buffer: torch.Tensor) -> None:
-        buffer.numpy().tofile(self.path(self.rank, peer))
+    def allocator(self, peer: int):
+        """A send buffer that *is* the shared file: packing writes straight into it."""
+        def alloc(size: int) -> torch.Tensor:
+            path = self.path(self.rank, peer)
+            with open(path, "wb") as f:
+                f.truncate(size)
+            return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        return alloc
 
     def read(self, peer: int, size: int) -> torch.Tensor:
+        """Map the peer's file (no copy); unlinking keeps the mapping valid."""
         path = self.path(peer, self.rank)
-        data = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+        data = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         os.unlink(path)
         return data
 
 
 def _exchange(plan: ReshardPlan, batch: Batch, row_of: dict[int, int], rank: int, world: int,
               group, stats: TransferStats, transport: str = "auto") -> list[tuple[Batch, list[int]]]:
+    shm, empty = _Shm(group, world, rank, transport), torch.empty(0, dtype=torch.uint8)
     outgoing: list[torch.Tensor] = []
     for peer in range(world):
         samples = sorted(m.sample for m in plan.sends(rank) if m.dst == peer)
-        outgoing.append(pack(batch, [row_of[s] for s in samples], samples) if samples
-                        else torch.empty(0, dtype=torch.uint8))
-    shm, empty = _Shm(group, world, rank, transport), torch.empty(0, dtype=torch.uint8)
-    for peer, buf in enumerate(outgoing):
-        if shm.local[peer] and len(buf):
-            shm.write(peer, buf)  # before the size exchange, which orders it before the read
-            stats.shm_sent += len(buf)
+        # a same-host peer's buffer is written into shared memory before the size
+        # exchange, which orders the write before the peer's read
+        alloc = {"alloc": shm.allocator(peer)} if shm.local[peer] else {}
+        outgoing.append(pack(batch, [row_of[s] for s in samples], samples, **alloc) if samples else empty)
+        stats.shm_sent += len(outgoing[-1]) if shm.local[peer] else 0
     wire = [empty if shm.local[p] else b for p, b in enumerate(outgoing)]
     send_sizes = torch.tensor([[len(w), len(b) if shm.local[p] else 0]
                                for p, (w, b) in enumerate(zip(wire, outgoing))], dtype=torch.int64)
