@@ -509,15 +509,17 @@ def _proc_meminfo_gib() -> float:
 
 
 CAVEATS = """\
-- **Single host.** Ray's object store is shared memory on one host, while the
-  coordinator's gloo collectives go over loopback TCP, so these timings favour the
-  centralized path's transport. The coordinator's real advantage is that no process
-  carries the whole batch: on a cluster the driver's network link carries
-  `busiest / batch` times the batch per step. That link is measured on an emulated
-  cluster in a later issue; here only bytes, driver memory and single-host time are.
+- **Single host.** Both data paths use shared memory here: Ray's object store for the
+  centralized modes, and the coordinator's same-host transport (`/dev/shm` files, only
+  sizes through gloo). The coordinator's real advantage is that no process carries the
+  whole batch: on a cluster the driver's network link carries `busiest / batch` times
+  the batch per step. That link is measured on an emulated cluster in a later issue;
+  here only bytes, driver memory and single-host time are.
 - **Few cores.** All N workers (and, for the centralized modes, the driver and Ray's own
   processes) share the cores listed below, so larger N adds CPU contention to both
-  modes; the load average shows what else was running.
+  modes; the load average shows what else was running. Every coordinator rank also runs
+  the (pure, identical) planner itself, which costs N times the CPU on a shared machine
+  and nothing extra on a cluster where each rank has its own.
 - **Bytes.** Coordinator: the busiest rank's payload plus metadata (lengths all-gather,
   size exchange, JSON headers with the ground-truth strings), sent plus received, over
   the three transitions. Centralized: tensor/array bytes plus UTF-8 string bytes the
