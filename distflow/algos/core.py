@@ -415,6 +415,14 @@ def _check_clip_args(clip_ratio_low: float, clip_ratio_high: float) -> None:
         raise ValueError(f"clip_ratio_high must be >= 0, got {clip_ratio_high}")
 
 
+def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_ratio_low: float,
+                       clip_ratio_high: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(unclipped, clipped, pessimistic max of the two) per-token PPO losses."""
+    pg1 = -advantages * ratio
+    pg2 = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    return pg1, pg2, torch.maximum(pg1, pg2)
+
+
 @register_policy_loss("vanilla")
 def policy_loss_vanilla(
     old_log_probs: torch.Tensor,
@@ -441,9 +449,7 @@ def policy_loss_vanilla(
         raise ValueError(f"clip_ratio_c must be > 1.0 for dual-clip, got {clip_ratio_c}")
     log_ratio = (log_probs - old_log_probs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # (B, T)
     ratio = torch.exp(log_ratio)
-    pg1 = -advantages * ratio
-    pg2 = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
-    clipped = torch.maximum(pg1, pg2)
+    pg1, pg2, clipped = _clipped_surrogate(ratio, advantages, clip_ratio_low, clip_ratio_high)
     pg3 = -advantages * clip_ratio_c
     negative = advantages < 0
     per_token = torch.where(negative, torch.minimum(clipped, pg3), clipped)  # (B, T)
@@ -485,9 +491,7 @@ def policy_loss_gspo(
     seq_log_ratio = masked_mean(log_ratio, mask, dim=-1)  # (B,)
     token_log_ratio = log_probs - log_probs.detach() + seq_log_ratio.detach().unsqueeze(-1)
     ratio = torch.exp(token_log_ratio.clamp(max=_GSPO_LOG_RATIO_MAX))  # (B, T)
-    pg1 = -advantages * ratio
-    pg2 = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
-    per_token = torch.maximum(pg1, pg2)
+    pg1, pg2, per_token = _clipped_surrogate(ratio, advantages, clip_ratio_low, clip_ratio_high)
     loss = agg_loss(
         per_token, mask, loss_agg_mode, global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs
     )

@@ -175,7 +175,8 @@ def _host_key() -> int:
     key = os.environ.get("DISTFLOW_HOST_ID")
     if key is None:
         try:
-            boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                boot = f.read().strip()
         except OSError:
             boot = ""
         key = f"{socket.gethostname()}-{boot}"

@@ -127,7 +127,7 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
                 try:
                     results[rank] = received.count(ray.get(ref, timeout=60))
                 except Exception as e:
-                    raise WorkerFailed(_describe(rank, e, run_dir)) from None
+                    raise WorkerFailed(_root_cause(rank, e, pending, run_dir)) from None
         return [results[r] for r in range(num_workers)]
     finally:
         for actor in actors:
@@ -142,6 +142,35 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
             shutil.rmtree(cleanup, ignore_errors=True)
 
 
+def _root_cause(rank: int, error: Exception, pending: dict, run_dir: Path, grace_s: float = 5.0) -> str:
+    """When one worker fails the others usually fail right after it (their collectives
+    lose a peer). Collect what fails within a short grace period and report a worker
+    that *died* first, since a surviving worker's 'connection closed' is only an echo."""
+    import ray
+
+    failures = {rank: error}
+    done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=grace_s) if pending else ([], [])
+    for ref in done:
+        try:
+            ray.get(ref, timeout=10)
+        except Exception as e:
+            failures[pending[ref]] = e
+    died = sorted(r for r, e in failures.items() if isinstance(e, ray.exceptions.RayActorError))
+    first = died[0] if died else rank
+    others = len(failures) - 1
+    suffix = f"; {others} other worker(s) failed after it" if others else ""
+    return _describe(first, failures[first], run_dir) + suffix
+
+
+def _where(run_dir: Path, rank: int) -> str:
+    """' in stage X of step N' from the worker's status file, if it wrote one."""
+    try:
+        status = json.loads((run_dir / "status" / f"rank-{rank}.json").read_text())
+        return f" in stage '{status['stage']}' of step {status['step']}"
+    except (OSError, ValueError, KeyError):
+        return ""
+
+
 def _describe(rank: int, e: Exception, run_dir: Path) -> str:
     """One line for the user; the worker's full traceback goes to a file in the run folder."""
     import ray
@@ -152,6 +181,6 @@ def _describe(rank: int, e: Exception, run_dir: Path) -> str:
         path.write_text(cause.traceback_text)
         return f"worker {rank} failed: {cause.headline} (traceback: {path})"
     if isinstance(e, ray.exceptions.RayActorError):
-        return f"worker {rank} died: its process exited unexpectedly ({type(e).__name__})"
+        return f"worker {rank} died{_where(run_dir, rank)}: its process exited unexpectedly ({type(e).__name__})"
     return f"worker {rank} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 

@@ -6,6 +6,7 @@ takes its own prompts, and runs the step loop; workers meet only in collectives.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -70,7 +71,7 @@ class Trainer:
         return stages.prepare_sequences(rows, self.cfg, self.prefetch_tokenizer, share)
 
     def step(self, step: int, seqs: list[stages.Sequence_]) -> dict[str, float]:
-        cfg, store, timer, acc = self.cfg, self.store, StageTimer(), MeanAccumulator()
+        cfg, store, timer, acc = self.cfg, self.store, StageTimer(step, self._status), MeanAccumulator()
         moved, tp = TransferStats(), self.rollout_layout.tp_size
         store.clear()
         with timer("prompts"):
@@ -168,6 +169,14 @@ class Trainer:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             write_plot(history, self.run_dir / "reward.png")
         return summary
+
+    def _status(self, step: int, stage: str) -> None:
+        """Where this worker is, for the launcher: it names the stage when a worker dies."""
+        path = self.run_dir / "status" / f"rank-{self.rank}.json"
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"rank": self.rank, "pid": os.getpid(), "step": step, "stage": stage}))
+        os.replace(tmp, path)  # atomic: the launcher never reads half a file
 
     def _log(self, record: dict) -> None:
         if self.writer is not None:

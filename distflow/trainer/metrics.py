@@ -46,15 +46,29 @@ class MeanAccumulator:
         return out
 
 
+class StageFailed(RuntimeError):
+    """A stage raised: the message names the stage, the step and the original error."""
+
+
 class StageTimer:
-    def __init__(self) -> None:
+    """Times each named stage, tells `on_enter` which stage starts (the worker's
+    status file), and names the stage in any error raised inside it."""
+
+    def __init__(self, step: int = 0, on_enter=None) -> None:
         self.seconds: dict[str, float] = {}
+        self.step, self.on_enter = step, on_enter
 
     @contextmanager
     def __call__(self, stage: str):
+        if self.on_enter is not None:
+            self.on_enter(self.step, stage)
         start = time.perf_counter()
         try:
             yield
+        except StageFailed:
+            raise
+        except Exception as e:
+            raise StageFailed(f"stage '{stage}' of step {self.step} failed: {type(e).__name__}: {e}") from e
         finally:
             self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
 

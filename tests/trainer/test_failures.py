@@ -1,0 +1,64 @@
+"""A worker killed with SIGKILL mid-run: the launcher names it and its stage, stops the
+others and exits non-zero, well within 30 s. Done for real, with processes and signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _status(run_dir, rank: int):
+    try:
+        return json.loads((run_dir / "status" / f"rank-{rank}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def test_sigkilled_worker_is_named_with_its_stage_and_the_run_stops(tmp_path):
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
+    cmd = [sys.executable, "-m", "distflow.cli", "train", "trainer.total_steps=500", "trainer.eval_every=0",
+           "trainer.progress=false", "trainer.save_final=false", "data.train_batch_size=4",
+           "actor.ppo_mini_batch_size=4", "algorithm.group_size=4", "data.val_max_samples=8",
+           f"trainer.output_dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        status = _wait_for(lambda: (s := _status(run_dir, 1)) and s["step"] >= 2 and s, 240, "worker 1 at step 2")
+        os.kill(status["pid"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, stderr = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    print(f"\nkilled worker 1 -> launcher exit {proc.returncode} after {elapsed:.1f} s")
+    assert proc.returncode == 1, stderr[-3000:]
+    assert elapsed < 30, elapsed
+    error = [line for line in stderr.splitlines() if line.startswith("distflow: error:")]
+    assert len(error) == 1, stderr[-3000:]
+    print(error[0])
+    assert "worker 1 died in stage '" in error[0] and "of step" in error[0], error[0]
+    # the other worker was stopped too: no process of this run is left
+    survivor = _status(run_dir, 0)["pid"]
+    _wait_for(lambda: not os.path.exists(f"/proc/{survivor}") or
+              open(f"/proc/{survivor}/status").read().find("State:\tZ") >= 0, 30, "worker 0 to stop")
