@@ -40,15 +40,23 @@ def _count_for_budget(lengths: Sequence[int], max_tokens: int) -> int:
     return k
 
 
-def plan_micro_batches(lengths: Sequence[int], *, micro_batch_size: int | None = None,
-                       max_tokens: int | None = None, group=None) -> list[list[int]]:
-    """Row indices of each micro-batch; the same number of micro-batches on every rank."""
+def local_micro_batches(lengths: Sequence[int], *, micro_batch_size: int | None = None,
+                        max_tokens: int | None = None) -> list[list[int]]:
+    """This rank's micro-batches before the count is agreed (no collective)."""
     assert (micro_batch_size is None) != (max_tokens is None), "give exactly one policy"
     n = len(lengths)
     if micro_batch_size is not None:
-        k = _agree_max(math.ceil(n / micro_batch_size), group)
-        chunks = [list(range(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)]
-        return chunks + [[] for _ in range(k - len(chunks))]
-    k = _agree_max(_count_for_budget(list(lengths), max_tokens) if n else 1, group)
-    parts = karmarkar_karp(list(lengths), k) if n else [[] for _ in range(k)]
-    return [sorted(p) for p in parts]
+        return [list(range(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)]
+    if not n:
+        return []
+    return [sorted(p) for p in karmarkar_karp(list(lengths), _count_for_budget(list(lengths), max_tokens))]
+
+
+def plan_micro_batches(lengths: Sequence[int], *, micro_batch_size: int | None = None,
+                       max_tokens: int | None = None, group=None) -> list[list[int]]:
+    """Row indices of each micro-batch; the same number of micro-batches on every rank."""
+    parts = local_micro_batches(lengths, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+    k = _agree_max(max(len(parts), 1), group)
+    if max_tokens is not None and parts and len(parts) < k:  # more, smaller parts balance better
+        parts = [sorted(p) for p in karmarkar_karp(list(lengths), k)]
+    return parts + [[] for _ in range(k - len(parts))]

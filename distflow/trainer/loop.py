@@ -85,11 +85,12 @@ class Trainer:
                 stages.stage_reshard(store, self.train_layout, self.rollout_layout, "none", moved)
         with timer("advantage"):  # GRPO groups are whole on every replica
             stages.stage_advantage(store, cfg)
-        if tp > 1:  # to the training layout, balancing tokens over the DP ranks
-            with timer("reshard"):
-                stages.stage_reshard(store, self.rollout_layout, self.train_layout, "kk", moved)
-        with timer("ref_log_prob"):
-            stages.stage_ref_log_prob(store, self.ref, cfg)
+        if tp > 1:  # to the training layout, balanced over the DP ranks, streamed into the reference
+            with timer("reshard_ref_log_prob"):
+                stages.stage_stream_reshard_ref(store, self.rollout_layout, self.train_layout, self.ref, cfg, moved)
+        else:
+            with timer("ref_log_prob"):
+                stages.stage_ref_log_prob(store, self.ref, cfg)
         with timer("old_log_prob"):
             stages.stage_old_log_prob(store, self.actor, cfg)
         with timer("actor_update"):

@@ -25,8 +25,9 @@ from distflow.algos import core
 from distflow.config import Config
 from distflow.coordinator.executor import TransferStats, reshard
 from distflow.coordinator.layout import Layout
-from distflow.coordinator.microbatch import plan_micro_batches
+from distflow.coordinator.microbatch import local_micro_batches, plan_micro_batches
 from distflow.coordinator.store import LocalStore
+from distflow.coordinator.stream import stream_reshard
 from distflow.data.batch import Batch
 from distflow.data.dataset import PromptRow
 from distflow.engines.actor import FSDPActor, ReferenceModel
@@ -116,11 +117,15 @@ def sequence_lengths(batch: Batch) -> list[int]:
     return (batch["prompt_mask"].sum(-1) + batch["response_mask"].sum(-1)).tolist()
 
 
+def _micro_policy(cfg: Config) -> dict[str, int]:
+    if cfg.actor.use_dynamic_bsz:
+        return {"max_tokens": cfg.actor.max_tokens_per_micro_batch}
+    return {"micro_batch_size": cfg.actor.micro_batch_size}
+
+
 def micro_batches(batch: Batch, cfg: Config) -> list[list[int]]:
     """The same number of micro-batches on every rank (FSDP's lockstep)."""
-    if cfg.actor.use_dynamic_bsz:
-        return plan_micro_batches(sequence_lengths(batch), max_tokens=cfg.actor.max_tokens_per_micro_batch)
-    return plan_micro_batches(sequence_lengths(batch), micro_batch_size=cfg.actor.micro_batch_size)
+    return plan_micro_batches(sequence_lengths(batch), **_micro_policy(cfg))
 
 
 def stage_ref_log_prob(store: LocalStore, ref: ReferenceModel | None, cfg: Config) -> None:
@@ -148,6 +153,24 @@ def stage_reshard(store: LocalStore, src: Layout, dst: Layout, balance: str, sta
     new, _, _ = reshard(batch, batch["sample_id"], sequence_lengths(batch), src, dst,
                         balance=balance, tolerance=0.02, stats=stats)
     store.replace(new)
+
+
+def stage_stream_reshard_ref(store: LocalStore, src: Layout, dst: Layout, ref: ReferenceModel | None,
+                             cfg: Config, stats: TransferStats) -> None:
+    """Reshard to the training layout in micro-batch chunks (double-buffered): the
+    reference model scores chunk i while chunk i+1 is in flight."""
+    batch = store.all()
+    chunks = stream_reshard(batch, batch["sample_id"], sequence_lengths(batch), src, dst,
+                            lambda lengths: local_micro_batches(lengths, **_micro_policy(cfg)),
+                            balance="kk", tolerance=0.02, stats=stats)
+    pieces = []
+    for _, (chunk, _) in chunks:
+        if len(chunk) and ref is not None:  # the replicated reference needs no lockstep
+            view = Batch({k: chunk[k] for k in ("prompts", "prompt_mask", "responses", "response_mask")})
+            chunk.tensors["ref_log_probs"] = ref.compute_log_probs(view, [list(range(len(chunk)))])
+        if len(chunk):
+            pieces.append(chunk)
+    store.replace(Batch.concat(pieces))
 
 
 def stage_advantage(store: LocalStore, cfg: Config) -> None:
