@@ -107,8 +107,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
 
+    def evaluate(self, step: int) -> float:
+        with StageTimer(step, self._status)("evaluate"):  # named in errors and in the status file
+            return self._evaluate()
+
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def _evaluate(self) -> float:
         """Greedy held-out accuracy over all workers (validation rows interleaved)."""
         rows = self.val_rows
         correct = 0.0
@@ -131,7 +135,7 @@ class Trainer:
     def fit(self) -> dict:
         cfg, start = self.cfg, time.time()
         total, eval_every = cfg.trainer.total_steps, cfg.trainer.eval_every
-        initial = self.evaluate()
+        initial = self.evaluate(0)
         self._log({"step": 0, "val/accuracy": initial})
         bar = self._progress_bar(total)
         tokens, train_seconds, final = 0.0, 0.0, initial
@@ -146,7 +150,7 @@ class Trainer:
             metrics.update({"step": step, "time/step": seconds,
                             "perf/tokens_per_second": metrics["tokens/total"] / seconds})
             if step == total or (eval_every and step % eval_every == 0):
-                final = metrics["val/accuracy"] = self.evaluate()
+                final = metrics["val/accuracy"] = self.evaluate(step)
             if cfg.trainer.save_every and step % cfg.trainer.save_every == 0 and step != total:
                 self._save(f"step_{step}")
             self._log(metrics)
