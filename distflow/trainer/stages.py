@@ -1,8 +1,13 @@
 """The named stages of one RL step on one worker. Each reads fields from the worker's
 local store and adds the fields it produces; the step loop calls them in order.
 
-    prompts -> rollout -> reward, ref_log_prob, old_log_prob -> advantage -> actor_update
-              -> weight_sync
+    prompts -> rollout -> reward -> advantage -> ref_log_prob -> old_log_prob
+            -> actor_update -> weight_sync
+
+With rollout TP groups (rollout.tensor_parallel_size > 1) two reshards join in: after
+reward, the replica's halves are gathered on every member (advantage needs whole GRPO
+groups); after advantage, the samples move to the balanced data-parallel training
+layout, streamed in micro-batch chunks into ref_log_prob.
 
 Fields (one row per response, n rows per prompt, prompts interleaved over replicas):
   sample_id, sample_k                          meta: position * n + k in the step; k
