@@ -114,7 +114,19 @@ def _exec_torchrun(cfg: Config, args: argparse.Namespace) -> int:
            f"--nproc-per-node={cfg.runtime.num_workers}", "-m", "distflow.train"]
     cmd += (["--config", args.config] if args.config else []) + list(args.overrides)
     cmd += [f"trainer.output_dir={cfg.trainer.output_dir}"]
-    return subprocess.call(cmd)
+    code = subprocess.call(cmd)
+    if code != 0:  # torchrun has printed the failed ranks; add where each worker was
+        return _fail(f"torchrun workers failed (exit {code}); last stage per worker: "
+                     f"{_worker_stages(Path(cfg.trainer.output_dir))}", EXIT_FAILED)
+    return 0
+
+
+def _worker_stages(run_dir: Path) -> str:
+    found = []
+    for path in sorted((run_dir / "status").glob("rank-*.json")):
+        status = json.loads(path.read_text())
+        found.append(f"rank {status['rank']} '{status['stage']}' of step {status['step']}")
+    return ", ".join(found) or "none recorded (they failed before the first stage)"
 
 
 def _print_summary(summary: dict) -> None:
