@@ -32,6 +32,23 @@ def _status(run_dir, rank: int):
         return None
 
 
+def _kill_worker_1_mid_run(cmd: list[str], run_dir, cwd, env) -> tuple[int, str, float]:
+    """Start the run, SIGKILL worker 1 once it is at step 2; (exit code, stderr, seconds
+    from the kill to the launcher's exit). Cleans up the whole process group."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        status = _wait_for(lambda: (s := _status(run_dir, 1)) and s["step"] >= 2 and s, 240, "worker 1 at step 2")
+        os.kill(status["pid"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, stderr = proc.communicate(timeout=90)
+        return proc.returncode, stderr, time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
 def test_sigkilled_worker_is_named_with_its_stage_and_the_run_stops(tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
@@ -39,20 +56,9 @@ def test_sigkilled_worker_is_named_with_its_stage_and_the_run_stops(tmp_path):
            "trainer.progress=false", "trainer.save_final=false", "data.train_batch_size=4",
            "actor.ppo_mini_batch_size=4", "algorithm.group_size=4", "data.val_max_samples=8",
            f"trainer.output_dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        status = _wait_for(lambda: (s := _status(run_dir, 1)) and s["step"] >= 2 and s, 240, "worker 1 at step 2")
-        os.kill(status["pid"], signal.SIGKILL)
-        killed_at = time.monotonic()
-        _, stderr = proc.communicate(timeout=60)
-        elapsed = time.monotonic() - killed_at
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-    print(f"\nkilled worker 1 -> launcher exit {proc.returncode} after {elapsed:.1f} s")
-    assert proc.returncode == 1, stderr[-3000:]
+    returncode, stderr, elapsed = _kill_worker_1_mid_run(cmd, run_dir, tmp_path, env)
+    print(f"\nkilled worker 1 -> launcher exit {returncode} after {elapsed:.1f} s")
+    assert returncode == 1, stderr[-3000:]
     assert elapsed < 30, elapsed
     error = [line for line in stderr.splitlines() if line.startswith("distflow: error:")]
     assert len(error) == 1, stderr[-3000:]
@@ -71,19 +77,8 @@ def test_torchrun_worker_killed_mid_run_fails_the_run_naming_stages(tmp_path):
            "trainer.eval_every=0", "trainer.progress=false", "trainer.save_final=false", "data.train_batch_size=4",
            "actor.ppo_mini_batch_size=4", "algorithm.group_size=4", "data.val_max_samples=8",
            f"trainer.output_dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        status = _wait_for(lambda: (s := _status(run_dir, 1)) and s["step"] >= 2 and s, 240, "worker 1 at step 2")
-        os.kill(status["pid"], signal.SIGKILL)
-        killed_at = time.monotonic()
-        _, stderr = proc.communicate(timeout=90)
-        elapsed = time.monotonic() - killed_at
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-    assert proc.returncode == 1 and elapsed < 30, (proc.returncode, elapsed, stderr[-3000:])
+    returncode, stderr, elapsed = _kill_worker_1_mid_run(cmd, run_dir, tmp_path, env)
+    assert returncode == 1 and elapsed < 30, (returncode, elapsed, stderr[-3000:])
     error = [line for line in stderr.splitlines() if line.startswith("distflow: error:")]
     assert len(error) == 1 and "torchrun workers failed" in error[0], stderr[-3000:]
     assert "rank 1 '" in error[0] and "of step" in error[0], error[0]
