@@ -46,10 +46,6 @@ class TransferStats:
     meta_received: int = 0
     shm_sent: int = 0  # the part of payload_sent that went through shared memory
 
-    def add(self, other: "TransferStats") -> None:
-        for name in ("payload_sent", "payload_received", "meta_sent", "meta_received"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
     def as_metrics(self, prefix: str = "coordinator/") -> dict[str, int]:
         return {f"{prefix}{k}_bytes": v for k, v in vars(self).items()}
 
@@ -261,14 +257,24 @@ def _exchange(plan: ReshardPlan, batch: Batch, row_of: dict[int, int], rank: int
     return pieces
 
 
+def plan_collectively(sample_ids: Sequence[int], lengths: Sequence[int], src: Layout, dst: Layout, *,
+                      balance: str = "kk", equal_count: bool = False, tolerance: float = 0.0, group=None,
+                      stats: TransferStats | None = None) -> tuple[ReshardPlan, dict[int, int]]:
+    """The metadata all-gather, then the same pure plan on every rank. Returns the plan
+    and every sample's length."""
+    holdings, all_lengths = gather_metadata(sample_ids, lengths, group, stats)
+    plan = plan_reshard(src, dst, holdings, all_lengths, balance=balance, equal_count=equal_count,
+                        tolerance=tolerance)
+    return plan, all_lengths
+
+
 def reshard(batch: Batch, sample_ids: Sequence[int], lengths: Sequence[int], src: Layout, dst: Layout,
             *, balance: str = "kk", equal_count: bool = False, tolerance: float = 0.0, group=None,
             stats: TransferStats | None = None, transport: str = "auto") -> tuple[Batch, list[int], ReshardPlan]:
     """Metadata all-gather, the same plan on every rank, then the payload exchange.
     transport: "auto" (shared memory between ranks on one host, the collective backend
     across hosts) or "gloo" (the collective backend for everything)."""
-    holdings, all_lengths = gather_metadata(sample_ids, lengths, group, stats)
-    plan = plan_reshard(src, dst, holdings, all_lengths, balance=balance, equal_count=equal_count,
-                        tolerance=tolerance)
+    plan, _ = plan_collectively(sample_ids, lengths, src, dst, balance=balance, equal_count=equal_count,
+                                tolerance=tolerance, group=group, stats=stats)
     new_batch, new_ids = execute(plan, batch, sample_ids, group, stats, transport)
     return new_batch, new_ids, plan

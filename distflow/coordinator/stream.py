@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from distflow.coordinator.double_buffer import DoubleBuffer, EventLog, background_group
-from distflow.coordinator.executor import TransferStats, execute, gather_metadata
+from distflow.coordinator.executor import TransferStats, execute, plan_collectively
 from distflow.coordinator.layout import Layout
-from distflow.coordinator.planner import ReshardPlan, plan_reshard
+from distflow.coordinator.planner import ReshardPlan
 from distflow.data.batch import Batch
 
 Chunker = Callable[[list[int]], list[list[int]]]  # lengths -> row indices of each micro-batch
@@ -45,8 +45,8 @@ def stream_reshard(batch: Batch, sample_ids: Sequence[int], lengths: Sequence[in
                    log: EventLog | None = None) -> Iterator[tuple[int, tuple[Batch, list[int]]]]:
     """Plan on the default group; yield (i, (chunk batch, chunk sample ids)) with chunk
     i+1 already in flight on the background group."""
-    holdings, all_lengths = gather_metadata(sample_ids, lengths, None, stats)
-    plan = plan_reshard(src, dst, holdings, all_lengths, balance=balance, tolerance=tolerance)
+    plan, all_lengths = plan_collectively(sample_ids, lengths, src, dst, balance=balance,
+                                          tolerance=tolerance, stats=stats)
     subs = chunk_plans(plan, all_lengths, range(dst.world_size), chunker)
     group = background_group()
     return iter(DoubleBuffer(lambda i: execute(subs[i], batch, sample_ids, group, stats), len(subs), log))

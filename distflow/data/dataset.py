@@ -7,6 +7,7 @@ so one code path serves both. A malformed row is an error naming the file and ro
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 from dataclasses import dataclass, field
@@ -92,8 +93,6 @@ class _ParquetSource:
         self.num_rows, self.rows_read, self._cache = self.starts[-1], 0, {}
 
     def read(self, index: int) -> Any:
-        import bisect
-
         group = bisect.bisect_right(self.starts, index) - 1
         if group not in self._cache:
             self._cache = {group: self.file.read_row_group(group).to_pylist()}  # keep one group
@@ -172,8 +171,6 @@ class ShardedDataset:
         return sum(s.rows_read for s in self.sources)
 
     def __getitem__(self, index: int) -> PromptRow:
-        import bisect
-
         which = bisect.bisect_right(self.starts, index) - 1
         local = index - self.starts[which]
         return _row(self.sources[which].read(local), index, f"{self.names[which]}: row {local}")

@@ -41,7 +41,7 @@ class ShardedSampler:
         return out
 
     def local_indices(self, step: int) -> list[int]:
-        return self.global_indices(step)[self.rank::self.world_size]
+        return [index for _, index in self.local_positions(step)]
 
     def local_positions(self, step: int) -> list[tuple[int, int]]:
         """(position in the step's global batch, dataset row) of this rank's prompts."""

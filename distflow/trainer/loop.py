@@ -45,9 +45,9 @@ class Trainer:
         # Layouts: rollout replicas are TP groups; training is data-parallel over all ranks.
         self.rollout_layout = Layout(self.world, tp_size=cfg.rollout.tensor_parallel_size)
         self.train_layout = Layout.data_parallel(self.world)
-        self.replica = self.rollout_layout.dp_rank(self.rank)
         self.sampler = ShardedSampler(len(self.train_rows), cfg.data.train_batch_size,
-                                      self.replica, self.rollout_layout.dp_size, cfg.trainer.seed)
+                                      self.rollout_layout.dp_rank(self.rank), self.rollout_layout.dp_size,
+                                      cfg.trainer.seed)
         self.reward_fn = load_reward_fn(cfg.reward.custom_fn)
         torch.manual_seed(cfg.trainer.seed)
         self.actor = FSDPActor(load_causal_lm(cfg.model.path, cfg.model.dtype),

@@ -170,11 +170,12 @@ def stage_stream_reshard_ref(store: LocalStore, src: Layout, dst: Layout, ref: R
                             balance="kk", tolerance=0.02, stats=stats)
     pieces = []
     for _, (chunk, _) in chunks:
-        if len(chunk) and ref is not None:  # the replicated reference needs no lockstep
+        if not len(chunk):  # this rank has nothing in this chunk; the replicated reference needs no lockstep
+            continue
+        if ref is not None:
             view = Batch({k: chunk[k] for k in ("prompts", "prompt_mask", "responses", "response_mask")})
             chunk.tensors["ref_log_probs"] = ref.compute_log_probs(view, [list(range(len(chunk)))])
-        if len(chunk):
-            pieces.append(chunk)
+        pieces.append(chunk)
     store.replace(Batch.concat(pieces))
 
 
