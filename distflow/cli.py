@@ -4,6 +4,7 @@
     distflow build-tiny-model [--out DIR]
     distflow make-data --split train --num 1000 --out FILE.parquet
     distflow bench dataplane [--quick] [--workers N ...] [--json FILE] [--results-md FILE]
+    distflow dag show [ALGORITHM] [--out PATH] [--config FILE] [section.key=value ...]
 
 A config or input error prints one line and exits with code 2; a failed worker exits 1.
 """
@@ -81,11 +82,21 @@ class LauncherProgress:
             self.bar.close()
 
 
+def _graph(cfg: Config):
+    """The run's task graph, validated and its callables imported: fails before any worker starts."""
+    from distflow.dag.recipes import build_graph
+
+    graph = build_graph(cfg)
+    graph.resolve()
+    return graph
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         check_inputs(cfg)
-    except ConfigError as e:
+        _graph(cfg)
+    except ValueError as e:  # ConfigError, GraphError
         return _fail(str(e))
     run_dir = new_run_dir(cfg)
     cfg.trainer.output_dir = str(run_dir)
@@ -158,6 +169,36 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return dataplane_main(args.bench_args)
 
 
+def cmd_dag_show(args: argparse.Namespace) -> int:
+    """Print the graph and write a picture: Graphviz (PNG and SVG) where `dot` exists,
+    the DOT source always, and Mermaid text (renders on GitHub) otherwise."""
+    import shutil
+
+    overrides = list(args.overrides) + ([f"algorithm.name={args.algorithm}"] if args.algorithm else [])
+    try:
+        cfg = load_config(args.config, overrides)
+        graph = _graph(cfg)
+    except ValueError as e:
+        return _fail(str(e))
+    title = cfg.algorithm.name + (f" + {cfg.algorithm.graph}" if cfg.algorithm.graph else "")
+    print(f"{title}: {len(graph.nodes)} nodes, in the order every worker runs them\n{graph.describe()}")
+    out = Path(args.out or f"dag-{cfg.algorithm.name}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".dot").write_text(graph.to_dot(title))
+    written = [out.with_suffix(".dot")]
+    if shutil.which("dot"):
+        for fmt in ("png", "svg"):
+            subprocess.run(["dot", f"-T{fmt}", str(out.with_suffix(".dot")), "-o", str(out.with_suffix(f".{fmt}"))],
+                           check=True)
+            written.append(out.with_suffix(f".{fmt}"))
+    else:
+        out.with_suffix(".mmd").write_text(graph.to_mermaid())
+        written.append(out.with_suffix(".mmd"))
+        print("(graphviz's `dot` is not installed: wrote Mermaid text instead of a PNG)")
+    print("wrote " + ", ".join(map(str, written)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="distflow", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -184,6 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
                                      help="Data Coordinator vs single-controller data path")
     dataplane.add_argument("bench_args", nargs=argparse.REMAINDER)
     dataplane.set_defaults(fn=cmd_bench)
+    dag = sub.add_parser("dag", help="the algorithm's task graph")
+    dag_sub = dag.add_subparsers(dest="dag_command", required=True)
+    show = dag_sub.add_parser("show", help="print the graph and write a picture (DOT/PNG/SVG or Mermaid)")
+    show.add_argument("algorithm", nargs="?", help="a recipe name (default: algorithm.name of the config)")
+    show.add_argument("--out", help="path without suffix for the picture files (default: dag-ALGORITHM)")
+    show.add_argument("--config", help="YAML config (e.g. with algorithm.graph)")
+    show.add_argument("overrides", nargs="*", help="section.key=value")
+    show.set_defaults(fn=cmd_dag_show)
     return parser
 
 

@@ -31,6 +31,16 @@ def _spec(default: Any, *, min: float | None = None, max: float | None = None,
 
 
 BUILTIN_MODEL = "builtin:tiny-arith"
+ALGORITHMS = ("grpo", "dr_grpo", "ppo", "dapo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+              "rloo", "gspo")
+# What choosing a recipe changes, unless the user sets the key explicitly.
+RECIPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "dr_grpo": {"algorithm.loss_agg_mode": "seq-mean-token-sum-norm"},
+    "dapo": {"algorithm.clip_ratio_high": 0.28, "algorithm.loss_agg_mode": "token-mean",
+             "algorithm.use_kl_loss": False, "algorithm.overlong_buffer_len": 8},
+    "gspo": {"algorithm.clip_ratio_low": 3e-4, "algorithm.clip_ratio_high": 4e-4,
+             "algorithm.loss_agg_mode": "seq-mean-token-mean"},
+}
 
 
 @dataclass(kw_only=True)
@@ -59,7 +69,8 @@ class RolloutConfig:
 
 @dataclass(kw_only=True)
 class AlgorithmConfig:
-    name: str = _spec("grpo", choices=("grpo", "dr_grpo"))
+    name: str = _spec("grpo", choices=ALGORITHMS, doc="the recipe: a built-in task graph (distflow dag show NAME)")
+    graph: str | None = _spec(None, doc="YAML graph file: nodes added to (or replacing) the recipe's")
     group_size: int = _spec(8, min=1, doc="responses per prompt (n)")
     clip_ratio_low: float = _spec(0.2, min=0.0, max=1.0)
     clip_ratio_high: float = _spec(0.2, min=0.0)
@@ -70,6 +81,11 @@ class AlgorithmConfig:
     kl_coef: float = _spec(0.001, min=0.0)
     kl_type: str = _spec("low_var_kl", choices=("k1", "k2", "k3", "low_var_kl", "abs"))
     entropy_coef: float = _spec(0.0, min=0.0)
+    gamma: float = _spec(1.0, min=0.0, max=1.0, doc="discount (PPO's GAE, REINFORCE++)")
+    lam: float = _spec(1.0, min=0.0, max=1.0, doc="GAE lambda")
+    max_refill_rounds: int = _spec(3, min=0, doc="DAPO dynamic sampling: extra generation rounds per step")
+    overlong_buffer_len: int = _spec(0, min=0, doc="DAPO overlong shaping: tokens before the limit where the penalty ramps; 0 = off")
+    overlong_penalty_factor: float = _spec(1.0, min=0.0)
 
 
 @dataclass(kw_only=True)
@@ -82,6 +98,20 @@ class ActorConfig:
     micro_batch_size: int = _spec(64, min=1, doc="sequences per forward/backward on one worker")
     use_dynamic_bsz: bool = _spec(False, doc="form micro-batches by token budget instead of count")
     max_tokens_per_micro_batch: int = _spec(4096, min=1, doc="token budget with use_dynamic_bsz")
+
+
+@dataclass(kw_only=True)
+class CriticConfig:
+    lr: float = _spec(1e-4, min=0.0, doc="PPO's critic (value head on a copy of the policy)")
+    value_clip: float = _spec(0.5, min=0.0, doc="clip range of the value loss")
+    grad_clip: float = _spec(1.0, min=0.0)
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    overlap: bool = _spec(True, doc="run independent nodes concurrently and stream rollout chunks")
+    threads: int = _spec(2, min=1, doc="thread pool for non-collective nodes")
+    stream_chunk_size: int = _spec(32, min=1, doc="sequences per rollout chunk that consumers start on")
 
 
 @dataclass(kw_only=True)
@@ -98,6 +128,7 @@ class TrainerConfig:
     save_every: int = _spec(0, min=0, doc="steps between checkpoints; 0 = only at the end")
     save_final: bool = _spec(True)
     progress: bool = _spec(True)
+    trace_steps: str = _spec("", doc="comma-separated steps to write a Chrome trace of (run_dir/traces)")
 
 
 @dataclass(kw_only=True)
@@ -117,6 +148,8 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -223,6 +256,12 @@ def _validate_cross(cfg: Config) -> None:
             raise ConfigError(
                 f"model.path={cfg.model.path!r}: not a local HuggingFace model folder "
                 f"(no config.json there); use {BUILTIN_MODEL} or a folder made by save_pretrained")
+    if cfg.algorithm.graph is not None and not os.path.isfile(os.path.expanduser(cfg.algorithm.graph)):
+        raise ConfigError(f"algorithm.graph={cfg.algorithm.graph!r}: no such file")
+    buffer = cfg.algorithm.overlong_buffer_len
+    if buffer > cfg.rollout.max_new_tokens:
+        raise ConfigError(f"algorithm.overlong_buffer_len={buffer}: must be <= rollout.max_new_tokens="
+                          f"{cfg.rollout.max_new_tokens}")
     if cfg.reward.custom_fn is not None and ":" not in cfg.reward.custom_fn:
         raise ConfigError(f"reward.custom_fn={cfg.reward.custom_fn!r}: expected module:function or path.py:function")
 
@@ -253,7 +292,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    cfg = Config()
+    cfg, given = Config(), set()
     if path is not None:
         if not os.path.isfile(path):
             raise ConfigError(f"--config {path}: no such file")
@@ -266,8 +305,14 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
             raise ConfigError(f"--config {path}: top level must be a mapping of sections")
         for key, value in _flatten(tree):
             _set(cfg, key, value)
+            given.add(key)
     for text in overrides:
-        _set(cfg, *parse_override(text))
+        key, value = parse_override(text)
+        _set(cfg, key, value)
+        given.add(key)
+    for key, value in RECIPE_DEFAULTS.get(cfg.algorithm.name, {}).items():
+        if key not in given:
+            _set(cfg, key, value)
     return validate(cfg)
 
 

@@ -50,33 +50,46 @@ def shard_model(model) -> None:
 MicroBatches = list[list[int]]  # row indices per micro-batch; [] = a lockstep-only pass
 
 
-def _forward_chunks(model, batch: Batch, micro_batches: MicroBatches, with_entropy: bool):
+Forward = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # (model, micro, train) -> per-token outputs
+
+
+def policy_forward(model, micro: Batch, train: bool):
+    """Log-probs of the responses, and their entropy when training."""
+    return forward_response(model, micro["prompts"], micro["prompt_mask"], micro["responses"],
+                            micro["response_mask"], with_entropy=train)
+
+
+def _forward_chunks(model, batch: Batch, micro_batches: MicroBatches, forward: Forward, train: bool):
     for rows in micro_batches:
         # An empty micro-batch still runs (FSDP's collectives need every rank), on one
         # row with its response masked out: its loss and gradient are exactly zero.
         micro = batch.select(rows or [0])
         if not rows:
             micro.tensors["response_mask"] = torch.zeros_like(micro["response_mask"])
-        log_probs, entropy = forward_response(model, micro["prompts"], micro["prompt_mask"],
-                                              micro["responses"], micro["response_mask"], with_entropy)
-        yield rows, micro, log_probs, entropy
+        out, extra = forward(model, micro, train)
+        yield rows, micro, out, extra
 
 
-def _gather_rows(batch: Batch, model, micro_batches: MicroBatches) -> torch.Tensor:
-    """Log-probs of every row of `batch`, in row order."""
+def _gather_rows(batch: Batch, model, micro_batches: MicroBatches, forward: Forward = policy_forward) -> torch.Tensor:
+    """Per-token outputs (log-probs, values) of every row of `batch`, in row order."""
     out = torch.zeros(batch["responses"].shape, dtype=torch.float32)
-    for rows, _, lp, _ in _forward_chunks(model, batch, micro_batches, False):
+    for rows, _, values, _ in _forward_chunks(model, batch, micro_batches, forward, False):
         if rows:
-            out[rows] = lp.float().cpu()
+            out[rows] = values.float().cpu()
     return out
 
 
-class FSDPActor:
+class FSDPTrainable:
+    """A model sharded with FSDP2 and its optimizer: the actor, or the critic."""
+
+    forward: Forward = staticmethod(policy_forward)
+
     def __init__(self, model, optim: OptimConfig, device: torch.device):
         self.device = device
         self.dp_size = dist.get_world_size() if dist.is_initialized() else 1
         self.model = model.to(device)
-        self.model.config.use_cache = False
+        if hasattr(self.model, "config"):
+            self.model.config.use_cache = False
         if dist.is_initialized():
             shard_model(self.model)
         self.optim = optim
@@ -84,9 +97,9 @@ class FSDPActor:
                                            weight_decay=optim.weight_decay)
 
     @torch.no_grad()
-    def compute_log_probs(self, batch: Batch, micro_batches: MicroBatches) -> torch.Tensor:
+    def compute(self, batch: Batch, micro_batches: MicroBatches) -> torch.Tensor:
         self.model.eval()
-        return _gather_rows(batch.to_device(self.device), self.model, micro_batches)
+        return _gather_rows(batch.to_device(self.device), self.model, micro_batches, type(self).forward)
 
     def train_mini_batch(self, batch: Batch, micro_batches: MicroBatches, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over `batch` (this rank's share of a mini-batch).
@@ -96,9 +109,9 @@ class FSDPActor:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
-        for _, micro, log_probs, entropy in _forward_chunks(self.model, batch.to_device(self.device),
-                                                            micro_batches, True):
-            loss, metrics = loss_fn(log_probs, entropy, micro)
+        for _, micro, out, extra in _forward_chunks(self.model, batch.to_device(self.device),
+                                                    micro_batches, type(self).forward, True):
+            loss, metrics = loss_fn(out, extra, micro)
             (loss * self.dp_size).backward()
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v
@@ -110,6 +123,11 @@ class FSDPActor:
             self.optimizer.step()
         totals["grad_norm"] = grad_norm
         return totals
+
+
+class FSDPActor(FSDPTrainable):
+    def compute_log_probs(self, batch: Batch, micro_batches: MicroBatches) -> torch.Tensor:
+        return self.compute(batch, micro_batches)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded weights on every rank (an all-gather when sharded)."""
@@ -132,4 +150,4 @@ class ReferenceModel:
 
     @torch.no_grad()
     def compute_log_probs(self, batch: Batch, micro_batches: MicroBatches) -> torch.Tensor:
-        return _gather_rows(batch.to_device(self.device), self.model, micro_batches)
+        return _gather_rows(batch.to_device(self.device), self.model, micro_batches, policy_forward)

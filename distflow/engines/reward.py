@@ -11,11 +11,10 @@ as `package.module:function` or `path/to/file.py:function`.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
 import re
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
+
+from distflow.plugins import load_callable
 
 _HASH_ANSWER = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
 
@@ -60,24 +59,4 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth: str
 
 def load_reward_fn(spec: str | None) -> RewardFn:
     """`None` -> the default; `module:function` or `file.py:function` -> that function."""
-    if spec is None:
-        return default_compute_score
-    target, _, name = spec.rpartition(":")
-    if not target or not name:
-        raise ValueError(f"reward.custom_fn={spec!r}: expected module:function or path.py:function")
-    if target.endswith(".py"):
-        path = os.path.abspath(os.path.expanduser(target))
-        if not os.path.isfile(path):
-            raise ValueError(f"reward.custom_fn={spec!r}: no such file {path}")
-        module_spec = importlib.util.spec_from_file_location(f"distflow_user_reward_{abs(hash(path))}", path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as e:
-            raise ValueError(f"reward.custom_fn={spec!r}: cannot import {target} ({e})") from None
-    fn: Callable | None = getattr(module, name, None)
-    if not callable(fn):
-        raise ValueError(f"reward.custom_fn={spec!r}: {target} has no function {name}")
-    return fn
+    return default_compute_score if spec is None else load_callable(spec, "reward.custom_fn")

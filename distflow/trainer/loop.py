@@ -1,7 +1,8 @@
 """The worker program. Every worker runs `run_worker` (SPMD): it loads the engines,
 takes its own prompts, and runs the step loop; workers meet only in collectives.
 
-`Trainer.step` is the whole algorithm, as named stages (see stages.py)."""
+`Trainer.step` runs the algorithm's task graph (distflow/dag/recipes.py) with the
+per-worker scheduler; the nodes' code is in nodes.py."""
 
 from __future__ import annotations
 
@@ -13,20 +14,54 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import threading
+
 from distflow.config import Config, from_dict
 from distflow.coordinator.double_buffer import DoubleBuffer
 from distflow.coordinator.executor import TransferStats
 from distflow.coordinator.layout import Layout
 from distflow.coordinator.store import LocalStore
+from distflow.dag.recipes import build_graph
+from distflow.dag.scheduler import Placement, Scheduler, chrome_trace, node_seconds
+from distflow.data.batch import Batch
 from distflow.data.dataset import ShardedDataset
 from distflow.data.loader import ShardedSampler
 from distflow.engines.actor import FSDPActor, OptimConfig, ReferenceModel
 from distflow.engines.common import load_causal_lm, load_tokenizer
+from distflow.engines.critic import FSDPCritic
 from distflow.engines.reward import load_reward_fn
 from distflow.engines.rollout import HFRolloutEngine, SamplingParams
-from distflow.trainer import stages
+from distflow.trainer import nodes
 from distflow.trainer.metrics import MeanAccumulator, MetricsWriter, StageTimer
 from distflow.trainer.report import save_checkpoint, write_plot
+
+
+class RefillPrompts:
+    """More prompts for a refilling filter (DAPO's dynamic sampling): round r of step s
+    draws a fresh batch from its own seeded stream, so it never touches the steps'
+    data order and is the same for any number of workers."""
+
+    def __init__(self, trainer: "Trainer"):
+        self.trainer, cfg = trainer, trainer.cfg
+        self.target_groups, self.max_rounds = cfg.data.train_batch_size, cfg.algorithm.max_refill_rounds
+
+    def prompts(self, round_: int) -> Batch:
+        t = self.trainer
+        batch = t.cfg.data.train_batch_size
+        sampler = ShardedSampler(len(t.train_rows), batch, t.rollout_layout.dp_rank(t.rank),
+                                 t.rollout_layout.dp_size, t.cfg.trainer.seed + 1_000_003 * round_)
+        return t.source_batch(sampler.local_positions(t.ctx.step), t.tokenizer, offset=round_ * batch)
+
+    def group_keys(self, batch: Batch) -> list[int]:
+        return batch["group"].tolist()
+
+    def renumber(self, batch: Batch, kept: list[int]) -> Batch:
+        """Mini-batches over the kept groups, in key order (spread evenly if fewer than asked)."""
+        cfg = self.trainer.cfg
+        count = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
+        index = {k: i * count // len(kept) for i, k in enumerate(kept)}
+        batch.tensors["mini_batch"] = torch.tensor([index[k] for k in batch["group"].tolist()], dtype=torch.long)
+        return batch
 
 
 class Trainer:
@@ -34,6 +69,7 @@ class Trainer:
         self.cfg, self.run_dir, self.device = cfg, run_dir, device
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.graph = build_graph(cfg)  # validated (and its callables imported) before any model loads
         self.tokenizer = load_tokenizer(cfg.model.path)
         # The prefetch thread gets its own instance: HF fast tokenizers may mutate their
         # padding/truncation state per call, which two threads must not share.
@@ -48,61 +84,66 @@ class Trainer:
         self.sampler = ShardedSampler(len(self.train_rows), cfg.data.train_batch_size,
                                       self.rollout_layout.dp_rank(self.rank), self.rollout_layout.dp_size,
                                       cfg.trainer.seed)
-        self.reward_fn = load_reward_fn(cfg.reward.custom_fn)
+        roles = {n.role for n in self.graph.nodes}
         torch.manual_seed(cfg.trainer.seed)
-        self.actor = FSDPActor(load_causal_lm(cfg.model.path, cfg.model.dtype),
-                               OptimConfig(lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay,
-                                           grad_clip=cfg.actor.grad_clip), device)
-        self.rollout = HFRolloutEngine(load_causal_lm(cfg.model.path, cfg.model.dtype, device), self.tokenizer,
-                                       cfg.rollout.micro_batch_size)
-        self.ref = (ReferenceModel(load_causal_lm(cfg.model.path, cfg.model.dtype), device)
-                    if cfg.algorithm.use_kl_loss else None)
+        actor = FSDPActor(load_causal_lm(cfg.model.path, cfg.model.dtype),
+                          OptimConfig(lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay,
+                                      grad_clip=cfg.actor.grad_clip), device)
+        rollout = HFRolloutEngine(load_causal_lm(cfg.model.path, cfg.model.dtype, device), self.tokenizer,
+                                  cfg.rollout.micro_batch_size)
+        ref = (ReferenceModel(load_causal_lm(cfg.model.path, cfg.model.dtype), device)
+               if "reference" in roles else None)
+        critic = (FSDPCritic(load_causal_lm(cfg.model.path, cfg.model.dtype),
+                             OptimConfig(lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip), device)
+                  if roles & {"critic_forward", "critic_train"} else None)
+        self.ctx = nodes.WorkerContext(cfg=cfg, tokenizer=self.tokenizer, rollout=rollout, actor=actor, ref=ref,
+                                       critic=critic, reward_fn=load_reward_fn(cfg.reward.custom_fn))
+        self.rollout, self.actor = rollout, actor
+        self.placement = Placement(self.rollout_layout, self.train_layout)
+        self._status_lock = threading.Lock()
+        self.scheduler = Scheduler(self.graph, placement=self.placement, overlap=cfg.scheduler.overlap,
+                                   threads=cfg.scheduler.threads,
+                                   refill=RefillPrompts(self) if any(n.refill for n in self.graph.nodes) else None,
+                                   on_node=lambda name: self._status(self.ctx.step, name))
+        self.trace_steps = {int(s) for s in str(cfg.trainer.trace_steps).replace(" ", "").split(",") if s}
         self.store = LocalStore()
         self.writer = MetricsWriter(run_dir / "metrics.jsonl") if self.rank == 0 else None
         self.progress = progress and self.rank == 0
 
     # ------------------------------------------------------------------ one step
 
-    def prepare(self, step: int) -> list[stages.Sequence_]:
-        """The step's prompts, tokenised: runs on the prefetch thread one step ahead."""
-        positions = self.sampler.local_positions(step)
-        rows = list(zip([p for p, _ in positions], self.train_rows.rows([i for _, i in positions])))
+    def source_batch(self, positions: list[tuple[int, int]], tokenizer, offset: int = 0) -> Batch:
+        rows = list(zip([offset + p for p, _ in positions], self.train_rows.rows([i for _, i in positions])))
         share = (self.rollout_layout.tp_rank(self.rank), self.rollout_layout.tp_size)
-        return stages.prepare_sequences(rows, self.cfg, self.prefetch_tokenizer, share)
+        return nodes.source_batch(rows, self.cfg, tokenizer, self.tokenizer.pad_token_id, share)
 
-    def step(self, step: int, seqs: list[stages.Sequence_]) -> dict[str, float]:
-        cfg, store, timer, acc = self.cfg, self.store, StageTimer(step, self._status), MeanAccumulator()
-        moved, tp = TransferStats(), self.rollout_layout.tp_size
+    def prepare(self, step: int) -> Batch:
+        """The step's prompts, tokenised: runs on the prefetch thread one step ahead."""
+        return self.source_batch(self.sampler.local_positions(step), self.prefetch_tokenizer)
+
+    def step(self, step: int, sources: Batch) -> dict[str, float]:
+        self.ctx.step, self.ctx.acc = step, MeanAccumulator()
+        acc, store = self.ctx.acc, self.store
+        self.placement.stats = TransferStats()
         store.clear()
-        with timer("prompts"):
-            prompt_ids = stages.stage_prompts(store, seqs, cfg)
-        with timer("rollout"):
-            stages.stage_rollout(store, prompt_ids, self.rollout, cfg, step)
-        with timer("reward"):
-            stages.stage_reward(store, self.tokenizer, self.reward_fn)
-        if tp > 1:  # the TP group's members generated halves of one replica: gather it
-            with timer("reshard"):
-                stages.stage_reshard(store, self.train_layout, self.rollout_layout, "none", moved)
-        with timer("advantage"):  # GRPO groups are whole on every replica
-            stages.stage_advantage(store, cfg)
-        if tp > 1:  # to the training layout, balanced over the DP ranks, streamed into the reference
-            with timer("reshard_ref_log_prob"):
-                stages.stage_stream_reshard_ref(store, self.rollout_layout, self.train_layout, self.ref, cfg, moved)
-        else:
-            with timer("ref_log_prob"):
-                stages.stage_ref_log_prob(store, self.ref, cfg)
-        with timer("old_log_prob"):
-            stages.stage_old_log_prob(store, self.actor, cfg)
-        with timer("actor_update"):
-            stages.stage_actor_update(store, self.actor, cfg, acc)
-        with timer("weight_sync"):
-            stages.stage_weight_sync(self.actor, self.rollout)
-        stages.record_rollout_metrics(store, acc)
-        for name, value in moved.as_metrics().items():
+        store.put(sources)
+        spans = self.scheduler.run(self.ctx, store, step)
+        timer = StageTimer(step, self._status)
+        with timer("weight_sync"):  # the rollout copy gets the updated policy
+            self.rollout.load_weights(self.actor.full_state_dict())
+        seconds = node_seconds(spans) | timer.seconds
+        nodes.record_rollout_metrics(store.all(), acc)
+        for name, value in self.placement.stats.as_metrics().items():
             acc.add_total(name, value)
             acc.add_max(f"{name}_busiest_rank", value)
-        for stage, seconds in timer.seconds.items():
-            acc.add_max(f"time/{stage}", seconds)
+        for name, value in self.scheduler.counters.items():
+            acc.add_total(name, value if self.rank == 0 else 0.0)  # the same on every worker
+        for node, secs in seconds.items():
+            acc.add_max(f"time/{node}", secs)
+        if step in self.trace_steps:
+            path = self.run_dir / "traces" / f"step_{step}_rank_{self.rank}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(chrome_trace(spans, self.rank)))
         return acc.reduce()
 
     # ------------------------------------------------------------------ evaluation
@@ -117,13 +158,13 @@ class Trainer:
         rows = self.val_rows
         correct = 0.0
         if rows:
-            ids = stages.tokenize_prompts(self.tokenizer, rows, self.cfg.data.max_prompt_length)
+            ids = nodes.tokenize_prompts(self.tokenizer, rows, self.cfg.data.max_prompt_length)
             out = self.rollout.generate(ids, None, SamplingParams(max_new_tokens=self.cfg.rollout.max_new_tokens,
                                                                   greedy=True))
             out.meta.update({"ground_truth": [r.ground_truth for r in rows],
                              "data_source": [r.data_source for r in rows],
                              "extra_info": [r.extra_info for r in rows]})
-            _, acc = stages.score_responses(self.tokenizer, out, self.reward_fn)
+            _, acc = nodes.score_responses(self.tokenizer, out, self.ctx.reward_fn)
             correct = float(acc.sum())
         totals = torch.tensor([correct, float(len(rows))], dtype=torch.float64)
         if dist.is_initialized():
@@ -178,10 +219,11 @@ class Trainer:
     def _status(self, step: int, stage: str) -> None:
         """Where this worker is, for the launcher: it names the stage when a worker dies."""
         path = self.run_dir / "status" / f"rank-{self.rank}.json"
-        path.parent.mkdir(exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"rank": self.rank, "pid": os.getpid(), "step": step, "stage": stage}))
-        os.replace(tmp, path)  # atomic: the launcher never reads half a file
+        with self._status_lock:  # nodes start on several threads
+            path.parent.mkdir(exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"rank": self.rank, "pid": os.getpid(), "step": step, "stage": stage}))
+            os.replace(tmp, path)  # atomic: the launcher never reads half a file
 
     def _log(self, record: dict) -> None:
         if self.writer is not None:
@@ -206,4 +248,8 @@ def run_worker(cfg_dict: dict, run_dir: str, progress: bool = False) -> dict:
     device = torch.device("cpu")
     if torch.cuda.is_available() and cfg.runtime.device != "cpu":
         device = torch.device("cuda", torch.cuda.current_device())
-    return Trainer(cfg, Path(run_dir), device, progress).fit()
+    trainer = Trainer(cfg, Path(run_dir), device, progress)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.scheduler.close()

@@ -9,7 +9,7 @@ from distflow.data.batch import Batch
 from distflow.engines.actor import FSDPActor, OptimConfig
 from distflow.engines.common import load_causal_lm, load_tokenizer
 from distflow.engines.rollout import HFRolloutEngine, SamplingParams
-from distflow.trainer.stages import make_policy_loss
+from distflow.trainer.nodes import make_policy_loss
 from helpers import run_gloo
 
 

@@ -1,0 +1,368 @@
+"""The per-worker scheduler: runs the graph once per step on this worker.
+
+There is no global barrier between nodes. Workers meet only where a collective needs
+them: in `collective` nodes (FSDP forwards and updates), in the reshards that move the
+store to the next layout, and in a refilling filter's count. Those run on the main thread
+in the graph's order, which is the same on every worker, so the collectives line up.
+Every other node runs on a small thread pool as soon as its inputs exist
+(`overlap=True`): a rule reward on the CPU while the reference scores, and chunk by chunk
+behind a streaming rollout. With `overlap=False` the nodes run one after another in the
+same order (the comparison point, and the simplest thing to debug).
+
+Each node run is recorded as a span; `chrome_trace` turns a step's spans into a trace
+that chrome://tracing or Perfetto shows, one row per thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Protocol
+
+import torch
+import torch.distributed as dist
+
+from distflow.coordinator.executor import TransferStats, reshard
+from distflow.coordinator.layout import Layout
+from distflow.coordinator.store import LocalStore
+from distflow.dag.graph import _LAYOUT_ORDER, Graph, Node
+from distflow.data.batch import Batch
+
+
+class NodeFailed(RuntimeError):
+    """A node raised: names the node, the worker and the step; chained to the original."""
+
+
+class NodeContext:
+    """What a node's callable sees: the worker's context (engines, config, step, metrics)
+    plus this node's `params` and `node`."""
+
+    def __init__(self, base: Any, node: Node):
+        self._base, self.node, self.params = base, node, node.params
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._base, name)
+
+
+class RefillSource(Protocol):
+    """Where a refilling filter gets more prompts (DAPO's dynamic sampling)."""
+
+    target_groups: int  # groups wanted over all workers
+    max_rounds: int
+
+    def prompts(self, round_: int) -> Batch: ...  # this worker's extra prompts (the step's source fields)
+
+    def group_keys(self, batch: Batch) -> list[int]: ...  # a global key per row; rows of one group share it
+
+    def renumber(self, batch: Batch, kept_keys: list[int]) -> Batch: ...  # after trimming to target_groups
+
+
+@dataclass
+class Span:
+    node: str
+    thread: str
+    start: float
+    end: float
+    chunk: int | None = None
+
+
+@dataclass
+class Placement:
+    """The store's layouts: `local` (rows as the rollout made them: unique per worker),
+    `groups` (whole prompt groups on each worker: the rollout TP group's replica) and
+    `train` (data-parallel over all workers, balanced by tokens). Moves are reshards."""
+
+    rollout: Layout
+    train: Layout
+    stats: TransferStats = field(default_factory=TransferStats)
+    balance: str = "kk"
+    tolerance: float = 0.02
+
+    def moves(self, src: str, dst: str) -> bool:
+        if src == dst:
+            return False
+        if dst == "groups":
+            return self.rollout.tp_size > 1  # with TP=1 every worker already holds whole groups
+        return dist.is_initialized() and dist.get_world_size() > 1
+
+    def move(self, store: LocalStore, src: str, dst: str) -> None:
+        batch = store.all()
+        if dst == "groups":  # gather the replica's shares on every member of its TP group
+            source, target, balance = self.train, self.rollout, "none"
+        else:
+            source = self.rollout if src == "groups" else self.train
+            target, balance = self.train, self.balance
+        new, _, _ = reshard(batch, batch["sample_id"], sequence_lengths(batch), source, target,
+                            balance=balance, tolerance=self.tolerance, stats=self.stats)
+        store.replace(new)
+
+
+def sequence_lengths(batch: Batch) -> list[int]:
+    length = batch["prompt_mask"].sum(-1)
+    if "response_mask" in batch:
+        length = length + batch["response_mask"].sum(-1)
+    return length.tolist()
+
+
+class Scheduler:
+    def __init__(self, graph: Graph, *, placement: Placement, overlap: bool = True, threads: int = 2,
+                 refill: RefillSource | None = None, on_node: Callable[[str], None] | None = None):
+        self.graph, self.placement, self.overlap = graph, placement, overlap
+        self.fns = graph.resolve()
+        self.refill, self.on_node = refill, on_node
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="dag") if overlap else None
+        self._lock = threading.Lock()
+        self.spans: list[Span] = []
+        self.counters: dict[str, float] = {}  # per step, the same on every worker (e.g. refill rounds)
+        self.step = 0
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ a step
+
+    def run(self, ctx: Any, store: LocalStore, step: int) -> list[Span]:
+        """Run every node on this worker's store; returns the step's spans."""
+        self.step, self.spans, self.state, self.counters = step, [], "local", {}
+        self._run_nodes(ctx, store, self.graph.order, top_level=True)
+        return self.spans
+
+    def _run_nodes(self, ctx: Any, store: LocalStore, order: list[str], top_level: bool) -> None:
+        futures: dict[str, Future] = {}
+        handled: set[str] = set()  # consumers already run chunk by chunk behind a stream
+        try:
+            for name in order:
+                if name in handled:
+                    continue
+                node = self.graph.by_name[name]
+                for parent in self.graph.parents[name]:
+                    if parent in futures:
+                        futures[parent].result()
+                if _LAYOUT_ORDER[node.layout] > _LAYOUT_ORDER[self.state]:
+                    if self.placement.moves(self.state, node.layout):
+                        self._wait(futures)  # rows are about to change under them
+                        self._timed(f"reshard_{node.layout}", lambda: self.placement.move(store, self.state,
+                                                                                           node.layout))
+                    self.state = node.layout
+                if node.stream:
+                    handled |= self._run_stream(ctx, store, node, order, futures)
+                elif node.role == "filter":
+                    self._wait(futures)
+                    self._run_filter(ctx, store, node, top_level)
+                elif node.collective or self.pool is None:
+                    self._run_node(ctx, store, node)
+                else:
+                    futures[name] = self.pool.submit(self._run_node, ctx, store, node)
+            self._wait(futures)
+        except NodeFailed:
+            self._wait(futures, quiet=True)
+            raise
+
+    @staticmethod
+    def _wait(futures: dict[str, Future], quiet: bool = False) -> None:
+        for future in futures.values():
+            if quiet:
+                future.exception()
+            else:
+                future.result()
+
+    # ------------------------------------------------------------------ one node
+
+    def _call(self, ctx: Any, node: Node, batch: Batch, chunk: int | None = None) -> Any:
+        if self.on_node is not None:
+            self.on_node(node.name)
+        start = time.perf_counter()
+        try:
+            return self.fns[node.name](NodeContext(ctx, node), batch)
+        except NodeFailed:
+            raise
+        except Exception as e:
+            raise NodeFailed(f"node '{node.name}' failed on worker {self.rank} in step {self.step}: "
+                             f"{type(e).__name__}: {e}\n{traceback.format_exc()}") from e
+        finally:
+            self._span(node.name, start, chunk)
+
+    def _span(self, name: str, start: float, chunk: int | None = None) -> None:
+        with self._lock:
+            self.spans.append(Span(name, threading.current_thread().name, start, time.perf_counter(), chunk))
+
+    def _timed(self, name: str, fn: Callable[[], None]) -> None:
+        if self.on_node is not None:
+            self.on_node(name)
+        start = time.perf_counter()
+        try:
+            fn()
+        except Exception as e:
+            raise NodeFailed(f"'{name}' failed on worker {self.rank} in step {self.step}: "
+                             f"{type(e).__name__}: {e}") from e
+        finally:
+            self._span(name, start)
+
+    def _inputs(self, store: LocalStore, node: Node) -> Batch:
+        with self._lock:
+            return store.get(*node.inputs)
+
+    def _check(self, node: Node, out: Any, rows: int) -> Batch:
+        if out is None and not node.outputs:
+            return Batch()
+        if not isinstance(out, Batch):
+            raise NodeFailed(f"node '{node.name}' returned {type(out).__name__}, not a Batch")
+        if sorted(out.keys()) != sorted(node.outputs):
+            raise NodeFailed(f"node '{node.name}' returned fields {sorted(out.keys())}, "
+                             f"declared outputs {sorted(node.outputs)}")
+        if node.outputs and len(out) != rows:
+            raise NodeFailed(f"node '{node.name}' returned {len(out)} rows for {rows} input rows")
+        return out
+
+    def _run_node(self, ctx: Any, store: LocalStore, node: Node) -> None:
+        batch = self._inputs(store, node)
+        out = self._check(node, self._call(ctx, node, batch), len(store))
+        if node.outputs:
+            with self._lock:
+                store.put(out)
+
+    # ------------------------------------------------------------------ streaming
+
+    def _stream_consumers(self, node: Node, order: list[str]) -> list[Node]:
+        """Nodes that can run on each chunk: chunk-capable, local, no collectives, and
+        needing nothing but the stream's outputs and fields that exist before it."""
+        before = set(self.graph.sources) | {f for n in order[:order.index(node.name)]
+                                            for f in self.graph.by_name[n].outputs}
+        out = []
+        for name in order[order.index(node.name) + 1:]:
+            c = self.graph.by_name[name]
+            if (c.chunked and not c.collective and c.layout == "local"
+                    and set(self.graph.parents[name]) <= {node.name} | {self.graph.producer.get(f) for f in before}
+                    and set(c.inputs) <= before | set(node.outputs)):
+                out.append(c)
+        return out
+
+    def _run_stream(self, ctx: Any, store: LocalStore, node: Node, order: list[str],
+                    futures: dict[str, Future]) -> set[str]:
+        consumers = self._stream_consumers(node, order) if self.pool is not None else []
+        pieces: list[Batch] = []
+        per_consumer: dict[str, list[Future]] = {c.name: [] for c in consumers}
+        rows_done = 0
+        chunks: Iterator | None = None
+        while True:
+            start = time.perf_counter()
+            try:
+                if chunks is None:
+                    if self.on_node is not None:
+                        self.on_node(node.name)
+                    chunks = iter(self.fns[node.name](NodeContext(ctx, node), self._inputs(store, node)))
+                rows, chunk = next(chunks)
+            except StopIteration:
+                break
+            except Exception as e:
+                raise NodeFailed(f"node '{node.name}' failed on worker {self.rank} in step {self.step}: "
+                                 f"{type(e).__name__}: {e}\n{traceback.format_exc()}") from e
+            self._span(node.name, start, len(pieces))
+            rows = list(rows)
+            if rows != list(range(rows_done, rows_done + len(rows))):
+                raise NodeFailed(f"node '{node.name}' streamed rows {rows[:3]}... out of order")
+            rows_done += len(rows)
+            chunk = self._check(node, chunk, len(rows))
+            pieces.append(chunk)
+            for c in consumers:  # start the consumers on this chunk while the next one generates
+                per_consumer[c.name].append(self.pool.submit(self._run_chunk, ctx, store, c, rows, chunk,
+                                                             len(pieces) - 1))
+        if rows_done != len(store):
+            raise NodeFailed(f"node '{node.name}' streamed {rows_done} rows for {len(store)} input rows")
+        with self._lock:
+            store.put(Batch.concat(pieces) if pieces else Batch())
+        for c in consumers:
+            futures[c.name] = self.pool.submit(self._join_chunks, store, c, per_consumer[c.name])
+        return {c.name for c in consumers}
+
+    def _run_chunk(self, ctx: Any, store: LocalStore, node: Node, rows: list[int], chunk: Batch, index: int) -> Batch:
+        own = [f for f in node.inputs if f not in chunk]
+        with self._lock:
+            batch = store.get(*own).select(rows) if own else Batch()
+        batch.update(Batch({f: chunk.tensors[f] for f in node.inputs if f in chunk.tensors},
+                           {f: chunk.meta[f] for f in node.inputs if f in chunk.meta}))
+        return self._check(node, self._call(ctx, node, batch, index), len(rows))
+
+    def _join_chunks(self, store: LocalStore, node: Node, parts: list[Future]) -> None:
+        out = Batch.concat([p.result() for p in parts])
+        with self._lock:
+            store.put(out)
+
+    # ------------------------------------------------------------------ filters
+
+    def _run_filter(self, ctx: Any, store: LocalStore, node: Node, top_level: bool) -> None:
+        keep = self._check(node, self._call(ctx, node, self._inputs(store, node)), len(store))
+        store.put(keep)
+        if node.refill and self.refill is not None:
+            if top_level:  # inside a refill round the rows stay, flagged, for the final choice
+                self._timed(f"{node.name}_refill", lambda: self._refill(ctx, store, node))
+            return
+        store.replace(store.all().select(keep[node.outputs[0]].bool().nonzero().flatten()))
+
+    def _refill(self, ctx: Any, store: LocalStore, node: Node) -> None:
+        """Re-run the filter's ancestors on new prompts until enough groups pass over all
+        workers (or `max_rounds`), then keep exactly `target_groups`: passing groups
+        first, then (only if too few passed) rejected ones, each by lowest global key,
+        so the choice is the same for any number of workers."""
+        src, flag, rounds = self.refill, node.outputs[0], 0
+        batches = [store.all()]
+
+        def passed(batch: Batch) -> set[int]:
+            return {k for k, ok in zip(src.group_keys(batch), batch[flag].tolist()) if ok}
+
+        while (_all_reduce_int(sum(len(passed(b)) for b in batches)) < src.target_groups
+               and rounds < src.max_rounds):
+            rounds += 1
+            more, state = LocalStore(), self.state
+            more.put(src.prompts(rounds))
+            self.state = "local"
+            self._run_nodes(ctx, more, self.graph.ancestors(node.name) + [node.name], top_level=False)
+            self.state = state
+            batches.append(more.all())
+        batch = Batch.concat(batches) if len(batches) > 1 else batches[0]
+        keys, good = src.group_keys(batch), passed(batch)
+        mine = sorted({(k not in good, k) for k in keys})
+        chosen = sorted(k for _, k in sorted(x for part in _all_gather_objects(mine) for x in part)[:src.target_groups])
+        chosen_set = set(chosen)
+        store.replace(src.renumber(batch.select([i for i, k in enumerate(keys) if k in chosen_set]), chosen))
+        self.counters[f"{node.name}/refill_rounds"] = float(rounds)
+        self.counters[f"{node.name}/passed_groups"] = float(_all_reduce_int(len(good)))
+
+
+def _all_reduce_int(value: int) -> int:
+    t = torch.tensor([value], dtype=torch.int64)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return int(t)
+
+
+def _all_gather_objects(obj: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def chrome_trace(spans: list[Span], rank: int, t0: float | None = None) -> dict:
+    """Spans as Chrome trace events (open in chrome://tracing or ui.perfetto.dev)."""
+    t0 = min((s.start for s in spans), default=0.0) if t0 is None else t0
+    threads = {name: i for i, name in enumerate(dict.fromkeys(s.thread for s in spans))}
+    events = [{"name": s.node + ("" if s.chunk is None else f"[{s.chunk}]"), "cat": s.node, "ph": "X",
+               "ts": (s.start - t0) * 1e6, "dur": (s.end - s.start) * 1e6, "pid": rank, "tid": threads[s.thread]}
+              for s in spans]
+    events += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
+               for name, tid in threads.items()]
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def node_seconds(spans: list[Span]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for s in spans:
+        out[s.node] = out.get(s.node, 0.0) + s.end - s.start
+    return out

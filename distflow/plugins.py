@@ -1,0 +1,42 @@
+"""Loading user code named in a config: `package.module:function` or `path/to/file.py:function`.
+
+A leaf module (no distflow imports) so every layer can resolve the callables a config
+names (reward functions, DAG nodes) with the same rules and the same one-line errors.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from typing import Callable
+
+
+class PluginError(ValueError):
+    """A callable named in a config that cannot be loaded; the message is one line."""
+
+
+def load_callable(spec: str, what: str) -> Callable:
+    """`what` names the config key in errors, e.g. "reward.custom_fn"."""
+    target, _, name = str(spec).rpartition(":")
+    if not target or not name:
+        raise PluginError(f"{what}={spec!r}: expected module:function or path.py:function")
+    if target.endswith(".py"):
+        path = os.path.abspath(os.path.expanduser(target))
+        if not os.path.isfile(path):
+            raise PluginError(f"{what}={spec!r}: no such file {path}")
+        module_spec = importlib.util.spec_from_file_location(f"distflow_user_{abs(hash(path))}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as e:  # the user's file fails to import: say which and why, in one line
+            raise PluginError(f"{what}={spec!r}: importing {path} failed: {type(e).__name__}: {e}") from None
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as e:
+            raise PluginError(f"{what}={spec!r}: cannot import {target} ({e})") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise PluginError(f"{what}={spec!r}: {target} has no function {name}")
+    return fn

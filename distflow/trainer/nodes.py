@@ -1,0 +1,303 @@
+"""The callables behind the built-in recipes' nodes (see distflow/dag/recipes.py).
+
+Each is `fn(ctx, batch) -> Batch`: `batch` holds the node's declared inputs for the
+samples on this worker, the result its declared outputs. `ctx` is the worker's
+`WorkerContext` (engines, config, step, metrics) plus the node's `params`. A user's
+node has exactly the same shape, so this file is also the reference for writing one.
+
+Fields (one row per response, n rows per prompt):
+  sample_id, sample_k                          meta: global id (prompt position * n + k); k
+  uid, ground_truth, data_source, extra_info   meta, from the dataset
+  group                                        (N,) the prompt's position in the step: GRPO's groups
+  mini_batch                                   (N,) the PPO mini-batch of its prompt
+  prompts, prompt_mask                         (N, P) left-padded
+  responses, response_mask                     (N, R) right-padded
+  scores, accuracy                             (N,) reward, and the strict correctness metric
+  ref_log_probs, old_log_probs, values         (N, R)
+  advantages, returns                          (N, R)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from distflow.algos import core
+from distflow.config import Config
+from distflow.coordinator.microbatch import local_micro_batches, plan_micro_batches
+from distflow.dag.scheduler import sequence_lengths
+from distflow.data.batch import Batch
+from distflow.data.dataset import PromptRow
+from distflow.engines.reward import RewardFn, default_compute_score
+from distflow.engines.rollout import SamplingParams, left_pad, sample_seed
+from distflow.trainer.metrics import MeanAccumulator
+
+
+@dataclass
+class WorkerContext:
+    """What every node sees on this worker."""
+
+    cfg: Config
+    tokenizer: Any
+    rollout: Any  # HFRolloutEngine
+    actor: Any  # FSDPActor
+    ref: Any = None  # ReferenceModel
+    critic: Any = None  # FSDPCritic
+    reward_fn: RewardFn = default_compute_score
+    step: int = 0
+    acc: MeanAccumulator = field(default_factory=MeanAccumulator)  # main-thread (collective) nodes only
+
+
+def _all_reduce_sum(*values: float) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+# ---------------------------------------------------------------------------- prompts
+
+
+class PromptTooLong(ValueError):
+    pass
+
+
+def tokenize_prompts(tokenizer, rows: list[PromptRow], max_len: int) -> list[list[int]]:
+    from distflow.engines.common import render_prompt
+
+    out = []
+    for row in rows:
+        ids = tokenizer(render_prompt(tokenizer, row.messages), add_special_tokens=False)["input_ids"]
+        if len(ids) > max_len:
+            raise PromptTooLong(f"prompt {row.index} has {len(ids)} tokens > data.max_prompt_length={max_len}")
+        out.append(ids)
+    return out
+
+
+def source_batch(rows: list[tuple[int, PromptRow]], cfg: Config, tokenizer, pad_id: int,
+                 share: tuple[int, int] = (0, 1)) -> Batch:
+    """The step's source fields for this worker (pure CPU work, so it is prefetched):
+    `rows` are (position in the step's global batch, row) of its rollout replica; with a
+    TP group of size t, member j takes every t-th of the replica's sequences (`share`)."""
+    n, (member, size), mini = cfg.algorithm.group_size, share, cfg.actor.ppo_mini_batch_size
+    ids = tokenize_prompts(tokenizer, [r for _, r in rows], cfg.data.max_prompt_length)
+    seqs = [(pos, row, p, k) for (pos, row), p in zip(rows, ids) for k in range(n)][member::size]
+    if not seqs:
+        return Batch()
+    prompts, mask = left_pad([p for _, _, p, _ in seqs], pad_id)
+    return Batch({"prompts": prompts, "prompt_mask": mask,
+                  "group": torch.tensor([pos for pos, _, _, _ in seqs]),
+                  "mini_batch": torch.tensor([(pos % cfg.data.train_batch_size) // mini for pos, _, _, _ in seqs])},
+                 {"sample_id": [pos * n + k for pos, _, _, k in seqs], "sample_k": [k for _, _, _, k in seqs],
+                  "uid": [r.index for _, r, _, _ in seqs], "ground_truth": [r.ground_truth for _, r, _, _ in seqs],
+                  "data_source": [r.data_source for _, r, _, _ in seqs],
+                  "extra_info": [r.extra_info for _, r, _, _ in seqs]})
+
+
+def unpad_prompts(batch: Batch) -> list[list[int]]:
+    return [ids[mask.bool()].tolist() for ids, mask in zip(batch["prompts"], batch["prompt_mask"])]
+
+
+# ---------------------------------------------------------------------------- rollout and reward
+
+
+def rollout(ctx: WorkerContext, batch: Batch) -> Iterator[tuple[range, Batch]]:
+    """Streams responses in chunks of `scheduler.stream_chunk_size` sequences."""
+    cfg = ctx.cfg
+    prompts = unpad_prompts(batch)
+    seeds = [sample_seed(cfg.trainer.seed, ctx.step, uid, k) for uid, k in zip(batch["uid"], batch["sample_k"])]
+    params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                            max_new_tokens=cfg.rollout.max_new_tokens)
+    size = cfg.scheduler.stream_chunk_size if cfg.scheduler.overlap else max(len(prompts), 1)
+    for start in range(0, len(prompts), size):
+        rows = range(start, min(start + size, len(prompts)))
+        out = ctx.rollout.generate(prompts[rows.start:rows.stop], seeds[rows.start:rows.stop], params)
+        yield rows, Batch({"responses": out["responses"], "response_mask": out["response_mask"]})
+
+
+def score_responses(tokenizer, batch: Batch, reward_fn: RewardFn) -> tuple[torch.Tensor, torch.Tensor]:
+    texts = tokenizer.batch_decode(batch["responses"] * batch["response_mask"]
+                                   + tokenizer.pad_token_id * (1 - batch["response_mask"]),
+                                   skip_special_tokens=True)
+    rewards, correct = [], []
+    for text, gt, src, extra in zip(texts, batch["ground_truth"], batch["data_source"], batch["extra_info"]):
+        correct.append(default_compute_score(src, text, gt, extra))
+        rewards.append(correct[-1] if reward_fn is default_compute_score else float(reward_fn(src, text, gt, extra)))
+    return torch.tensor(rewards, dtype=torch.float32), torch.tensor(correct, dtype=torch.float32)
+
+
+def reward(ctx: WorkerContext, batch: Batch) -> Batch:
+    scores, correct = score_responses(ctx.tokenizer, batch, ctx.reward_fn)
+    return Batch({"scores": scores, "accuracy": correct})
+
+
+def overlong_penalty(ctx: WorkerContext, batch: Batch) -> Batch:
+    """DAPO's soft overlong punishment, added to the score."""
+    a = ctx.cfg.algorithm
+    penalty = core.overlong_reward_penalty(batch["response_mask"].sum(-1), ctx.cfg.rollout.max_new_tokens,
+                                           a.overlong_buffer_len, a.overlong_penalty_factor)
+    return Batch({"shaped_scores": batch["scores"] + penalty})
+
+
+def dynamic_sampling(ctx: WorkerContext, batch: Batch) -> Batch:
+    """DAPO: keep only groups whose rewards differ (an all-equal group has no signal)."""
+    scores, groups = batch[ctx.params["reward_field"]], batch["group"]
+    keep = torch.zeros(len(groups), dtype=torch.bool)
+    for g in groups.unique():
+        rows = groups == g
+        keep[rows] = bool(scores[rows].max() > scores[rows].min())
+    return Batch({"kept": keep})
+
+
+# ---------------------------------------------------------------------------- forwards
+
+
+def _micro_policy(cfg: Config) -> dict[str, int]:
+    if cfg.actor.use_dynamic_bsz:
+        return {"max_tokens": cfg.actor.max_tokens_per_micro_batch}
+    return {"micro_batch_size": cfg.actor.micro_batch_size}
+
+
+def micro_batches(batch: Batch, cfg: Config) -> list[list[int]]:
+    """The same number of micro-batches on every rank (FSDP's lockstep): a collective."""
+    return plan_micro_batches(sequence_lengths(batch), **_micro_policy(cfg))
+
+
+def ref_log_prob(ctx: WorkerContext, batch: Batch) -> Batch:
+    """The replicated reference needs no lockstep, so its micro-batches are local."""
+    micro = local_micro_batches(sequence_lengths(batch), **_micro_policy(ctx.cfg))
+    return Batch({"ref_log_probs": ctx.ref.compute_log_probs(batch, micro)})
+
+
+def old_log_prob(ctx: WorkerContext, batch: Batch) -> Batch:
+    return Batch({"old_log_probs": ctx.actor.compute_log_probs(batch, micro_batches(batch, ctx.cfg))})
+
+
+def critic_values(ctx: WorkerContext, batch: Batch) -> Batch:
+    return Batch({"values": ctx.critic.compute_values(batch, micro_batches(batch, ctx.cfg))})
+
+
+# ---------------------------------------------------------------------------- advantage
+
+
+def _global_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Whitening over the valid tokens of the whole step's batch, on every worker."""
+    m = mask.float()
+    total, total_sq, count = _all_reduce_sum(float((x * m).sum()), float((x * x * m).sum()), float(m.sum()))
+    mean = total / max(count, 1.0)
+    var = (total_sq - count * mean * mean) / max(count - 1.0, 1.0)
+    return (x - mean) * torch.rsqrt(torch.tensor(max(var, 0.0) + 1e-8)) * m
+
+
+def advantage(ctx: WorkerContext, batch: Batch) -> Batch:
+    a, name = ctx.cfg.algorithm, ctx.params["estimator"]
+    rewards, mask = batch[ctx.params["reward_field"]], batch["response_mask"].float()
+    if name == "gae":
+        _, returns = core.compute_gae_advantage(core.token_level_rewards(rewards, mask), batch["values"], mask,
+                                                gamma=a.gamma, lam=a.lam)
+        return Batch({"advantages": _global_whiten(returns - batch["values"] * mask, mask), "returns": returns})
+    if name == "reinforce_plus_plus":
+        _, returns = core.compute_reinforce_plus_plus_advantage(core.token_level_rewards(rewards, mask), mask,
+                                                                gamma=a.gamma)
+        return Batch({"advantages": _global_whiten(returns, mask)})
+    if name == "reinforce_plus_plus_baseline":
+        centred, _ = core.compute_grpo_advantage(rewards, mask, batch["group"], norm_by_std=False)
+        return Batch({"advantages": _global_whiten(centred, mask)})
+    advantages, _ = core.get_adv_estimator(name)(rewards=rewards, mask=mask, group_ids=batch["group"])
+    return Batch({"advantages": advantages})
+
+
+# ---------------------------------------------------------------------------- updates
+
+
+def make_policy_loss(cfg: Config, num_tokens: float, num_seqs: float, policy_loss: str = "vanilla"):
+    """The actor loss for one mini-batch, normalised by its global token/sequence counts."""
+    a = cfg.algorithm
+    counts = {"global_num_tokens": num_tokens, "global_num_seqs": num_seqs}
+    loss_impl = core.get_policy_loss(policy_loss)
+
+    def loss_fn(log_probs: torch.Tensor, entropy: torch.Tensor, micro: Batch):
+        mask = micro["response_mask"].float()  # (B, R)
+        old = micro["old_log_probs"] if "old_log_probs" in micro else log_probs.detach()
+        pg = loss_impl(old, log_probs, micro["advantages"], mask, clip_ratio_low=a.clip_ratio_low,
+                       clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+                       loss_agg_mode=a.loss_agg_mode, **counts)
+        loss = pg.loss
+        tokens = float(mask.sum())
+        clip = float(pg.clip_frac) * tokens if tokens else 0.0  # an empty (lockstep-only) micro-batch
+        metrics = {"pg_loss": float(pg.loss.detach()), "clip_frac": clip,
+                   "entropy": float((entropy.detach() * mask).sum()), "tokens": tokens}
+        if a.use_kl_loss:
+            kl = core.kl_penalty(log_probs, micro["ref_log_probs"], a.kl_type)
+            loss = loss + a.kl_coef * core.agg_loss(kl, mask, a.loss_agg_mode, **counts)
+            metrics["kl"] = float((kl.detach() * mask).sum())
+        if a.entropy_coef:
+            loss = loss - a.entropy_coef * core.agg_loss(entropy, mask, a.loss_agg_mode, **counts)
+        return loss, metrics
+
+    return loss_fn
+
+
+def make_value_loss(cfg: Config, num_tokens: float, num_seqs: float):
+    def loss_fn(values: torch.Tensor, _, micro: Batch):
+        mask = micro["response_mask"].float()
+        loss, clip = core.value_loss_clipped(values, micro["values"], micro["returns"], mask,
+                                             cfg.critic.value_clip, cfg.algorithm.loss_agg_mode,
+                                             global_num_tokens=num_tokens, global_num_seqs=num_seqs)
+        tokens = float(mask.sum())
+        return loss, {"vf_loss": float(loss.detach()), "vf_clip_frac": float(clip) * tokens if tokens else 0.0,
+                      "tokens": tokens}
+
+    return loss_fn
+
+
+def _mini_batches(ctx: WorkerContext, batch: Batch, engine, make_loss, prefix: str) -> None:
+    """PPO epochs over mini-batches. A mini-batch is a fixed set of prompts of the step's
+    global batch (its `mini_batch` field), wherever their samples live, so the updates
+    do not depend on the number of workers or the layout."""
+    cfg, acc = ctx.cfg, ctx.acc
+    num_minibatches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
+    updates = num_minibatches * cfg.actor.ppo_epochs
+    for _ in range(cfg.actor.ppo_epochs):
+        for index in range(num_minibatches):
+            mini = batch.select((batch["mini_batch"] == index).nonzero().flatten())
+            num_tokens, num_seqs = _all_reduce_sum(float(mini["response_mask"].sum()), float(len(mini)))
+            if not num_tokens:  # nothing to learn from anywhere (every response empty)
+                continue
+            if not len(mini):  # none of this mini-batch's samples live here: run in lockstep on a masked row
+                mini = batch.select([0])
+                mini.tensors["response_mask"] = torch.zeros_like(mini["response_mask"])
+            sums = engine.train_mini_batch(mini, micro_batches(mini, cfg), make_loss(num_tokens, num_seqs))
+            for name, value in sums.items():
+                if name.endswith("_loss"):
+                    acc.add_total(f"{prefix}/{name}", value / updates)
+                elif name == "grad_norm":
+                    acc.add(f"{prefix}/grad_norm", value, 1.0)  # identical on every rank
+                elif name != "tokens":
+                    acc.add(f"{prefix}/{name}", value, sums["tokens"])
+
+
+def actor_update(ctx: WorkerContext, batch: Batch) -> None:
+    policy_loss = ctx.params.get("policy_loss", "vanilla")
+    _mini_batches(ctx, batch, ctx.actor, lambda t, s: make_policy_loss(ctx.cfg, t, s, policy_loss), "actor")
+
+
+def critic_update(ctx: WorkerContext, batch: Batch) -> None:
+    _mini_batches(ctx, batch, ctx.critic, lambda t, s: make_value_loss(ctx.cfg, t, s), "critic")
+
+
+# ---------------------------------------------------------------------------- after the graph
+
+
+def record_rollout_metrics(batch: Batch, acc: MeanAccumulator) -> None:
+    n = len(batch)
+    reward_field = "shaped_scores" if "shaped_scores" in batch else "scores"
+    acc.add("reward/mean", float(batch[reward_field].sum()) if n else 0.0, n)
+    acc.add("reward/accuracy", float(batch["accuracy"].sum()) if n else 0.0, n)
+    lengths = batch["response_mask"].sum(-1).float() if n else torch.zeros(1)
+    acc.add("response/length_mean", float(lengths.sum()), n)
+    acc.add_max("response/length_max", float(lengths.max()))
+    acc.add_total("tokens/total", float(lengths.sum() + (batch["prompt_mask"].sum() if n else 0)))

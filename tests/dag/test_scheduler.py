@@ -1,0 +1,204 @@
+"""The per-worker scheduler on one process: ordering, overlap and streaming shown by
+recorded events (not timings), failures, filters, refill, traces."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from distflow.coordinator.layout import Layout
+from distflow.coordinator.store import LocalStore
+from distflow.dag.graph import Graph, Node
+from distflow.dag.scheduler import NodeFailed, Placement, Scheduler, chrome_trace, node_seconds
+from distflow.data.batch import Batch
+
+WAIT = 10.0  # seconds a node waits for an event that overlap should produce
+
+
+class Ctx:
+    def __init__(self):
+        self.events = {name: threading.Event() for name in ("chunk0_scored", "b_started")}
+        self.seen: dict[str, bool] = {}
+        self.threads: dict[str, str] = {}
+
+
+def source(n=6) -> LocalStore:
+    store = LocalStore()
+    store.put(Batch({"x": torch.arange(n, dtype=torch.float32), "group": torch.arange(n) // 2,
+                     "prompt_mask": torch.ones(n, 2, dtype=torch.long)}))
+    return store
+
+
+def generate(ctx, batch):
+    for start in range(0, len(batch), 2):
+        rows = range(start, start + 2)
+        yield rows, Batch({"y": batch["x"][start:start + 2] * 10})
+        if start == 0:  # does a consumer score chunk 0 while this stream is still open?
+            ctx.seen["chunk0_scored_before_stream_end"] = ctx.events["chunk0_scored"].wait(
+                WAIT if ctx.overlap else 0.2)
+
+
+def score(ctx, batch):
+    if float(batch["y"][0]) == 0.0:
+        ctx.events["chunk0_scored"].set()
+    return Batch({"s": batch["y"] + 1})
+
+
+def node_a(ctx, batch):
+    ctx.seen["a_saw_b_running"] = ctx.events["b_started"].wait(WAIT if ctx.overlap else 0.2)
+    return Batch({"a": batch["x"] * 0})
+
+
+def node_b(ctx, batch):
+    ctx.events["b_started"].set()
+    return Batch({"b": batch["x"] * 0})
+
+
+def total(ctx, batch):
+    ctx.threads["total"] = threading.current_thread().name
+    return Batch({"t": batch["s"] + batch["a"] + batch["b"]})
+
+
+def graph() -> Graph:
+    return Graph([
+        Node(name="gen", role="rollout", fn=generate, inputs=("x",), outputs=("y",), stream=True),
+        Node(name="score", role="reward", fn=score, inputs=("y",), outputs=("s",)),
+        Node(name="a", role="custom", fn=node_a, inputs=("x",), outputs=("a",)),
+        Node(name="b", role="custom", fn=node_b, inputs=("x",), outputs=("b",)),
+        Node(name="total", role="actor_forward", fn=total, inputs=("s", "a", "b"), outputs=("t",)),
+    ], ["x", "group", "prompt_mask"])
+
+
+def run(g: Graph, overlap: bool, store=None, **kw):
+    ctx = Ctx()
+    ctx.overlap = overlap
+    store = store or source()
+    sched = Scheduler(g, placement=Placement(Layout(1), Layout(1)), overlap=overlap, **kw)
+    try:
+        spans = sched.run(ctx, store, step=3)
+    finally:
+        sched.close()
+    return ctx, store, spans, sched
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_results_are_the_same_with_and_without_overlap(overlap):
+    ctx, store, spans, _ = run(graph(), overlap)
+    assert store.get("t")["t"].tolist() == [10 * i + 1 for i in range(6)]
+    assert ctx.threads["total"] == "MainThread"  # a collective node runs on the main thread
+    assert ctx.seen["chunk0_scored_before_stream_end"] is overlap
+    assert ctx.seen["a_saw_b_running"] is overlap
+    chunks = [s.chunk for s in spans if s.node == "score"]
+    assert chunks == ([0, 1, 2] if overlap else [None])
+
+
+def test_trace_and_node_seconds():
+    _, _, spans, _ = run(graph(), True)
+    trace = chrome_trace(spans, rank=1)
+    names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {"gen[0]", "gen[2]", "score[0]", "a", "b", "total"} <= names
+    assert all(e["pid"] == 1 and e["dur"] >= 0 for e in trace["traceEvents"] if e["ph"] == "X")
+    assert {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"} >= {"MainThread"}
+    assert set(node_seconds(spans)) == {"gen", "score", "a", "b", "total"}
+
+
+def boom(ctx, batch):
+    raise KeyError("bad sample")
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_failing_node_is_named_with_worker_step_and_traceback(overlap):
+    g = graph().edited(add=[Node(name="a", role="custom", fn=boom, inputs=("x",), outputs=("a",))])
+    with pytest.raises(NodeFailed, match=r"node 'a' failed on worker 0 in step 3: KeyError: 'bad sample'") as info:
+        run(g, overlap)
+    assert "Traceback" in str(info.value) and isinstance(info.value.__cause__, KeyError)
+
+
+def wrong_fields(ctx, batch):
+    return Batch({"oops": batch["x"]})
+
+
+def wrong_rows(ctx, batch):
+    return Batch({"b": batch["x"][:1]})
+
+
+@pytest.mark.parametrize("fn, message", [
+    (wrong_fields, r"node 'b' returned fields \['oops'\], declared outputs \['b'\]"),
+    (wrong_rows, "node 'b' returned 1 rows for 6 input rows"),
+])
+def test_a_node_must_return_what_it_declares(fn, message):
+    g = graph().edited(add=[Node(name="b", role="custom", fn=fn, inputs=("x",), outputs=("b",))])
+    with pytest.raises(NodeFailed, match=message):
+        run(g, False)
+
+
+def keep_even_groups(ctx, batch):
+    return Batch({"keep": batch["group"] % 2 == 0})
+
+
+def double(ctx, batch):
+    return Batch({"d": batch["x"] * 2})
+
+
+def test_filter_keeps_rows_and_later_nodes_see_only_them():
+    g = Graph([Node(name="f", role="filter", fn=keep_even_groups, inputs=("group",), outputs=("keep",)),
+               Node(name="d", role="advantage", fn=double, inputs=("x",), outputs=("d",))],
+              ["x", "group", "prompt_mask"])
+    _, store, _, _ = run(g, True)
+    assert store.get("x")["x"].tolist() == [0, 1, 4, 5]
+    assert store.get("d")["d"].tolist() == [0, 2, 8, 10]
+
+
+class Refill:
+    """Round r brings 3 new groups (keys 10r..10r+2) of 2 rows; odd groups pass."""
+
+    target_groups, max_rounds = 4, 5
+
+    def __init__(self):
+        self.rounds = 0
+
+    def prompts(self, round_):
+        self.rounds = round_
+        groups = torch.tensor([10 * round_ + g for g in range(3) for _ in range(2)])
+        return Batch({"x": groups.float(), "group": groups, "prompt_mask": torch.ones(6, 2, dtype=torch.long)})
+
+    def group_keys(self, batch):
+        return batch["group"].tolist()
+
+    def renumber(self, batch, kept):
+        index = {k: i for i, k in enumerate(kept)}
+        batch.tensors["mini"] = torch.tensor([index[k] // 2 for k in batch["group"].tolist()])
+        return batch
+
+
+def keep_odd_groups(ctx, batch):
+    ctx.seen["calls"] = ctx.seen.get("calls", 0) + 1
+    return Batch({"keep": batch["group"] % 2 == 1})
+
+
+def test_refilling_filter_reruns_its_ancestors_until_the_batch_is_full():
+    g = Graph([Node(name="d", role="custom", fn=double, inputs=("x",), outputs=("d",)),
+               Node(name="f", role="filter", fn=keep_odd_groups, inputs=("group", "d"), outputs=("keep",),
+                    refill=True),
+               Node(name="after", role="advantage", fn=lambda ctx, b: Batch({"z": b["d"] + 1}), inputs=("d",),
+                    outputs=("z",))], ["x", "group", "prompt_mask"])
+    refill = Refill()
+    ctx, store, spans, sched = run(g, True, refill=refill)
+    # step batch: groups 0,1,2 -> 1 passes; round 1: 10,11,12 -> 11; round 2: 21; round 3: 31 -> 4 groups
+    assert refill.rounds == 3 and ctx.seen["calls"] == 4
+    assert sorted(set(store.get("group")["group"].tolist())) == [1, 11, 21, 31]
+    assert store.get("z")["z"].tolist() == [2 * x + 1 for x in store.get("x")["x"].tolist()]
+    assert store.get("mini")["mini"].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert sched.counters == {"f/refill_rounds": 3.0, "f/passed_groups": 4.0}
+
+
+def test_refill_tops_up_with_rejected_groups_when_rounds_run_out():
+    g = Graph([Node(name="f", role="filter", fn=keep_odd_groups, inputs=("group",), outputs=("keep",),
+                    refill=True)], ["x", "group", "prompt_mask"])
+    refill = Refill()
+    refill.max_rounds = 1
+    _, store, _, _ = run(g, False, refill=refill)
+    # passed: 1, 11; then the lowest rejected keys: 0, 2
+    assert sorted(set(store.get("group")["group"].tolist())) == [0, 1, 2, 11]
