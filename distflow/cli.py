@@ -170,10 +170,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_dag_show(args: argparse.Namespace) -> int:
-    """Print the graph and write a picture: Graphviz (PNG and SVG) where `dot` exists,
-    the DOT source always, and Mermaid text (renders on GitHub) otherwise."""
+    """Print the graph and write pictures: the DOT source and Mermaid text always, PNG and
+    SVG rendered by Graphviz where `dot` exists, otherwise a PNG drawn with matplotlib."""
     import shutil
 
+    from distflow.dag.draw import draw_png
+
+    if args.algorithm and "=" in args.algorithm:  # no recipe name given, only overrides
+        args.overrides, args.algorithm = [args.algorithm, *args.overrides], None
     overrides = list(args.overrides) + ([f"algorithm.name={args.algorithm}"] if args.algorithm else [])
     try:
         cfg = load_config(args.config, overrides)
@@ -185,16 +189,15 @@ def cmd_dag_show(args: argparse.Namespace) -> int:
     out = Path(args.out or f"dag-{cfg.algorithm.name}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".dot").write_text(graph.to_dot(title))
-    written = [out.with_suffix(".dot")]
+    out.with_suffix(".mmd").write_text(graph.to_mermaid())
+    written = [out.with_suffix(".dot"), out.with_suffix(".mmd")]
     if shutil.which("dot"):
         for fmt in ("png", "svg"):
             subprocess.run(["dot", f"-T{fmt}", str(out.with_suffix(".dot")), "-o", str(out.with_suffix(f".{fmt}"))],
                            check=True)
             written.append(out.with_suffix(f".{fmt}"))
-    else:
-        out.with_suffix(".mmd").write_text(graph.to_mermaid())
-        written.append(out.with_suffix(".mmd"))
-        print("(graphviz's `dot` is not installed: wrote Mermaid text instead of a PNG)")
+    else:  # no Graphviz here: a PNG drawn with matplotlib
+        written.append(draw_png(graph, out.with_suffix(".png"), title))
     print("wrote " + ", ".join(map(str, written)))
     return 0
 

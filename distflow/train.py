@@ -1,11 +1,16 @@
 """torchrun entry: the same worker program as under Ray, without Ray.
 
     torchrun --standalone --nproc-per-node=2 -m distflow.train [--config FILE] [key=value ...]
+
+`--runs FILE.json` (a list of override lists) runs several configurations one after
+another in the same workers and process group: a sweep pays the start-up once (the
+recipe tests and benchmarks/scheduler.py use it). The key=value arguments apply to all.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -18,15 +23,19 @@ from distflow.runtime.process_group import init_process_group
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distflow.train")
     parser.add_argument("--config")
+    parser.add_argument("--runs", help="JSON file: a list of override lists, run one after another")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    runs = json.loads(open(args.runs).read()) if args.runs else [[]]
+    fixed = [*args.overrides, f"runtime.num_workers={world}", "runtime.launcher=torchrun"]
     try:
-        cfg = load_config(args.config, [*args.overrides, f"runtime.num_workers={world}", "runtime.launcher=torchrun"])
+        configs = [load_config(args.config, [*run, *fixed]) for run in runs]
     except ConfigError as e:
         if rank == 0:
             print(f"distflow: error: {e}", file=sys.stderr)
         return 2
+    cfg = configs[0]
     init_process_group(rank, world, os.environ.get("MASTER_ADDR", "127.0.0.1"),
                        int(os.environ.get("MASTER_PORT", 29500)), cfg.runtime.device,
                        cfg.runtime.collective_timeout_s, cfg.runtime.threads_per_worker)
@@ -34,13 +43,14 @@ def main(argv: list[str] | None = None) -> int:
         from distflow.cli import new_run_dir
         from distflow.trainer.loop import run_worker
 
-        holder = [str(new_run_dir(cfg)) if rank == 0 else None]
-        dist.broadcast_object_list(holder, src=0)  # one folder for all ranks
-        cfg.trainer.output_dir = holder[0]
-        summary = run_worker(cfg.to_dict(), holder[0], progress=cfg.trainer.progress)
-        if rank == 0:
-            print(f"heldout_accuracy_initial={summary['heldout_accuracy_initial']:.3f} "
-                  f"heldout_accuracy_final={summary['heldout_accuracy_final']:.3f} run folder: {holder[0]}")
+        for cfg in configs:
+            holder = [str(new_run_dir(cfg)) if rank == 0 else None]
+            dist.broadcast_object_list(holder, src=0)  # one folder for all ranks
+            cfg.trainer.output_dir = holder[0]
+            summary = run_worker(cfg.to_dict(), holder[0], progress=cfg.trainer.progress)
+            if rank == 0:
+                print(f"heldout_accuracy_initial={summary['heldout_accuracy_initial']:.3f} "
+                      f"heldout_accuracy_final={summary['heldout_accuracy_final']:.3f} run folder: {holder[0]}")
     finally:
         dist.destroy_process_group()
     return 0

@@ -233,7 +233,7 @@ class Graph:
             n = self.by_name[name]
             flags = ", ".join(f for f, on in (("stream", n.stream), ("chunked", n.chunked),
                                               ("collective", n.collective), ("refill", n.refill)) if on)
-            rows.append(f"{i:2d}. {name:<18} {n.role:<14} {n.layout:<7} "
+            rows.append(f"{i:2d}. {name:<22} {n.role:<14} {n.layout:<7} "
                         f"{', '.join(n.inputs) or '-'} -> {', '.join(n.outputs) or '(update)'}" + (f"  [{flags}]" if flags else ""))
         return "\n".join(rows)
 
@@ -256,6 +256,15 @@ def node_from_dict(spec: dict, where: str) -> Node:
     return Node(**spec)
 
 
+def _relative_to(spec: Any, folder: Path) -> Any:
+    """`fn: nodes.py:f` in a graph file means the nodes.py beside that file."""
+    if isinstance(spec, dict) and isinstance(spec.get("fn"), str):
+        target, _, name = spec["fn"].rpartition(":")
+        if target.endswith(".py") and not Path(target).expanduser().is_absolute():
+            spec = {**spec, "fn": f"{(folder / target).resolve()}:{name}"}
+    return spec
+
+
 def load_graph_file(path: str | Path, base: Callable[[str], Graph]) -> Graph:
     """A YAML graph: `nodes:` (a list of node mappings with `deps`), optionally on top of
     a recipe (`base: grpo`), where a node with a recipe node's name replaces it and
@@ -270,7 +279,7 @@ def load_graph_file(path: str | Path, base: Callable[[str], Graph]) -> Graph:
     unknown = sorted(set(spec) - {"base", "nodes", "remove"})
     if unknown:
         raise GraphError(f"graph file {path}: unknown key(s) {unknown} (keys: base, nodes, remove)")
-    nodes = [node_from_dict(n, str(path)) for n in spec.get("nodes", [])]
+    nodes = [node_from_dict(_relative_to(n, path.parent), str(path)) for n in spec.get("nodes", [])]
     if spec.get("base"):
         graph = base(spec["base"])
         missing = [n for n in spec.get("remove", []) if n not in graph.by_name]

@@ -3,7 +3,7 @@
 Recipes name their callables as `module:function` strings, exactly as a user's YAML
 graph does; the trainer layer provides them (`distflow.trainer.nodes`). Every recipe:
 
-    rollout ─┬─ reward ─(overlong)─(dynamic_sampling)─ advantage ─┐
+    rollout ─┬─ reward ─(dynamic_sampling)─(overlong)─ advantage ─┐
              ├─ ref_log_prob ───────────────────────────────────────┤
              └─ (critic_values, old_log_prob) ─────────────────────── actor_update (critic_update)
 
@@ -51,15 +51,16 @@ def build_recipe(cfg: Config, name: str | None = None) -> Graph:
               ("scores", "accuracy")),
     ]
     reward_field = "scores"
-    if name == "dapo" and a.overlong_buffer_len:
-        nodes.append(_node("overlong_penalty", "reward", ("scores", "response_mask"), ("shaped_scores",),
-                           chunked=False))
-        reward_field = "shaped_scores"
     gate: tuple[str, ...] = ()  # DAPO: everything after the filter scores only the kept groups
     if name == "dapo":
-        nodes.append(_node("dynamic_sampling", "filter", (reward_field, "group"), ("kept",), refill=True,
-                           params={"reward_field": reward_field}))
+        # on the task's score before shaping, as verl's filter_groups on "score"/"acc"
+        nodes.append(_node("dynamic_sampling", "filter", ("scores", "group"), ("kept",), refill=True,
+                           params={"reward_field": "scores"}))
         gate = ("dynamic_sampling",)
+        if a.overlong_buffer_len:
+            nodes.append(_node("overlong_penalty", "reward", ("scores", "response_mask"), ("shaped_scores",),
+                               layout="groups", deps=gate))
+            reward_field = "shaped_scores"
     if a.use_kl_loss:
         nodes.append(_node("ref_log_prob", "reference", SCORING, ("ref_log_probs",), deps=gate))
     if not on_policy(cfg):

@@ -146,3 +146,32 @@ def test_pictures_name_every_node():
         assert f"  {name} [" in dot and f"  {name}[" in mermaid
     assert "critic_values -> advantage" in dot and "rollout --> reward" in mermaid
     assert "critic_update" in g.describe()
+
+
+@pytest.mark.parametrize("graph_text, fragment", [
+    ("base: grpo\nnodes:\n  - {name: x, role: custom, fn: 'nodes.py:f', inputs: [nothing], outputs: [y]}",
+     "node 'x': input 'nothing' is produced by no node"),
+    ("base: grpo\nnodes:\n  - {name: x, role: custom, fn: 'missing.py:f', outputs: [y]}",
+     "node 'x' fn="),
+])
+def test_cli_rejects_a_bad_graph_before_anything_starts(tmp_path, graph_text, fragment):
+    import subprocess
+    import sys
+
+    (tmp_path / "g.yaml").write_text(graph_text)
+    proc = subprocess.run([sys.executable, "-m", "distflow.cli", "train", f"algorithm.graph={tmp_path / 'g.yaml'}"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0] and lines[0].startswith("distflow: error:"), lines
+    assert not (tmp_path / "runs").exists(), "no run folder, no worker, no model"
+
+
+def test_dag_show_writes_pictures(tmp_path):
+    from distflow.cli import main
+
+    assert main(["dag", "show", "dapo", "--out", str(tmp_path / "d")]) == 0
+    assert "dynamic_sampling" in (tmp_path / "d.dot").read_text()
+    assert (tmp_path / "d.mmd").read_text().startswith("flowchart LR")
+    assert (tmp_path / "d.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["dag", "show", "nope", "--out", str(tmp_path / "e")]) == 2
