@@ -4,6 +4,7 @@
     distflow build-tiny-model [--out DIR]
     distflow make-data --split train --num 1000 --out FILE.parquet
     distflow bench dataplane [--quick] [--workers N ...] [--json FILE] [--results-md FILE]
+    distflow bench scheduler [--settings default compute] [--json FILE] [--results-md FILE]
     distflow dag show [ALGORITHM] [--out PATH] [--config FILE] [section.key=value ...]
 
 A config or input error prints one line and exits with code 2; a failed worker exits 1.
@@ -164,6 +165,10 @@ def cmd_make_data(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.benchmark == "scheduler":
+        from distflow.benchmarks.scheduler import main as scheduler_main
+
+        return scheduler_main(args.bench_args)
     from distflow.benchmarks.dataplane import main as dataplane_main
 
     return dataplane_main(args.bench_args)
@@ -228,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      help="Data Coordinator vs single-controller data path")
     dataplane.add_argument("bench_args", nargs=argparse.REMAINDER)
     dataplane.set_defaults(fn=cmd_bench)
+    scheduler = bench_sub.add_parser("scheduler", add_help=False, prefix_chars="+",
+                                     help="task-graph overlap and streaming on vs off")
+    scheduler.add_argument("bench_args", nargs=argparse.REMAINDER)
+    scheduler.set_defaults(fn=cmd_bench)
     dag = sub.add_parser("dag", help="the algorithm's task graph")
     dag_sub = dag.add_subparsers(dest="dag_command", required=True)
     show = dag_sub.add_parser("show", help="print the graph and write a picture (DOT/PNG/SVG or Mermaid)")

@@ -111,7 +111,7 @@ class CriticConfig:
 class SchedulerConfig:
     overlap: bool = _spec(True, doc="run independent nodes concurrently and stream rollout chunks")
     threads: int = _spec(2, min=1, doc="thread pool for non-collective nodes")
-    stream_chunk_size: int = _spec(32, min=1, doc="sequences per rollout chunk that consumers start on")
+    stream_chunk_size: int = _spec(64, min=1, doc="sequences per rollout chunk that consumers start on")
 
 
 @dataclass(kw_only=True)
