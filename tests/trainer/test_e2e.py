@@ -84,15 +84,6 @@ def test_ray_launcher_run_leaves_summary_plot_checkpoint_and_no_payload(tmp_path
     assert tok.decode(tok("Ann has 3", add_special_tokens=False)["input_ids"]) == "Ann has 3"
 
 
-def test_grpo_learns_on_the_embedded_task(tmp_path):
-    """A short run of the default recipe (2 workers): held-out accuracy rises."""
-    out = tmp_path / "learn"
-    _distflow(["runtime.launcher=torchrun", "trainer.total_steps=12", "trainer.eval_every=0",
-               "trainer.progress=false", "trainer.save_final=false", f"trainer.output_dir={out}"], tmp_path)
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["heldout_accuracy_final"] >= summary["heldout_accuracy_initial"] + 0.10, summary
-
-
 def test_worker_failure_is_reported_with_its_rank(tmp_path):
     bad = tmp_path / "train.parquet"
     bad.write_text("this is not parquet")
