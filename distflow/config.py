@@ -109,7 +109,9 @@ class CriticConfig:
 
 @dataclass(kw_only=True)
 class SchedulerConfig:
-    overlap: bool = _spec(True, doc="run independent nodes concurrently and stream rollout chunks")
+    overlap: bool | str = _spec("auto", choices=(True, False, "auto"),
+                                doc="run independent nodes concurrently and stream rollout chunks; auto = "
+                                    "on with a GPU or a spare CPU core per host, off when the workers fill the cores")
     threads: int = _spec(2, min=1, doc="thread pool for non-collective nodes")
     stream_chunk_size: int = _spec(64, min=1, doc="sequences per rollout chunk that consumers start on")
 
@@ -117,6 +119,7 @@ class SchedulerConfig:
 @dataclass(kw_only=True)
 class RewardConfig:
     custom_fn: str | None = _spec(None, doc="module:function or path.py:function")
+    timeout_s: float = _spec(30.0, min=0.0, doc="per-sample limit; the function runs in a child process (0 = in-process, no limit)")
 
 
 @dataclass(kw_only=True)
@@ -127,6 +130,9 @@ class TrainerConfig:
     eval_every: int = _spec(10, min=0, doc="steps between held-out evaluations; 0 = start and end only")
     save_every: int = _spec(0, min=0, doc="steps between checkpoints; 0 = only at the end")
     save_final: bool = _spec(True)
+    max_bad_steps: int = _spec(3, min=1, doc="stop after this many steps in a row with a non-finite loss or gradient")
+    keep_last: int = _spec(0, min=0, doc="keep only the newest M step_* checkpoints; 0 = keep all")
+    resume: str = _spec("auto", doc="auto (the run folder's latest checkpoint, if any) | off | PATH")
     progress: bool = _spec(True)
     trace_steps: str = _spec("", doc="comma-separated steps to write a Chrome trace of (run_dir/traces)")
 

@@ -48,7 +48,7 @@ def build_recipe(cfg: Config, name: str | None = None) -> Graph:
         _node("rollout", "rollout", ("prompts", "prompt_mask", "uid", "sample_k"), ("responses", "response_mask"),
               stream=True),
         _node("reward", "reward", ("responses", "response_mask", "ground_truth", "data_source", "extra_info"),
-              ("scores", "accuracy")),
+              ("scores", "accuracy", "reward_status")),
     ]
     reward_field = "scores"
     gate: tuple[str, ...] = ()  # DAPO: everything after the filter scores only the kept groups

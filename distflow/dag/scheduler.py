@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import threading
 import time
-import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol
@@ -114,7 +113,9 @@ class Scheduler:
         self.fns = graph.resolve()
         self.refill, self.on_node = refill, on_node
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="dag") if overlap else None
+        # pool threads use the worker's intra-op thread count (OpenMP's is per thread)
+        self.pool = (ThreadPoolExecutor(threads, thread_name_prefix="dag", initializer=torch.set_num_threads,
+                                        initargs=(torch.get_num_threads(),)) if overlap else None)
         self._lock = threading.Lock()
         self.spans: list[Span] = []
         self.counters: dict[str, float] = {}  # per step, the same on every worker (e.g. refill rounds)
@@ -182,10 +183,14 @@ class Scheduler:
         except NodeFailed:
             raise
         except Exception as e:
-            raise NodeFailed(f"node '{node.name}' failed on worker {self.rank} in step {self.step}: "
-                             f"{type(e).__name__}: {e}\n{traceback.format_exc()}") from e
+            raise self._failed(node, e) from e
         finally:
             self._span(node.name, start, chunk)
+
+    def _failed(self, node: Node, error: Exception) -> NodeFailed:
+        """One line; the original exception (and its traceback) is chained as the cause."""
+        return NodeFailed(f"node '{node.name}' failed on worker {self.rank} in step {self.step}: "
+                          f"{type(error).__name__}: {error}")
 
     def _span(self, name: str, start: float, chunk: int | None = None) -> None:
         with self._lock:
@@ -260,8 +265,7 @@ class Scheduler:
             except StopIteration:
                 break
             except Exception as e:
-                raise NodeFailed(f"node '{node.name}' failed on worker {self.rank} in step {self.step}: "
-                                 f"{type(e).__name__}: {e}\n{traceback.format_exc()}") from e
+                raise self._failed(node, e) from e
             self._span(node.name, start, len(pieces))
             rows = list(rows)
             if rows != list(range(rows_done, rows_done + len(rows))):
@@ -277,7 +281,7 @@ class Scheduler:
         with self._lock:
             store.put(Batch.concat(pieces) if pieces else Batch())
         for c in consumers:
-            futures[c.name] = self.pool.submit(self._join_chunks, store, c, per_consumer[c.name])
+            futures[c.name] = self._joined(store, c, per_consumer[c.name])
         return {c.name for c in consumers}
 
     def _run_chunk(self, ctx: Any, store: LocalStore, node: Node, rows: list[int], chunk: Batch, index: int) -> Batch:
@@ -288,10 +292,32 @@ class Scheduler:
                            {f: chunk.meta[f] for f in node.inputs if f in chunk.meta}))
         return self._check(node, self._call(ctx, node, batch, index), len(rows))
 
-    def _join_chunks(self, store: LocalStore, node: Node, parts: list[Future]) -> None:
-        out = Batch.concat([p.result() for p in parts])
-        with self._lock:
-            store.put(out)
+    def _joined(self, store: LocalStore, node: Node, parts: list[Future]) -> Future:
+        """A future for the consumer's whole output: when its last chunk is done, the
+        chunks are put in the store in order (a callback, so no pool thread waits)."""
+        joined: Future = Future()
+        left = [len(parts)]
+
+        def one_done(_: Future) -> None:
+            with self._lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            failed = next((p.exception() for p in parts if p.exception() is not None), None)
+            if failed is not None:
+                joined.set_exception(failed)
+                return
+            out = Batch.concat([p.result() for p in parts]) if parts else Batch()
+            with self._lock:
+                store.put(out)
+            joined.set_result(None)
+
+        if not parts:
+            left[0] = 1
+            one_done(joined)
+        for part in parts:
+            part.add_done_callback(one_done)
+        return joined
 
     # ------------------------------------------------------------------ filters
 

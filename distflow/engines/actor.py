@@ -119,9 +119,13 @@ class FSDPTrainable:
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         grad_norm = float(grad_norm)
-        if torch.isfinite(torch.tensor(grad_norm)):
+        finite = bool(torch.isfinite(torch.tensor(grad_norm)))  # the same on every rank (a global norm)
+        if finite:
             self.optimizer.step()
-        totals["grad_norm"] = grad_norm
+        else:  # NaN/inf in the loss or the gradients: skip this update, keep the weights and moments
+            self.optimizer.zero_grad(set_to_none=True)
+        totals["grad_norm"] = grad_norm if finite else 0.0
+        totals["skipped"] = 0.0 if finite else 1.0
         return totals
 
 

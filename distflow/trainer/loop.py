@@ -29,11 +29,24 @@ from distflow.data.loader import ShardedSampler
 from distflow.engines.actor import FSDPActor, OptimConfig, ReferenceModel
 from distflow.engines.common import load_causal_lm, load_tokenizer
 from distflow.engines.critic import FSDPCritic
-from distflow.engines.reward import load_reward_fn
+from distflow.engines.reward import RewardRunner
 from distflow.engines.rollout import HFRolloutEngine, SamplingParams
-from distflow.trainer import nodes
+from distflow.trainer import checkpoint, nodes
 from distflow.trainer.metrics import MeanAccumulator, MetricsWriter, StageTimer
-from distflow.trainer.report import save_checkpoint, write_plot
+from distflow.trainer.report import write_plot
+
+
+def resolve_overlap(cfg: Config, device: torch.device) -> bool:
+    """scheduler.overlap=auto: overlap needs somewhere to run the second node. A GPU
+    worker has its host CPU for rewards beside the device work; CPU workers need a core
+    left over (measured in benchmarks/SCHEDULER.md: with every core busy, threads only
+    contend)."""
+    if cfg.scheduler.overlap != "auto":
+        return bool(cfg.scheduler.overlap)
+    if device.type == "cuda":
+        return True
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.runtime.num_workers))  # workers on this host
+    return (os.cpu_count() or 1) > local * cfg.runtime.threads_per_worker
 
 
 class RefillPrompts:
@@ -86,20 +99,26 @@ class Trainer:
                                       cfg.trainer.seed)
         roles = {n.role for n in self.graph.nodes}
         torch.manual_seed(cfg.trainer.seed)
-        actor = FSDPActor(load_causal_lm(cfg.model.path, cfg.model.dtype),
+        # resuming: the policy comes from the checkpoint (a HF folder), the reference from model.path
+        self.resume_from = checkpoint.resolve(cfg.trainer.resume, run_dir)
+        policy_path = str(self.resume_from) if self.resume_from else cfg.model.path
+        actor = FSDPActor(load_causal_lm(policy_path, cfg.model.dtype),
                           OptimConfig(lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay,
                                       grad_clip=cfg.actor.grad_clip), device)
-        rollout = HFRolloutEngine(load_causal_lm(cfg.model.path, cfg.model.dtype, device), self.tokenizer,
+        rollout = HFRolloutEngine(load_causal_lm(policy_path, cfg.model.dtype, device), self.tokenizer,
                                   cfg.rollout.micro_batch_size)
         ref = (ReferenceModel(load_causal_lm(cfg.model.path, cfg.model.dtype), device)
                if "reference" in roles else None)
         critic = (FSDPCritic(load_causal_lm(cfg.model.path, cfg.model.dtype),
                              OptimConfig(lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip), device)
                   if roles & {"critic_forward", "critic_train"} else None)
+        reward_fn = RewardRunner(cfg.reward.custom_fn, cfg.reward.timeout_s)
+        accuracy_fn = reward_fn if cfg.reward.custom_fn is None else RewardRunner(None, cfg.reward.timeout_s)
         self.ctx = nodes.WorkerContext(cfg=cfg, tokenizer=self.tokenizer, rollout=rollout, actor=actor, ref=ref,
-                                       critic=critic, reward_fn=load_reward_fn(cfg.reward.custom_fn))
+                                       critic=critic, reward_fn=reward_fn, accuracy_fn=accuracy_fn)
         self.rollout, self.actor = rollout, actor
         self.placement = Placement(self.rollout_layout, self.train_layout)
+        cfg.scheduler.overlap = resolve_overlap(cfg, device)
         self._status_lock = threading.Lock()
         self.scheduler = Scheduler(self.graph, placement=self.placement, overlap=cfg.scheduler.overlap,
                                    threads=cfg.scheduler.threads,
@@ -109,6 +128,23 @@ class Trainer:
         self.store = LocalStore()
         self.writer = MetricsWriter(run_dir / "metrics.jsonl") if self.rank == 0 else None
         self.progress = progress and self.rank == 0
+        self.start_step, self.history, self.bad_steps = 0, [], 0
+        if self.resume_from is not None:
+            self._resume(self.resume_from)
+
+    def _resume(self, path: Path) -> None:
+        """Optimizer, critic, RNG, dataloader position and the metrics so far."""
+        state = checkpoint.restore(path, actor=self.actor, critic=self.ctx.critic)
+        self.start_step = state["step"]
+        if self.sampler.next_step(state["dataloader"]) != self.start_step + 1:
+            raise checkpoint.CheckpointError(f"checkpoint {path}: dataloader position {state['dataloader']} "
+                                             f"does not match step {self.start_step}")
+        metrics = path / "metrics.jsonl"
+        self.history = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        if self.writer is not None:  # the run's metrics file continues from the checkpoint's copy
+            tmp = self.writer.path.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+            os.replace(tmp, self.writer.path)
 
     # ------------------------------------------------------------------ one step
 
@@ -164,7 +200,7 @@ class Trainer:
             out.meta.update({"ground_truth": [r.ground_truth for r in rows],
                              "data_source": [r.data_source for r in rows],
                              "extra_info": [r.extra_info for r in rows]})
-            _, acc = nodes.score_responses(self.tokenizer, out, self.ctx.reward_fn)
+            _, acc, _ = nodes.score_responses(self.tokenizer, out, self.ctx.reward_fn, self.ctx.accuracy_fn)
             correct = float(acc.sum())
         totals = torch.tensor([correct, float(len(rows))], dtype=torch.float64)
         if dist.is_initialized():
@@ -175,14 +211,20 @@ class Trainer:
 
     def fit(self) -> dict:
         cfg, start = self.cfg, time.time()
-        total, eval_every = cfg.trainer.total_steps, cfg.trainer.eval_every
-        initial = self.evaluate(0)
-        self._log({"step": 0, "val/accuracy": initial})
+        total, eval_every, first = cfg.trainer.total_steps, cfg.trainer.eval_every, self.start_step + 1
+        if self.start_step == 0:
+            initial = final = self.evaluate(0)
+            self._log({"step": 0, "val/accuracy": initial})
+        else:  # resumed: the held-out numbers so far come from the checkpoint's metrics
+            vals = [r["val/accuracy"] for r in self.history if "val/accuracy" in r] or [float("nan")]
+            initial, final = vals[0], vals[-1]
         bar = self._progress_bar(total)
-        tokens, train_seconds, final = 0.0, 0.0, initial
+        if bar is not None:
+            bar.update(self.start_step)
+        tokens, train_seconds = 0.0, 0.0
         # the next step's prompts are read and tokenised while this step computes
-        for index, seqs in DoubleBuffer(lambda i: self.prepare(i + 1), total):
-            step = index + 1
+        for index, seqs in DoubleBuffer(lambda i: self.prepare(first + i), max(total - self.start_step, 0)):
+            step = first + index
             t0 = time.perf_counter()
             metrics = self.step(step, seqs)
             seconds = time.perf_counter() - t0
@@ -192,16 +234,17 @@ class Trainer:
                             "perf/tokens_per_second": metrics["tokens/total"] / seconds})
             if step == total or (eval_every and step % eval_every == 0):
                 final = metrics["val/accuracy"] = self.evaluate(step)
-            if cfg.trainer.save_every and step % cfg.trainer.save_every == 0 and step != total:
-                self._save(f"step_{step}")
             self._log(metrics)
+            self._check_bad_steps(step, metrics)
+            if cfg.trainer.save_every and step % cfg.trainer.save_every == 0 and step != total:
+                self._save(f"step_{step}", step)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", val=f"{final:.3f}")
         if bar is not None:
             bar.close()
-        if cfg.trainer.save_final:
-            self._save("final")
+        if cfg.trainer.save_final and self.start_step < total:
+            self._save("final", total)
         summary = {
             "heldout_accuracy_initial": initial, "heldout_accuracy_final": final, "steps": total,
             "num_workers": self.world, "wall_seconds": time.time() - start,
@@ -216,6 +259,17 @@ class Trainer:
             write_plot(history, self.run_dir / "reward.png")
         return summary
 
+    def _check_bad_steps(self, step: int, metrics: dict[str, float]) -> None:
+        """A step where an update met NaN/inf was skipped (counted in */skipped_updates);
+        `trainer.max_bad_steps` such steps in a row stop the run: something is broken."""
+        bad = any(v > 0 for k, v in metrics.items() if k.endswith("/skipped_updates"))
+        self.bad_steps = self.bad_steps + 1 if bad else 0
+        if self.bad_steps >= self.cfg.trainer.max_bad_steps:
+            raise FloatingPointError(
+                f"stopping at step {step}: {self.bad_steps} steps in a row had a non-finite loss or gradient "
+                f"(trainer.max_bad_steps={self.cfg.trainer.max_bad_steps}); updates were skipped, the last "
+                f"checkpoint is intact; check the rewards, the learning rate and the data")
+
     def _status(self, step: int, stage: str) -> None:
         """Where this worker is, for the launcher: it names the stage when a worker dies."""
         path = self.run_dir / "status" / f"rank-{self.rank}.json"
@@ -229,9 +283,14 @@ class Trainer:
         if self.writer is not None:
             self.writer.write(record)
 
-    def _save(self, name: str) -> None:
-        if self.rank == 0:  # the rollout copy holds the latest full weights already
-            save_checkpoint(self.rollout.model, self.tokenizer, self.run_dir / "checkpoints" / name)
+    def _save(self, name: str, step: int) -> None:
+        """A resumable checkpoint (collective); its policy folder is a normal HF model."""
+        with StageTimer(step, self._status)("checkpoint"):
+            checkpoint.save(self.run_dir / "checkpoints" / name, hf_model=self.rollout.model, tokenizer=self.tokenizer,
+                            actor=self.actor, critic=self.ctx.critic, step=step,
+                            loader_state=self.sampler.state_dict(step),
+                            metrics_file=self.writer.path if self.writer is not None else None,
+                            keep_last=self.cfg.trainer.keep_last)
 
     def _progress_bar(self, total: int):
         if not self.progress:
@@ -253,3 +312,5 @@ def run_worker(cfg_dict: dict, run_dir: str, progress: bool = False) -> dict:
         return trainer.fit()
     finally:
         trainer.scheduler.close()
+        for runner in {id(r): r for r in (trainer.ctx.reward_fn, trainer.ctx.accuracy_fn)}.values():
+            runner.close()

@@ -31,7 +31,7 @@ from distflow.coordinator.microbatch import local_micro_batches, plan_micro_batc
 from distflow.dag.scheduler import sequence_lengths
 from distflow.data.batch import Batch
 from distflow.data.dataset import PromptRow
-from distflow.engines.reward import RewardFn, default_compute_score
+from distflow.engines.reward import FAILED, TIMED_OUT, RewardRunner
 from distflow.engines.rollout import SamplingParams, left_pad, sample_seed
 from distflow.trainer.metrics import MeanAccumulator
 
@@ -46,7 +46,8 @@ class WorkerContext:
     actor: Any  # FSDPActor
     ref: Any = None  # ReferenceModel
     critic: Any = None  # FSDPCritic
-    reward_fn: RewardFn = default_compute_score
+    reward_fn: RewardRunner | None = None  # the configured reward, run safely
+    accuracy_fn: RewardRunner | None = None  # the default (strict) reward: the accuracy metric
     step: int = 0
     acc: MeanAccumulator = field(default_factory=MeanAccumulator)  # main-thread (collective) nodes only
 
@@ -118,20 +119,26 @@ def rollout(ctx: WorkerContext, batch: Batch) -> Iterator[tuple[range, Batch]]:
         yield rows, Batch({"responses": out["responses"], "response_mask": out["response_mask"]})
 
 
-def score_responses(tokenizer, batch: Batch, reward_fn: RewardFn) -> tuple[torch.Tensor, torch.Tensor]:
+def score_responses(tokenizer, batch: Batch, reward_fn: RewardRunner,
+                    accuracy_fn: RewardRunner) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rewards, accuracy, status): status is OK, FAILED (raised or not a number) or
+    TIMED_OUT per sample; a failed sample scores 0 and the run goes on."""
     texts = tokenizer.batch_decode(batch["responses"] * batch["response_mask"]
                                    + tokenizer.pad_token_id * (1 - batch["response_mask"]),
                                    skip_special_tokens=True)
-    rewards, correct = [], []
+    rewards, correct, status = [], [], []
     for text, gt, src, extra in zip(texts, batch["ground_truth"], batch["data_source"], batch["extra_info"]):
-        correct.append(default_compute_score(src, text, gt, extra))
-        rewards.append(correct[-1] if reward_fn is default_compute_score else float(reward_fn(src, text, gt, extra)))
-    return torch.tensor(rewards, dtype=torch.float32), torch.tensor(correct, dtype=torch.float32)
+        value, state = reward_fn(src, text, gt, extra)
+        rewards.append(value)
+        status.append(state)
+        correct.append(value if accuracy_fn is reward_fn else accuracy_fn(src, text, gt, extra)[0])
+    return (torch.tensor(rewards, dtype=torch.float32), torch.tensor(correct, dtype=torch.float32),
+            torch.tensor(status, dtype=torch.long))
 
 
 def reward(ctx: WorkerContext, batch: Batch) -> Batch:
-    scores, correct = score_responses(ctx.tokenizer, batch, ctx.reward_fn)
-    return Batch({"scores": scores, "accuracy": correct})
+    scores, correct, status = score_responses(ctx.tokenizer, batch, ctx.reward_fn, ctx.accuracy_fn)
+    return Batch({"scores": scores, "accuracy": correct, "reward_status": status})
 
 
 def overlong_penalty(ctx: WorkerContext, batch: Batch) -> Batch:
@@ -274,8 +281,8 @@ def _mini_batches(ctx: WorkerContext, batch: Batch, engine, make_loss, prefix: s
             for name, value in sums.items():
                 if name.endswith("_loss"):
                     acc.add_total(f"{prefix}/{name}", value / updates)
-                elif name == "grad_norm":
-                    acc.add(f"{prefix}/grad_norm", value, 1.0)  # identical on every rank
+                elif name in ("grad_norm", "skipped"):  # identical on every rank
+                    acc.add(f"{prefix}/{name}_updates" if name == "skipped" else f"{prefix}/{name}", value, 1.0)
                 elif name != "tokens":
                     acc.add(f"{prefix}/{name}", value, sums["tokens"])
 
@@ -301,3 +308,6 @@ def record_rollout_metrics(batch: Batch, acc: MeanAccumulator) -> None:
     acc.add("response/length_mean", float(lengths.sum()), n)
     acc.add_max("response/length_max", float(lengths.max()))
     acc.add_total("tokens/total", float(lengths.sum() + (batch["prompt_mask"].sum() if n else 0)))
+    status = batch["reward_status"] if n else torch.zeros(0)
+    acc.add_total("reward/failed", float((status == FAILED).sum()))
+    acc.add_total("reward/timed_out", float((status == TIMED_OUT).sum()))

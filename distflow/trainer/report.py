@@ -1,23 +1,8 @@
-"""What a run leaves behind: HF checkpoints (safetensors) and the reward/accuracy plot."""
+"""The reward / held-out accuracy plot a run leaves behind (checkpoints: checkpoint.py)."""
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
-
-
-def save_checkpoint(model, tokenizer, path: Path) -> None:
-    """A HuggingFace folder that `from_pretrained` loads; written to a temporary folder
-    and renamed, so a crash mid-write never leaves a half checkpoint under `path`."""
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
 
 
 def write_plot(history: list[dict], path: Path) -> None:

@@ -49,3 +49,69 @@ def test_custom_reward_from_file_and_module(tmp_path, monkeypatch):
 def test_bad_custom_reward_specs(spec, fragment):
     with pytest.raises(ValueError, match=fragment):
         load_reward_fn(spec)
+
+
+# ---------------------------------------------------------------------------- RewardRunner
+
+HOSTILE_REWARDS = '''
+import math, os, time
+
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "raise":
+        raise ZeroDivisionError("bad sample")
+    if solution_str == "hang":
+        time.sleep(3600)
+    if solution_str == "nan":
+        return math.nan
+    if solution_str == "text":
+        return "high"
+    if solution_str == "die":
+        os._exit(3)
+    return float(len(solution_str))
+'''
+
+
+@pytest.mark.parametrize("timeout_s", [0.0, 5.0])
+def test_reward_runner_scores_failures_zero_and_goes_on(tmp_path, timeout_s, capsys):
+    from distflow.engines.reward import FAILED, OK, RewardRunner
+
+    (tmp_path / "hostile.py").write_text(HOSTILE_REWARDS)
+    runner = RewardRunner(f"{tmp_path / 'hostile.py'}:score", timeout_s)
+    try:
+        assert runner("d", "abc", "x") == (3.0, OK)
+        assert runner("d", "raise", "x") == (0.0, FAILED)
+        assert runner("d", "nan", "x") == (0.0, FAILED)
+        assert runner("d", "text", "x") == (0.0, FAILED)
+        assert runner("d", "abcd", "x") == (4.0, OK)
+    finally:
+        runner.close()
+    err = capsys.readouterr().err
+    assert err.count("reward function failed") == 1 and "ZeroDivisionError: bad sample" in err
+
+
+def test_reward_runner_times_out_a_hanging_call_and_survives_a_dying_one(tmp_path):
+    import time
+
+    from distflow.engines.reward import FAILED, OK, TIMED_OUT, RewardRunner
+
+    (tmp_path / "hostile.py").write_text(HOSTILE_REWARDS)
+    runner = RewardRunner(f"{tmp_path / 'hostile.py'}:score", 1.0)
+    try:
+        start = time.monotonic()
+        assert runner("d", "hang", "x") == (0.0, TIMED_OUT)
+        assert time.monotonic() - start < 30  # the per-call limit, not the hour the call wanted
+        assert runner("d", "ab", "x") == (2.0, OK)  # a fresh child
+        assert runner("d", "die", "x") == (0.0, FAILED)
+        assert runner("d", "abc", "x") == (3.0, OK)
+    finally:
+        runner.close()
+
+
+def test_math_verify_works_off_the_main_thread():
+    """Reward nodes run on the scheduler's threads, where SIGALRM timeouts cannot."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from distflow.engines.reward import math_verify_score
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(math_verify_score, "so the answer is \\boxed{\\frac{1}{2}}", "0.5").result() == 1.0

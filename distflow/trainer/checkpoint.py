@@ -1,0 +1,189 @@
+"""Resumable checkpoints, with nothing pickled.
+
+    checkpoints/step_<k>/               (and checkpoints/final/)
+        config.json, model.safetensors, tokenizer files   the policy as a HF folder
+        optimizer.safetensors, optimizer.json             AdamW state (full, not sharded)
+        critic.safetensors, critic_optimizer.*            PPO's critic, when there is one
+        rng.safetensors                                   each rank's torch RNG state
+        metrics.jsonl                                     the run's metrics up to step k
+        trainer_state.json                                step, dataloader position, world size
+
+Every rank takes part (gathering FSDP shards is a collective); rank 0 writes. The folder
+is written as `step_<k>.tmp` and renamed when complete, so a crash mid-write leaves the
+previous checkpoint as the latest loadable one. States are full (unsharded), so a run can
+resume on a different number of workers. `trainer.keep_last=M` keeps the M newest
+`step_*` folders (`final` is never removed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+STATE_FILE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; one line naming the folder and the problem."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _full_state(model, optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def _flatten_optimizer(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors = {f"{name}\x00{key}": value.detach().clone().contiguous().cpu()
+               for name, entry in state["state"].items() for key, value in entry.items()}
+    return tensors, {"param_groups": state["param_groups"], "format": FORMAT_VERSION}
+
+
+def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for flat, value in tensors.items():
+        name, key = flat.split("\x00")
+        state.setdefault(name, {})[key] = value
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def save(path: Path, *, hf_model, tokenizer, actor, critic, step: int, loader_state: dict[str, int],
+         metrics_file: Path | None, keep_last: int) -> None:
+    """Collective: every rank calls it with its own engines; rank 0 writes `path`."""
+    actor_sd, actor_osd = _full_state(actor.model, actor.optimizer)
+    critic_state = _full_state(critic.model, critic.optimizer) if critic is not None else None
+    rng = torch.get_rng_state()
+    rngs: list[Any] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+    if dist.is_initialized():
+        dist.all_gather_object(rngs, rng.tolist())  # a few KB between our own workers
+    else:
+        rngs = [rng.tolist()]
+    if _rank() == 0:
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        hf_model.save_pretrained(tmp, safe_serialization=True)  # the rollout copy: the latest full weights
+        tokenizer.save_pretrained(tmp)
+        tensors, meta = _flatten_optimizer(actor_osd)
+        save_file(tensors, tmp / "optimizer.safetensors")
+        (tmp / "optimizer.json").write_text(json.dumps(meta))
+        if critic_state is not None:
+            save_file({k: v.contiguous() for k, v in critic_state[0].items()}, tmp / "critic.safetensors")
+            tensors, meta = _flatten_optimizer(critic_state[1])
+            save_file(tensors, tmp / "critic_optimizer.safetensors")
+            (tmp / "critic_optimizer.json").write_text(json.dumps(meta))
+        save_file({f"rank_{r}": torch.tensor(s, dtype=torch.uint8) for r, s in enumerate(rngs)},
+                  tmp / "rng.safetensors")
+        if metrics_file is not None and metrics_file.exists():
+            shutil.copyfile(metrics_file, tmp / "metrics.jsonl")
+        _fault_point(f"checkpoint:{step}")
+        (tmp / STATE_FILE).write_text(json.dumps({"format": FORMAT_VERSION, "step": step, "dataloader": loader_state,
+                                                  "world_size": len(rngs)}))
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)  # complete: from now on it is the latest checkpoint
+        _prune(path.parent, keep_last)
+    if dist.is_initialized():
+        dist.barrier()  # nobody runs ahead of a checkpoint that is still being written
+
+
+def _fault_point(name: str) -> None:
+    """Fault injection for the reliability tests: DISTFLOW_FAULT=<name> (here
+    `checkpoint:<step>`) kills this process at this point with SIGKILL, as a crash or an
+    OOM kill would."""
+    if os.environ.get("DISTFLOW_FAULT") == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _prune(folder: Path, keep_last: int) -> None:
+    """After a complete save: drop what crashed writes left (`*.tmp`) and, with
+    keep_last > 0, all but the newest `keep_last` complete `step_*` checkpoints."""
+    for stale in folder.glob("*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+    if keep_last <= 0:
+        return
+    steps = sorted((int(m.group(1)), p) for p in folder.iterdir()
+                   if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file())
+    for _, old in steps[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def latest(folder: Path) -> Path | None:
+    """The newest complete checkpoint under `folder` (`step_*` or `final`), or None."""
+    if not folder.is_dir():
+        return None
+    found = []
+    for p in folder.iterdir():
+        if (p / STATE_FILE).is_file() and (_STEP_DIR.match(p.name) or p.name == "final"):
+            found.append((read_state(p)["step"], p.name == "final", p))
+    return max(found)[2] if found else None
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: no readable {STATE_FILE} ({e})") from None
+    if state.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path}: format {state.get('format')!r}, expected {FORMAT_VERSION}")
+    return state
+
+
+def resolve(resume: str, run_dir: Path) -> Path | None:
+    """trainer.resume: off -> None; auto -> the run folder's latest, if any; else a path."""
+    if resume == "off":
+        return None
+    if resume == "auto":
+        return latest(run_dir / "checkpoints")
+    path = Path(resume).expanduser()
+    if not (path / STATE_FILE).is_file():
+        inner = latest(path / "checkpoints") or latest(path)
+        if inner is None:
+            raise CheckpointError(f"trainer.resume={resume!r}: no complete checkpoint there "
+                                  f"(a folder with {STATE_FILE}, or a run folder with checkpoints/)")
+        path = inner
+    return path
+
+
+def _load_optimizer(model, optimizer, path: Path, stem: str) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    state = _unflatten_optimizer(load_file(path / f"{stem}.safetensors"),
+                                 json.loads((path / f"{stem}.json").read_text()))
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def restore(path: Path, *, actor, critic) -> dict[str, Any]:
+    """Collective: optimizer (and critic) states and this rank's RNG; the policy weights
+    were loaded from the folder itself. Returns the trainer state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    state = read_state(path)
+    _load_optimizer(actor.model, actor.optimizer, path, "optimizer")
+    if critic is not None:
+        if not (path / "critic.safetensors").is_file():
+            raise CheckpointError(f"checkpoint {path}: has no critic, but this recipe trains one")
+        set_model_state_dict(critic.model, load_file(path / "critic.safetensors"),
+                             options=StateDictOptions(full_state_dict=True))
+        _load_optimizer(critic.model, critic.optimizer, path, "critic_optimizer")
+    rngs = load_file(path / "rng.safetensors")
+    if f"rank_{_rank()}" in rngs:
+        torch.set_rng_state(rngs[f"rank_{_rank()}"])
+    return state

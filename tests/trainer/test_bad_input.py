@@ -1,0 +1,61 @@
+"""Bad input during a run, for real: a reward function that raises or hangs on some
+samples (scored 0, counted, the run goes on), and NaN advantages (updates skipped and
+counted, the run stops clearly after trainer.max_bad_steps)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SMALL = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "algorithm.group_size=4",
+         "data.val_max_samples=8", "rollout.max_new_tokens=24", "trainer.eval_every=0", "trainer.progress=false",
+         "trainer.save_final=false", "runtime.launcher=torchrun"]
+
+
+def _train(args, cwd) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "distflow.cli", "train", *SMALL, *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_reward_that_raises_or_hangs_scores_zero_and_the_run_goes_on(tmp_path):
+    (tmp_path / "flaky.py").write_text(
+        "import time\n"
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if '3' in solution_str:\n"
+        "        raise ValueError('cannot score a three')\n"
+        "    if '7' in solution_str:\n"
+        "        time.sleep(600)\n"
+        "    return 1.0 if '####' in solution_str else 0.0\n")
+    out = tmp_path / "run"
+    proc = _train(["trainer.total_steps=1", "data.val_max_samples=2", f"reward.custom_fn={tmp_path / 'flaky.py'}:score",
+                   "reward.timeout_s=0.5", f"trainer.output_dir={out}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    assert sum(r["reward/failed"] for r in records) > 0 and sum(r["reward/timed_out"] for r in records) > 0
+    assert "ValueError: cannot score a three" in proc.stderr  # the first traceback, once per worker
+    assert proc.stderr.count("reward function failed") <= 2
+
+
+def test_nan_updates_are_skipped_and_the_run_stops_after_max_bad_steps(tmp_path):
+    (tmp_path / "nan_adv.py").write_text(
+        "import torch\n"
+        "from distflow.data.batch import Batch\n"
+        "def advantage(ctx, batch):\n"
+        "    return Batch({'advantages': torch.full(batch['response_mask'].shape, float('nan'))})\n")
+    (tmp_path / "graph.yaml").write_text(
+        "base: grpo\nnodes:\n  - {name: advantage, role: advantage, fn: 'nan_adv.py:advantage',"
+        " inputs: [scores, response_mask, group], outputs: [advantages]}\n")
+    out = tmp_path / "run"
+    proc = _train(["trainer.total_steps=5", "trainer.max_bad_steps=2", f"algorithm.graph={tmp_path / 'graph.yaml'}",
+                   f"trainer.output_dir={out}"], tmp_path)
+    assert proc.returncode == 1
+    assert "stopping at step 2: 2 steps in a row had a non-finite loss or gradient" in proc.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [r["actor/skipped_updates"] for r in records] == [1.0, 1.0]
