@@ -82,27 +82,23 @@ def test_latest_ignores_incomplete_folders_and_prune_keeps_the_newest(tmp_path):
 
 @pytest.mark.slow
 def test_killed_while_checkpointing_then_resumed_matches_an_uninterrupted_run(tmp_path):
-    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    proc = _train([f"trainer.output_dir={straight}", "trainer.save_every=1", "trainer.keep_last=1"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == ["final", "step_2"]
-
-    # rank 0 is SIGKILLed while it writes the final checkpoint (step 3): step_2 stays the latest
-    proc = _train([f"trainer.output_dir={crashed}", "trainer.save_every=2"], tmp_path,
+    run = tmp_path / "run"
+    # rank 0 is SIGKILLed while it writes the final checkpoint (step 3), after logging step 3:
+    # steps 1-3 of this first attempt are an uninterrupted run; step_2 stays the latest checkpoint
+    proc = _train([f"trainer.output_dir={run}", "trainer.save_every=1", "trainer.keep_last=1"], tmp_path,
                   env={"DISTFLOW_FAULT": "checkpoint:3"})
     assert proc.returncode != 0
-    assert (crashed / "checkpoints" / "final.tmp").is_dir() and not (crashed / "checkpoints" / "final").exists()
-    assert checkpoint.latest(crashed / "checkpoints") == crashed / "checkpoints" / "step_2"
+    uninterrupted = _metrics(run)
+    assert [r["step"] for r in uninterrupted] == [0, 1, 2, 3]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["final.tmp", "step_2"]  # keep_last=1
+    assert checkpoint.latest(run / "checkpoints") == run / "checkpoints" / "step_2"
 
-    proc = _train([f"trainer.output_dir={crashed}", "trainer.save_every=2"], tmp_path)  # trainer.resume=auto
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    resumed, reference = _metrics(crashed), _metrics(straight)
+    proc = _train([f"trainer.output_dir={run}", "trainer.save_every=1", "trainer.keep_last=1"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]  # trainer.resume=auto
+    resumed = _metrics(run)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]  # the metrics file continues, no step twice
     # bitwise: weights, AdamW moments and the dataloader position are restored exactly, and
-    # sampling is seeded per (step, prompt, sample), so the resumed steps replay exactly
-    assert [_untimed(r) for r in resumed] == [_untimed(r) for r in reference]
-    from transformers import AutoModelForCausalLM
-
-    a = AutoModelForCausalLM.from_pretrained(straight / "checkpoints" / "final").state_dict()
-    b = AutoModelForCausalLM.from_pretrained(crashed / "checkpoints" / "final").state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    # sampling is seeded per (step, prompt, sample), so the resumed step replays exactly
+    assert [_untimed(r) for r in resumed] == [_untimed(r) for r in uninterrupted]
+    assert resumed[3]["actor/grad_norm"] > 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["final", "step_2"]
