@@ -159,8 +159,8 @@ class Graph:
         while remaining:
             ready = [n for n, ps in remaining.items() if all(p in done for p in ps)]
             if not ready:
-                raise GraphError(f"node '{self._cycle(remaining)}': is part of a cycle "
-                                 f"({' -> '.join(self._cycle_path(remaining))})")
+                cycle = self._cycle_path(remaining)
+                raise GraphError(f"node '{cycle[0]}': is part of a cycle ({' -> '.join(cycle)})")
             best = min(ready, key=lambda n: (_LAYOUT_ORDER[self.by_name[n].layout], position[n]))
             done.append(best)
             del remaining[best]
@@ -172,9 +172,6 @@ class Graph:
             seen.append(node)
             node = next(p for p in remaining[node] if p in remaining)
         return seen[seen.index(node):] + [node]
-
-    def _cycle(self, remaining: dict[str, list[str]]) -> str:
-        return self._cycle_path(remaining)[0]
 
     def ancestors(self, name: str) -> list[str]:
         out, stack = set(), list(self.parents[name])

@@ -109,7 +109,7 @@ def sequence_lengths(batch: Batch) -> list[int]:
 class Scheduler:
     def __init__(self, graph: Graph, *, placement: Placement, overlap: bool = True, threads: int = 2,
                  refill: RefillSource | None = None, on_node: Callable[[str], None] | None = None):
-        self.graph, self.placement, self.overlap = graph, placement, overlap
+        self.graph, self.placement = graph, placement
         self.fns = graph.resolve()
         self.refill, self.on_node = refill, on_node
         self.rank = dist.get_rank() if dist.is_initialized() else 0

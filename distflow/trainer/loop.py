@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-import threading
 
 from distflow.config import Config, from_dict
 from distflow.coordinator.double_buffer import DoubleBuffer
