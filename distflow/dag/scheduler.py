@@ -353,7 +353,7 @@ class Scheduler:
         batch = Batch.concat(batches) if len(batches) > 1 else batches[0]
         keys, good = src.group_keys(batch), passed(batch)
         mine = sorted({(k not in good, k) for k in keys})
-        chosen = sorted(k for _, k in sorted(x for part in _all_gather_objects(mine) for x in part)[:src.target_groups])
+        chosen = sorted(k for _, k in sorted(x for part in all_gather_objects(mine) for x in part)[:src.target_groups])
         chosen_set = set(chosen)
         store.replace(src.renumber(batch.select([i for i, k in enumerate(keys) if k in chosen_set]), chosen))
         self.counters[f"{node.name}/refill_rounds"] = float(rounds)
@@ -367,7 +367,8 @@ def _all_reduce_int(value: int) -> int:
     return int(t)
 
 
-def _all_gather_objects(obj: Any) -> list[Any]:
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj` (small metadata only), in rank order; [obj] without a process group."""
     if not dist.is_initialized():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from distflow.dag.scheduler import all_gather_objects
+
 STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 FORMAT_VERSION = 1
@@ -69,12 +71,7 @@ def save(path: Path, *, hf_model, tokenizer, actor, critic, step: int, loader_st
     """Collective: every rank calls it with its own engines; rank 0 writes `path`."""
     actor_sd, actor_osd = _full_state(actor.model, actor.optimizer)
     critic_state = _full_state(critic.model, critic.optimizer) if critic is not None else None
-    rng = torch.get_rng_state()
-    rngs: list[Any] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
-    if dist.is_initialized():
-        dist.all_gather_object(rngs, rng.tolist())  # a few KB between our own workers
-    else:
-        rngs = [rng.tolist()]
+    rngs = all_gather_objects(torch.get_rng_state().tolist())  # a few KB between our own workers
     if _rank() == 0:
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
