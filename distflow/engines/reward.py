@@ -4,8 +4,10 @@ The reward function contract is verl's `compute_score`:
 
     fn(data_source: str, solution_str: str, ground_truth: str, extra_info: dict) -> float
 
-The default dispatches on the answer style: GSM8K's `#### <answer>` when the response
-has one, otherwise `math_verify` on `\\boxed{...}` answers. A custom function is named
+The default dispatches on the data source and the answer style: code datasets (APPS,
+CodeContests, TACO ...: test cases as JSON) run the response's program in the sandbox
+(`engines/sandbox.py`); otherwise GSM8K's `#### <answer>` when the response has one,
+else `math_verify` on `\\boxed{...}` answers. A custom function is named
 as `package.module:function` or `path/to/file.py:function`.
 """
 
@@ -62,6 +64,10 @@ def math_verify_score(solution_str: str, ground_truth: str) -> float:
 
 def default_compute_score(data_source: str, solution_str: str, ground_truth: str,
                           extra_info: dict[str, Any] | None = None) -> float:
+    from distflow.engines import sandbox
+
+    if data_source.lower().split("/")[-1] in sandbox.CODE_SOURCES:  # e.g. "codecontests", "likaixin/TACO"
+        return sandbox.code_score(data_source, solution_str, ground_truth, extra_info)
     if "####" in solution_str or "gsm8k" in data_source or data_source.startswith("distflow/arith"):
         return gsm8k_score(solution_str, ground_truth)
     return math_verify_score(solution_str, ground_truth)

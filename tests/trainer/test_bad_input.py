@@ -25,22 +25,37 @@ def _train(args, cwd) -> subprocess.CompletedProcess:
 
 
 def test_a_reward_that_raises_or_hangs_scores_zero_and_the_run_goes_on(tmp_path):
+    """Also runs hostile programs in the code sandbox from the reward process: the
+    program writes outside its folder, or opens a socket, or allocates 8 GiB."""
+    escape = tmp_path / "escaped.txt"
+    hostile = [f"open({str(escape)!r}, 'w').write('x')", "import socket; socket.create_connection(('127.0.0.1', 22))",
+               "x = bytearray(8 * 1024 ** 3)"]
     (tmp_path / "flaky.py").write_text(
-        "import time\n"
+        "import json, time\n"
+        "from distflow.engines.sandbox import code_score\n"
+        f"HOSTILE = {hostile!r}\n"
         "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    if '3' in solution_str:\n"
         "        raise ValueError('cannot score a three')\n"
         "    if '7' in solution_str:\n"
         "        time.sleep(600)\n"
+        "    if '5' in solution_str or '4' in solution_str:\n"
+        "        program = HOSTILE[len(solution_str) % len(HOSTILE)]\n"
+        "        value = code_score('code', program, json.dumps({'inputs': [''], 'outputs': ['ok']}))\n"
+        f"        open({str(tmp_path / 'hostile.log')!r}, 'a').write(f'{{value}}\\n')\n"
+        "        return value\n"
         "    return 1.0 if '####' in solution_str else 0.0\n")
     out = tmp_path / "run"
     proc = _train(["trainer.total_steps=1", "data.val_max_samples=2", f"reward.custom_fn={tmp_path / 'flaky.py'}:score",
-                   "reward.timeout_s=0.5", f"trainer.output_dir={out}"], tmp_path)
+                   "reward.timeout_s=1", f"trainer.output_dir={out}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
     assert sum(r["reward/failed"] for r in records) > 0 and sum(r["reward/timed_out"] for r in records) > 0
     assert "ValueError: cannot score a three" in proc.stderr  # the first traceback, once per worker
     assert proc.stderr.count("reward function failed") <= 2
+    assert not escape.exists()
+    scores = (tmp_path / "hostile.log").read_text().split()
+    assert scores and set(scores) == {"0.0"}  # each hostile program ran, was contained and scored 0
 
 
 def test_nan_updates_are_skipped_and_the_run_stops_after_max_bad_steps(tmp_path):

@@ -1,0 +1,327 @@
+"""Running model-written Python safely, and the code reward built on it.
+
+`run_python(code, stdin)` runs a program in its own process tree with a wall-clock and
+CPU time limit, an address-space limit, a cap on processes and on file size, and stdout
+and stderr written to files (so a program that prints forever cannot fill our memory).
+
+As root on Linux (the usual container, and CI), isolation is full:
+
+    reward process --Popen--> launcher (python -I -S, root)
+        unshare: new mount, network, PID, IPC and UTS namespaces
+        the new root is a private tmpfs: /usr, the Python installation and a few /dev
+        nodes bound read-only; /sandbox (the program's folder) and /tmp are tmpfs
+        fork --> init (PID 1 of the new PID namespace)
+            chroot, resource limits, drop to an unused uid, no new privileges
+            fork+exec --> python main.py
+
+The program sees no network interface but a loopback that is down, none of the run's
+files (its filesystem is the new root), and cannot write anywhere but its tmpfs folders.
+When init exits (the program ended, or the launcher was killed on timeout: init has a
+parent-death signal), the kernel kills everything left in the PID namespace, so a fork
+bomb ends with it.
+
+Without root, the program runs with the resource limits only, in a fresh temporary
+folder, with an audit hook refusing sockets and writes outside that folder: a Python-level
+guard that a hostile program can get around (say so to your users; `isolation()` tells).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+OK, ERROR, TIMEOUT, MEMORY, KILLED = "ok", "error", "timeout", "memory", "killed"
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself could not run (not anything the program did)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    time_s: float = 5.0  # wall clock, from the program's start
+    memory_mb: int = 512  # address space of each process
+    processes: int = 32
+    file_mb: int = 16  # largest file (and stdout/stderr) the program may write
+
+
+@dataclass(frozen=True)
+class Result:
+    status: str  # ok | error | timeout | memory | killed
+    returncode: int | None
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+_ISOLATION: list[str] = []
+
+
+def isolation() -> str:
+    """'namespaces' where the full isolation works (root on Linux, allowed to unshare),
+    else 'limits'. `DISTFLOW_SANDBOX=limits` forces the weaker mode."""
+    if not _ISOLATION:
+        mode = "limits"
+        if (os.environ.get("DISTFLOW_SANDBOX") != "limits" and sys.platform.startswith("linux")
+                and os.geteuid() == 0):
+            try:
+                _run("pass", "", Limits(time_s=10), isolate=True)
+                mode = "namespaces"
+            except SandboxError as e:
+                print(f"distflow: the code sandbox falls back to resource limits only ({e})", file=sys.stderr)
+        _ISOLATION.append(mode)
+    return _ISOLATION[0]
+
+
+# The launcher runs in a fresh interpreter (single-threaded, so unshare/fork are safe).
+# argv[1] is the JSON spec; fd `status_fd` receives one line: "exit N" or "signal N".
+_LAUNCHER = r"""
+import ctypes, json, os, resource, signal, sys
+spec = json.loads(sys.argv[1])
+status = os.fdopen(spec["status_fd"], "w")
+libc = ctypes.CDLL(None, use_errno=True)
+program = open(spec["program"], "rb").read()
+
+def check(ret, what):
+    if ret != 0:
+        raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
+
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+
+def mount(src, dst, fstype, flags, data=None):
+    check(libc.mount(src and src.encode(), dst.encode(), fstype and fstype.encode(), flags,
+                     data and data.encode()), f"mount {dst}")
+
+def bind_readonly(path, root):
+    target = root + path
+    if os.path.isdir(path):
+        os.makedirs(target, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        open(target, "a").close()
+    mount(path, target, None, MS_BIND | MS_REC)
+    mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+isolate, uid, root = spec["isolate"], spec["uid"], spec["root"]
+if isolate:
+    CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x4000000, 0x8000000, 0x20000000, 0x40000000
+    check(libc.unshare(CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWPID | CLONE_NEWNET), "unshare")
+    mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates to the host
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=755")
+    for path in spec["binds"]:
+        if os.path.islink(path):  # /lib -> usr/lib on merged-/usr systems
+            os.symlink(os.readlink(path), root + path)
+        elif os.path.exists(path):
+            bind_readonly(path, root)
+    for dev in ("null", "zero", "urandom", "random"):
+        bind_readonly("/dev/" + dev, root)
+    for folder in ("/tmp", "/sandbox"):
+        os.makedirs(root + folder)
+        mount("tmpfs", root + folder, "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['file_mb'] * 4}m,mode=1777")
+    workdir = "/sandbox"
+else:
+    workdir = os.path.join(root, "sandbox")
+    os.makedirs(workdir)
+with open((root if isolate else "") + workdir + "/main.py", "wb") as f:
+    f.write(program)
+
+def limit(cpu_s, memory_mb, processes, file_mb, own_uid):
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (file_mb << 20, file_mb << 20))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    if own_uid:  # RLIMIT_NPROC counts all processes of the uid
+        resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
+
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+init = os.fork() if isolate else 0
+if init:  # the launcher: wait for init, report, leave
+    os.waitpid(init, 0)
+    sys.exit(0)
+if isolate:
+    check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+    os.chroot(root)
+os.chdir(workdir)
+own_uid = isolate  # root in its namespaces
+if own_uid:  # an unused uid: no access to anyone's private files, and a process cap of its own
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)  # clears the parent-death signal: set it again
+    check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl")
+limit(spec["cpu_s"], spec["memory_mb"], spec["processes"], spec["file_mb"], own_uid)
+env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": "/tmp" if isolate else workdir, "LANG": "C.UTF-8"}
+argv = [spec["python"], "-I", "-S", "-B"]
+argv += ["-c", spec["guard"], workdir] if not isolate else ["main.py"]
+os.set_inheritable(status.fileno(), False)
+child = os.fork()
+if child == 0:
+    os.execve(spec["python"], argv, env)
+while True:  # PID 1 reaps every orphan until the program itself has ended
+    pid, code = os.wait()
+    if pid == child:
+        break
+status.write(f"signal {-os.waitstatus_to_exitcode(code)}\n" if os.WIFSIGNALED(code)
+             else f"exit {os.waitstatus_to_exitcode(code)}\n")
+status.flush()
+os._exit(0)
+"""
+
+# Without namespaces: refuse sockets, starting programs, writes outside the folder and
+# reads outside it and the Python installation, at the Python level; then run main.py.
+_GUARD = r"""
+import os, sys
+folder = os.path.realpath(sys.argv[1])
+readable = (folder, os.path.realpath(sys.base_prefix), "/usr", "/dev/null", "/dev/urandom")
+WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+def inside(path, roots):
+    path = os.path.realpath(os.fsdecode(path))
+    return any(path == r or path.startswith(r + os.sep) for r in roots)
+def guard(event, args):
+    if event.startswith("socket.") or event in ("os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen"):
+        raise PermissionError(f"{event} is not allowed in the sandbox")
+    if event == "open" and isinstance(args[0], (str, bytes)):
+        mode, flags = args[1], args[2]
+        writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & WRITE)
+        if not inside(args[0], (folder,) if writes else readable):
+            raise PermissionError(f"the sandbox may not {'write' if writes else 'read'} {args[0]}")
+    if event in ("os.listdir", "os.scandir") and not inside(args[0] if args[0] is not None else ".", readable):
+        raise PermissionError(f"the sandbox may not list {args[0]}")
+sys.addaudithook(guard)
+sys.argv = ["main.py"]
+code = open("main.py").read()
+exec(compile(code, "main.py", "exec"), {"__name__": "__main__"})
+"""
+
+
+def _binds() -> list[str]:
+    """What the program's root holds, read-only: the system's libraries and this Python."""
+    prefix = os.path.realpath(sys.base_prefix)
+    python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    paths = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/etc/ld.so.cache", prefix]
+    if not python.startswith(prefix + os.sep) and not python.startswith("/usr/"):
+        paths.append(os.path.dirname(python))
+    return paths
+
+
+def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> Result:
+    """Run `code` as a Python program in the sandbox with `stdin`; never raises for
+    anything the program does."""
+    return _run(code, stdin, limits, isolation() == "namespaces")
+
+
+def _run(code: str, stdin: str, limits: Limits, isolate: bool) -> Result:
+    python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    with tempfile.TemporaryDirectory(prefix="distflow-sandbox-") as tmp:
+        with open(os.path.join(tmp, "main.py"), "w") as f:
+            f.write(code)
+        os.makedirs(os.path.join(tmp, "root"))
+        files = {name: open(os.path.join(tmp, name), "w+b") for name in ("stdin", "stdout", "stderr", "status")}
+        try:
+            files["stdin"].write(stdin.encode())
+            files["stdin"].seek(0)
+            spec = {"program": os.path.join(tmp, "main.py"), "root": os.path.join(tmp, "root"), "python": python,
+                    "isolate": isolate, "binds": _binds(), "status_fd": files["status"].fileno(),
+                    # an unused uid per sandbox, so the process cap is this program's alone
+                    "uid": 200_000 + os.getpid() % 100_000 * 8 + int(time.monotonic_ns()) % 8,
+                    "cpu_s": int(limits.time_s) + 1, "guard": _GUARD} | asdict(limits)
+            start = time.perf_counter()
+            proc = subprocess.Popen([python, "-I", "-S", "-B", "-c", _LAUNCHER, json.dumps(spec)],
+                                    stdin=files["stdin"], stdout=files["stdout"], stderr=files["stderr"],
+                                    pass_fds=[files["status"].fileno()], start_new_session=True, cwd=tmp,
+                                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+            timed_out = False
+            try:
+                proc.wait(timeout=limits.time_s + 1.0)  # +1 s: the launcher's own start-up
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                _kill_group(proc)
+
+            seconds = time.perf_counter() - start
+            out, err, status = (_read(files[n], limits.file_mb << 20) for n in ("stdout", "stderr", "status"))
+        finally:
+            for f in files.values():
+                f.close()
+            if not isolate:
+                shutil.rmtree(os.path.join(tmp, "root"), ignore_errors=True)
+    if not timed_out and _returncode(status) is None:
+        raise SandboxError(f"the sandbox did not start: {err.strip().splitlines()[-1] if err.strip() else 'no output'}")
+    return Result(_status(timed_out, status, err), _returncode(status), out, err, seconds)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # with namespaces, init's parent-death signal ends the rest
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _read(f, cap: int) -> str:
+    f.seek(0)
+    return f.read(cap).decode("utf-8", errors="replace")
+
+
+def _returncode(status: str) -> int | None:
+    m = re.match(r"(exit|signal) (-?\d+)", status)
+    if not m:
+        return None
+    return int(m.group(2)) if m.group(1) == "exit" else -int(m.group(2))
+
+
+def _status(timed_out: bool, status: str, stderr: str) -> str:
+    code = _returncode(status)
+    if timed_out or code == -signal.SIGXCPU:
+        return TIMEOUT
+    if "MemoryError" in stderr:
+        return MEMORY
+    return OK if code == 0 else (KILLED if code < 0 else ERROR)
+
+
+# ---------------------------------------------------------------------------- the code reward
+
+CODE_SOURCES = ("codecontests", "apps", "taco", "codeforces", "livecodebench", "primeintellect", "code")
+_CODE_BLOCK = re.compile(r"```(?:python|py|python3)?\s*\n(.*?)```", re.DOTALL)
+
+
+def extract_code(solution_str: str) -> str:
+    """The last fenced Python block of a response, or the whole response if it has none."""
+    blocks = _CODE_BLOCK.findall(solution_str)
+    return blocks[-1] if blocks else solution_str
+
+
+def code_score(data_source: str, solution_str: str, ground_truth: str,
+               extra_info: dict[str, Any] | None = None) -> float:
+    """The fraction of test cases the response's program passes, run in the sandbox.
+
+    `ground_truth` is JSON in the format of APPS / verl's code datasets:
+    `{"inputs": [stdin, ...], "outputs": [expected stdout, ...]}`, optionally with
+    `"time_limit"` (seconds per case) and `"memory_limit_mb"`. Outputs are compared after
+    stripping trailing whitespace on each line. A program that crashes, times out or is
+    killed fails that case; the call itself never raises for anything the program does."""
+    cases = json.loads(ground_truth)
+    inputs, outputs = cases["inputs"], cases["outputs"]
+    if len(inputs) != len(outputs) or not inputs:
+        raise ValueError("ground truth needs as many 'inputs' as 'outputs', at least one")
+    limits = Limits(time_s=float(cases.get("time_limit", 5.0)), memory_mb=int(cases.get("memory_limit_mb", 512)))
+    code, passed = extract_code(solution_str), 0
+    for stdin, expected in zip(inputs, outputs):
+        result = run_python(code, stdin, limits)
+        passed += result.status == OK and _same_output(result.stdout, expected)
+    return passed / len(inputs)
+
+
+def _same_output(got: str, expected: str) -> bool:
+    def norm(text: str) -> list[str]:
+        return [line.rstrip() for line in text.strip().splitlines()]
+    return norm(got) == norm(expected)

@@ -1,0 +1,140 @@
+"""The code sandbox against hostile programs, for real: each is contained and scores 0,
+and the next program runs normally."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+import pytest
+
+from distflow.engines import sandbox
+from distflow.engines.reward import RewardRunner, default_compute_score
+from distflow.engines.sandbox import MEMORY, OK, TIMEOUT, Limits, code_score, run_python
+
+FULL = sandbox.isolation() == "namespaces"
+needs_namespaces = pytest.mark.skipif(not FULL, reason="full isolation needs root on Linux (CI has it)")
+LIMITS = Limits(time_s=0.5, memory_mb=256, processes=16, file_mb=1)
+ECHO_CASES = json.dumps({"inputs": ["2 3\n", "10 -4\n"], "outputs": ["5\n", "6\n"]})
+GOOD = "a, b = map(int, input().split())\nprint(a + b)\n"
+
+
+def _sandbox_processes() -> list[int]:
+    """Processes running under a sandbox uid (200000 and up)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                uid = int(next(line.split()[1] for line in f if line.startswith("Uid:")))
+        except (OSError, StopIteration):
+            continue
+        if uid >= 200_000:
+            found.append(int(pid))
+    return found
+
+
+def _no_sandbox_processes_left(deadline_s: float = 5.0) -> bool:
+    end = time.monotonic() + deadline_s
+    while _sandbox_processes() and time.monotonic() < end:
+        time.sleep(0.05)
+    return not _sandbox_processes()
+
+
+def test_a_correct_program_passes_every_case_and_a_wrong_one_scores_its_fraction():
+    assert code_score("codecontests", f"Here:\n```python\n{GOOD}```", ECHO_CASES) == 1.0
+    assert code_score("codecontests", "print(5)", ECHO_CASES) == 0.5
+    assert default_compute_score("likaixin/TACO", f"```python\n{GOOD}```", ECHO_CASES) == 1.0
+    result = run_python("import sys; print(sys.stdin.read().upper())", "abc")
+    assert (result.status, result.stdout) == (OK, "ABC\n")
+
+
+@needs_namespaces
+def test_a_fork_bomb_is_contained_and_leaves_no_process_behind():
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    result = run_python(bomb, limits=LIMITS)
+    assert result.status == TIMEOUT and result.seconds < LIMITS.time_s + 3
+    assert _no_sandbox_processes_left()
+    assert run_python(GOOD, "1 1\n").stdout == "2\n"  # the machine is still usable
+
+
+@needs_namespaces
+def test_a_huge_allocation_hits_the_memory_limit():
+    result = run_python("x = bytearray(8 * 1024 ** 3)\nprint('allocated')\n", limits=LIMITS)
+    assert result.status == MEMORY and "allocated" not in result.stdout
+
+
+@needs_namespaces
+def test_the_program_cannot_write_outside_its_folder_nor_read_the_runs_files(tmp_path):
+    secret = tmp_path / "checkpoint.safetensors"
+    secret.write_text("the run's weights")
+    escapes = [tmp_path / "escaped.txt", "/tmp/distflow-escaped.txt", "../escaped.txt"]
+    program = f"print(open({str(secret)!r}).read())\n" + "".join(
+        f"try:\n    open({str(p)!r}, 'w').write('out')\nexcept OSError as e:\n    print('refused', {str(p)!r})\n"
+        for p in escapes)
+    result = run_python(program, limits=LIMITS)
+    assert "the run's weights" not in result.stdout and "FileNotFoundError" in result.stderr
+    assert not (tmp_path / "escaped.txt").exists() and not os.path.exists("/tmp/distflow-escaped.txt")
+    # writing inside its own folder works, and the folder is gone afterwards
+    inside = run_python("open('notes.txt', 'w').write('x'); import os; print(os.getcwd(), os.listdir('.'))")
+    assert inside.status == OK and "notes.txt" in inside.stdout
+
+
+@needs_namespaces
+def test_the_program_has_no_network():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(0.5)
+    port = server.getsockname()[1]
+    try:
+        result = run_python(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+                            "print('connected')\n", limits=LIMITS)
+        assert result.status != OK and "connected" not in result.stdout
+        assert "Network is unreachable" in result.stderr
+        with pytest.raises(socket.timeout):
+            server.accept()  # nothing ever reached the test's server
+    finally:
+        server.close()
+
+
+@needs_namespaces
+def test_endless_output_is_capped_by_the_file_size_limit():
+    result = run_python("while True:\n    print('x' * 1000)\n", limits=LIMITS)
+    assert result.status != OK and len(result.stdout) <= LIMITS.file_mb << 20
+    assert "File too large" in result.stderr  # Python ignores SIGXFSZ, so the write fails
+
+
+def test_the_limits_only_mode_refuses_sockets_and_writes_outside_at_the_python_level(tmp_path, monkeypatch):
+    monkeypatch.setattr(sandbox, "_ISOLATION", ["limits"])
+    net = run_python("import socket\nsocket.socket().connect(('127.0.0.1', 9))\n", limits=LIMITS)
+    assert net.status != OK and "socket" in net.stderr and "not allowed" in net.stderr
+    write = run_python(f"open({str(tmp_path / 'escaped.txt')!r}, 'w').write('x')\n", limits=LIMITS)
+    assert write.status != OK and not (tmp_path / "escaped.txt").exists()
+    assert run_python("while True:\n    pass\n", limits=LIMITS).status == TIMEOUT
+    assert run_python("x = bytearray(8 * 1024 ** 3)\n", limits=LIMITS).status == MEMORY
+    assert run_python(GOOD, "4 5\n").stdout == "9\n"
+
+
+@needs_namespaces
+def test_hostile_programs_score_zero_through_the_reward_runner_and_scoring_goes_on(tmp_path):
+    """The path a training run takes: the reward node calls RewardRunner, which calls the
+    default reward in its child process, which runs each program in the sandbox."""
+    hostile = {
+        "loop": "while True:\n    pass\n",
+        "fork bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+        "allocation": "x = bytearray(8 * 1024 ** 3)\n",
+        "write outside": f"open({str(tmp_path / 'escaped.txt')!r}, 'w').write('x')\n",
+        "socket": "import socket\nsocket.create_connection(('198.18.0.1', 80), timeout=1)\n",
+    }
+    cases = json.dumps({"inputs": ["2 3\n"], "outputs": ["5\n"], "time_limit": 0.5, "memory_limit_mb": 256})
+    runner = RewardRunner(None, timeout_s=30)
+    try:
+        for name, program in hostile.items():
+            assert runner("codecontests", f"```python\n{program}```", cases) == (0.0, 0), name
+        assert runner("codecontests", f"```python\n{GOOD}```", cases) == (1.0, 0)
+    finally:
+        runner.close()
+    assert not (tmp_path / "escaped.txt").exists()
+    assert _no_sandbox_processes_left()
