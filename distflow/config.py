@@ -55,7 +55,11 @@ class DataConfig:
     val_files: str = _spec("builtin:arith:test", doc="comma-separated parquet/jsonl files or builtin:arith:test")
     train_batch_size: int = _spec(16, min=1, doc="prompts per step, over all workers")
     val_max_samples: int = _spec(256, min=1)
-    max_prompt_length: int = _spec(192, min=1, doc="tokens; longer prompts are an error")
+    max_prompt_length: int = _spec(192, min=1, doc="tokens; see on_long_prompt")
+    on_bad_row: str = _spec("error", choices=("error", "skip"),
+                            doc="a malformed row: stop naming file and row, or skip it (counted, replaced)")
+    on_long_prompt: str = _spec("error", choices=("error", "skip", "truncate"),
+                                doc="a prompt over max_prompt_length: stop, skip it, or keep its last tokens")
 
 
 @dataclass(kw_only=True)

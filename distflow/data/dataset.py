@@ -2,7 +2,9 @@
 
 verl's columns are read as they are: `data_source`, `prompt` (a list of chat messages),
 `reward_model.ground_truth`, `extra_info`. The built-in task produces the very same rows,
-so one code path serves both. A malformed row is an error naming the file and row.
+so one code path serves both. A malformed row is an error naming the file and row;
+`PromptReader` applies the run's policy to bad rows and over-long prompts (error, or a
+counted skip, or truncation).
 """
 
 from __future__ import annotations
@@ -10,8 +12,11 @@ from __future__ import annotations
 import bisect
 import json
 import os
+import random
+import sys
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from distflow.data.tasks import arith
 
@@ -43,9 +48,14 @@ def _row(raw: Any, index: int, where: str) -> PromptRow:
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
             raise DatasetError(f"{where}: each prompt message needs 'role' and a string 'content'")
+    if not any(m["content"].strip() for m in messages):
+        raise DatasetError(f"{where}: the prompt is empty")
     reward_model = raw.get("reward_model")
     if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
         raise DatasetError(f"{where}: missing 'reward_model.ground_truth'")
+    if not isinstance(reward_model["ground_truth"], (str, int, float)):
+        raise DatasetError(f"{where}: 'reward_model.ground_truth' must be a string or a number, "
+                           f"not {type(reward_model['ground_truth']).__name__}")
     extra = raw.get("extra_info") or {}
     return PromptRow(
         index=index,
@@ -170,12 +180,86 @@ class ShardedDataset:
     def rows_read(self) -> int:
         return sum(s.rows_read for s in self.sources)
 
-    def __getitem__(self, index: int) -> PromptRow:
+    def locate(self, index: int) -> tuple[int, str]:
+        """(source number, "<file>: row <n>") of a dataset index."""
         which = bisect.bisect_right(self.starts, index) - 1
-        local = index - self.starts[which]
-        return _row(self.sources[which].read(local), index, f"{self.names[which]}: row {local}")
+        return which, f"{self.names[which]}: row {index - self.starts[which]}"
+
+    def __getitem__(self, index: int) -> PromptRow:
+        which, where = self.locate(index)
+        return _row(self.sources[which].read(index - self.starts[which]), index, where)
 
     def rows(self, indices: list[int]) -> list[PromptRow]:
         # sorted reads keep a row group in the one-group cache while its rows are taken
         by_index = {i: self[i] for i in sorted(set(indices))}
         return [by_index[i] for i in indices]
+
+
+# ---------------------------------------------------------------------------- the bad-row policy
+
+BAD_ROW_POLICIES = ("error", "skip")
+LONG_PROMPT_POLICIES = ("error", "skip", "truncate")
+MAX_REPLACEMENTS = 64
+
+
+class PromptReader:
+    """Rows and their prompt token ids under the run's policy.
+
+    `on_bad_row`: a malformed row (missing field, wrong type, empty prompt, non-UTF-8) is
+    an error naming file and row, or is skipped. `on_long_prompt`: a prompt over
+    `max_len` tokens is an error, skipped, or truncated from the left (the end of a
+    prompt holds the question and the assistant turn). A skipped row is replaced by a
+    row drawn from a stream seeded by (seed, row): every worker keeps its batch size (no
+    worker runs empty), and the replacement does not depend on the number of workers."""
+
+    def __init__(self, data: ShardedDataset, max_len: int, on_bad_row: str = "error",
+                 on_long_prompt: str = "error", seed: int = 0):
+        assert on_bad_row in BAD_ROW_POLICIES and on_long_prompt in LONG_PROMPT_POLICIES
+        self.data, self.max_len, self.seed = data, max_len, seed
+        self.on_bad_row, self.on_long_prompt = on_bad_row, on_long_prompt
+        self._reported = False
+
+    def take(self, indices: list[int], encode: Callable[[PromptRow], list[int]],
+             replace: bool = True) -> tuple[list[tuple[PromptRow, list[int]]], Counter[str]]:
+        """One (row, ids) per index, and the counts of `skipped_rows` and
+        `truncated_prompts`; under a skip policy a bad row is replaced (`replace`) or dropped."""
+        out, counts = [], Counter()
+        for index in indices:
+            for attempt in range(MAX_REPLACEMENTS + 1):
+                try:
+                    row, ids = self.data[index], None
+                    ids = encode(row)
+                    if len(ids) > self.max_len:
+                        raise PromptTooLong(f"{self.data.locate(index)[1]}: the prompt has {len(ids)} tokens > "
+                                            f"data.max_prompt_length={self.max_len}")
+                    out.append((row, ids))
+                    break
+                except DatasetError as e:
+                    long = isinstance(e, PromptTooLong)
+                    policy = self.on_long_prompt if long else self.on_bad_row
+                    if policy == "error":
+                        hint = "data.on_long_prompt=skip or truncate" if long else "data.on_bad_row=skip"
+                        raise DatasetError(f"{e} ({hint} to go on)") from None
+                    if policy == "truncate":
+                        counts["truncated_prompts"] += 1
+                        out.append((row, ids[-self.max_len:]))
+                        break
+                    counts["skipped_rows"] += 1
+                    self._report(e)
+                    if not replace:
+                        break
+                    index = random.Random(f"{self.seed}-{index}-{attempt}").randrange(len(self.data))
+            else:
+                raise DatasetError(f"{','.join(self.data.names)}: {MAX_REPLACEMENTS} replacement rows in a row "
+                                   f"were bad as well; the dataset looks broken")
+        return out, counts
+
+    def _report(self, error: Exception) -> None:
+        if not self._reported:
+            self._reported = True
+            print(f"distflow: skipping a bad row (counted in data/skipped_rows; only the first is printed): "
+                  f"{error}", file=sys.stderr, flush=True)
+
+
+class PromptTooLong(DatasetError):
+    """A prompt over data.max_prompt_length tokens."""

@@ -10,6 +10,8 @@ import json
 import os
 import threading
 import time
+from collections import Counter, defaultdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -23,7 +25,7 @@ from distflow.coordinator.store import LocalStore
 from distflow.dag.recipes import build_graph
 from distflow.dag.scheduler import Placement, Scheduler, chrome_trace, node_seconds
 from distflow.data.batch import Batch
-from distflow.data.dataset import ShardedDataset
+from distflow.data.dataset import PromptReader, ShardedDataset
 from distflow.data.loader import ShardedSampler
 from distflow.engines.actor import FSDPActor, OptimConfig, ReferenceModel
 from distflow.engines.common import load_causal_lm, load_tokenizer
@@ -62,7 +64,7 @@ class RefillPrompts:
         batch = t.cfg.data.train_batch_size
         sampler = ShardedSampler(len(t.train_rows), batch, t.rollout_layout.dp_rank(t.rank),
                                  t.rollout_layout.dp_size, t.cfg.trainer.seed + 1_000_003 * round_)
-        return t.source_batch(sampler.local_positions(t.ctx.step), t.tokenizer, offset=round_ * batch)
+        return t.source_batch(t.ctx.step, sampler.local_positions(t.ctx.step), t.tokenizer, offset=round_ * batch)
 
     def group_keys(self, batch: Batch) -> list[int]:
         return batch["group"].tolist()
@@ -86,10 +88,16 @@ class Trainer:
         # The prefetch thread gets its own instance: HF fast tokenizers may mutate their
         # padding/truncation state per call, which two threads must not share.
         self.prefetch_tokenizer = load_tokenizer(cfg.model.path)
-        # Each worker opens the files (metadata only) and reads the rows of its own shard.
+        # Each worker opens the files (metadata only) and reads the rows of its own shard,
+        # under the bad-row policy (data.on_bad_row, data.on_long_prompt).
         self.train_rows = ShardedDataset(cfg.data.train_files)
+        self.reader = PromptReader(self.train_rows, cfg.data.max_prompt_length, cfg.data.on_bad_row,
+                                   cfg.data.on_long_prompt, cfg.trainer.seed)
         val = ShardedDataset(cfg.data.val_files)
-        self.val_rows = val.rows(list(range(min(len(val), cfg.data.val_max_samples)))[self.rank::self.world])
+        val_indices = list(range(min(len(val), cfg.data.val_max_samples)))[self.rank::self.world]
+        self.val, _ = PromptReader(val, cfg.data.max_prompt_length, cfg.data.on_bad_row, cfg.data.on_long_prompt
+                                   ).take(val_indices, partial(nodes.encode_prompt, self.tokenizer), replace=False)
+        self.row_counts: dict[int, Counter] = defaultdict(Counter)  # step -> skipped rows, truncated prompts
         # Layouts: rollout replicas are TP groups; training is data-parallel over all ranks.
         self.rollout_layout = Layout(self.world, tp_size=cfg.rollout.tensor_parallel_size)
         self.train_layout = Layout.data_parallel(self.world)
@@ -147,14 +155,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def source_batch(self, positions: list[tuple[int, int]], tokenizer, offset: int = 0) -> Batch:
-        rows = list(zip([offset + p for p, _ in positions], self.train_rows.rows([i for _, i in positions])))
+    def source_batch(self, step: int, positions: list[tuple[int, int]], tokenizer, offset: int = 0) -> Batch:
+        taken, counts = self.reader.take([i for _, i in positions], partial(nodes.encode_prompt, tokenizer))
+        if self.rollout_layout.tp_rank(self.rank) == 0:  # a TP group's members read the same rows
+            with self._status_lock:
+                self.row_counts[step].update(counts)
+        rows = [(offset + pos, row, ids) for (pos, _), (row, ids) in zip(positions, taken)]
         share = (self.rollout_layout.tp_rank(self.rank), self.rollout_layout.tp_size)
-        return nodes.source_batch(rows, self.cfg, tokenizer, self.tokenizer.pad_token_id, share)
+        return nodes.source_batch(rows, self.cfg, self.tokenizer.pad_token_id, share)
 
     def prepare(self, step: int) -> Batch:
         """The step's prompts, tokenised: runs on the prefetch thread one step ahead."""
-        return self.source_batch(self.sampler.local_positions(step), self.prefetch_tokenizer)
+        return self.source_batch(step, self.sampler.local_positions(step), self.prefetch_tokenizer)
 
     def step(self, step: int, sources: Batch) -> dict[str, float]:
         self.ctx.step, self.ctx.acc = step, MeanAccumulator()
@@ -168,6 +180,10 @@ class Trainer:
             self.rollout.load_weights(self.actor.full_state_dict())
         seconds = node_seconds(spans) | timer.seconds
         nodes.record_rollout_metrics(store.all(), acc)
+        with self._status_lock:
+            counts = self.row_counts.pop(step, Counter())
+        for name in ("skipped_rows", "truncated_prompts"):
+            acc.add_total(f"data/{name}", counts[name])
         for name, value in self.placement.stats.as_metrics().items():
             acc.add_total(name, value)
             acc.add_max(f"{name}_busiest_rank", value)
@@ -190,10 +206,9 @@ class Trainer:
     @torch.no_grad()
     def _evaluate(self) -> float:
         """Greedy held-out accuracy over all workers (validation rows interleaved)."""
-        rows = self.val_rows
+        rows, ids = [row for row, _ in self.val], [ids for _, ids in self.val]
         correct = 0.0
         if rows:
-            ids = nodes.tokenize_prompts(self.tokenizer, rows, self.cfg.data.max_prompt_length)
             out = self.rollout.generate(ids, None, SamplingParams(max_new_tokens=self.cfg.rollout.max_new_tokens,
                                                                   greedy=True))
             out.meta.update({"ground_truth": [r.ground_truth for r in rows],

@@ -62,30 +62,20 @@ def _all_reduce_sum(*values: float) -> list[float]:
 # ---------------------------------------------------------------------------- prompts
 
 
-class PromptTooLong(ValueError):
-    pass
-
-
-def tokenize_prompts(tokenizer, rows: list[PromptRow], max_len: int) -> list[list[int]]:
+def encode_prompt(tokenizer, row: PromptRow) -> list[int]:
     from distflow.engines.common import render_prompt
 
-    out = []
-    for row in rows:
-        ids = tokenizer(render_prompt(tokenizer, row.messages), add_special_tokens=False)["input_ids"]
-        if len(ids) > max_len:
-            raise PromptTooLong(f"prompt {row.index} has {len(ids)} tokens > data.max_prompt_length={max_len}")
-        out.append(ids)
-    return out
+    return tokenizer(render_prompt(tokenizer, row.messages), add_special_tokens=False)["input_ids"]
 
 
-def source_batch(rows: list[tuple[int, PromptRow]], cfg: Config, tokenizer, pad_id: int,
+def source_batch(rows: list[tuple[int, PromptRow, list[int]]], cfg: Config, pad_id: int,
                  share: tuple[int, int] = (0, 1)) -> Batch:
     """The step's source fields for this worker (pure CPU work, so it is prefetched):
-    `rows` are (position in the step's global batch, row) of its rollout replica; with a
-    TP group of size t, member j takes every t-th of the replica's sequences (`share`)."""
+    `rows` are (position in the step's global batch, row, prompt ids) of its rollout
+    replica; with a TP group of size t, member j takes every t-th of the replica's
+    sequences (`share`)."""
     n, (member, size), mini = cfg.algorithm.group_size, share, cfg.actor.ppo_mini_batch_size
-    ids = tokenize_prompts(tokenizer, [r for _, r in rows], cfg.data.max_prompt_length)
-    seqs = [(pos, row, p, k) for (pos, row), p in zip(rows, ids) for k in range(n)][member::size]
+    seqs = [(pos, row, p, k) for pos, row, p in rows for k in range(n)][member::size]
     if not seqs:
         return Batch()
     prompts, mask = left_pad([p for _, _, p, _ in seqs], pad_id)

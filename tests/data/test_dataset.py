@@ -32,6 +32,9 @@ def test_limit():
     ({"prompt": []}, "row 1: 'prompt' must be a non-empty list"),
     ({"prompt": [{"role": "user"}]}, "row 1: each prompt message needs"),
     ({"reward_model": {}}, "row 1: missing 'reward_model.ground_truth'"),
+    ({"prompt": [{"role": "user", "content": "  "}]}, "row 1: the prompt is empty"),
+    ({"reward_model": {"ground_truth": ["4"]}}, "row 1: 'reward_model.ground_truth' must be a string or a number"),
+    ({"prompt": 7}, "row 1: 'prompt' must be a non-empty list"),
 ])
 def test_malformed_row_names_file_and_row(tmp_path, bad, fragment):
     path = tmp_path / "d.jsonl"
@@ -85,3 +88,74 @@ def test_jsonl_rows_are_parsed_on_demand(tmp_path):
     assert data.rows([7, 3])[0].ground_truth == "7" and data.rows_read == 2
     with pytest.raises(DatasetError, match="line 51 is not UTF-8 JSON"):
         data.rows([50])
+
+
+# ---------------------------------------------------------------------------- the bad-row policy
+
+
+def _words(row):
+    """A stand-in tokenizer: one id per word of the prompt."""
+    return [len(w) for m in row.messages for w in m["content"].split()]
+
+
+def _mixed_file(tmp_path):
+    """20 rows; rows 3 (no ground truth), 7 (empty prompt), 11 (not UTF-8) are malformed,
+    row 15's prompt has 12 words."""
+    lines = [json.dumps(_verl_row(i)).encode() for i in range(20)]
+    lines[3] = json.dumps(_verl_row(3, reward_model={})).encode()
+    lines[7] = json.dumps(_verl_row(7, prompt=[{"role": "user", "content": ""}])).encode()
+    lines[11] = b'{"prompt": "caf\xe9"}'
+    lines[15] = json.dumps(_verl_row(15, prompt="w " * 12)).encode()
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def test_bad_rows_are_errors_naming_file_row_and_the_policy_by_default(tmp_path):
+    from distflow.data.dataset import PromptReader, ShardedDataset
+
+    path = _mixed_file(tmp_path)
+    reader = PromptReader(ShardedDataset(str(path)), max_len=4)
+    with pytest.raises(DatasetError, match=r"mixed.jsonl: row 3: missing .* \(data.on_bad_row=skip to go on\)"):
+        reader.take([0, 3], _words)
+    with pytest.raises(DatasetError, match=r"row 15: the prompt has 12 tokens > data.max_prompt_length=4 "
+                                           r"\(data.on_long_prompt=skip or truncate to go on\)"):
+        PromptReader(ShardedDataset(str(path)), max_len=4, on_bad_row="skip").take([15], _words)
+
+
+def test_skipped_rows_are_counted_and_replaced_the_same_way_for_any_number_of_workers(tmp_path):
+    from distflow.data.dataset import PromptReader, ShardedDataset
+
+    reader = PromptReader(ShardedDataset(str(_mixed_file(tmp_path))), max_len=4, on_bad_row="skip",
+                          on_long_prompt="skip", seed=3)
+    indices = list(range(20))
+    taken, counts = reader.take(indices, _words)
+    bad = (3, 7, 11, 15)
+    assert len(taken) == 20 and set(counts) == {"skipped_rows"} and counts["skipped_rows"] >= 4  # replacements may be bad too
+    assert all(row.index not in bad and len(ids) <= 4 for row, ids in taken)
+    assert all(row.index == i for i, (row, _) in zip(indices, taken) if i not in bad)
+    # two workers taking interleaved halves get exactly the rows of the whole
+    halves = [reader.take(indices[r::2], _words)[0] for r in range(2)]
+    assert [row.index for row, _ in taken] == [row.index for pair in zip(*halves) for row, _ in pair]
+    # without replacement (held-out rows), bad rows are dropped
+    kept, counts = reader.take(indices, _words, replace=False)
+    assert [row.index for row, _ in kept] == [i for i in indices if i not in (3, 7, 11, 15)]
+    assert counts == {"skipped_rows": 4}
+
+
+def test_truncation_keeps_the_end_of_a_long_prompt(tmp_path):
+    from distflow.data.dataset import PromptReader, ShardedDataset
+
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps(_verl_row(0, prompt="a bb ccc dddd eeeee")) + "\n")
+    (row, ids), = PromptReader(ShardedDataset(str(path)), max_len=3, on_long_prompt="truncate").take([0], _words)[0]
+    assert ids == [3, 4, 5] and row.index == 0
+
+
+def test_a_dataset_of_only_bad_rows_stops_with_a_clear_error_under_skip(tmp_path):
+    from distflow.data.dataset import PromptReader, ShardedDataset
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(json.dumps(_verl_row(i, reward_model={})) for i in range(5)) + "\n")
+    with pytest.raises(DatasetError, match="replacement rows in a row were bad as well"):
+        PromptReader(ShardedDataset(str(path)), max_len=8, on_bad_row="skip").take([0], _words)

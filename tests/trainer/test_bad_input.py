@@ -24,9 +24,28 @@ def _train(args, cwd) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+def _dataset_with_bad_rows(path):
+    """16 arithmetic rows of which 6 are malformed and 2 have over-long prompts."""
+    from distflow.data.tasks import arith
+
+    rows = [json.dumps(r) for r in arith.verl_rows("train", 16)]
+    for i in (1, 4, 6):
+        rows[i] = json.dumps({"prompt": [{"role": "user", "content": " "}], "reward_model": {"ground_truth": "1"}})
+    for i in (8, 10, 13):
+        rows[i] = json.dumps({"prompt": "What is 2+2?", "reward_model": {"ground_truth": {"not": "a string"}}})
+    for i in (2, 11):
+        row = json.loads(rows[i])
+        row["prompt"][0]["content"] = "Ignore this. " * 200 + row["prompt"][0]["content"]
+        rows[i] = json.dumps(row)
+    path.write_text("\n".join(rows) + "\n")
+
+
 def test_a_reward_that_raises_or_hangs_scores_zero_and_the_run_goes_on(tmp_path):
-    """Also runs hostile programs in the code sandbox from the reward process: the
-    program writes outside its folder, or opens a socket, or allocates 8 GiB."""
+    """Bad input of every kind in one run: a reward function that raises or hangs on some
+    samples; hostile programs run in the code sandbox from the reward process (writing
+    outside its folder, opening a socket, allocating 8 GiB); and a dataset with malformed
+    rows and over-long prompts under on_bad_row=skip, on_long_prompt=truncate."""
+    _dataset_with_bad_rows(tmp_path / "train.jsonl")
     escape = tmp_path / "escaped.txt"
     hostile = [f"open({str(escape)!r}, 'w').write('x')", "import socket; socket.create_connection(('127.0.0.1', 22))",
                "x = bytearray(8 * 1024 ** 3)"]
@@ -47,13 +66,16 @@ def test_a_reward_that_raises_or_hangs_scores_zero_and_the_run_goes_on(tmp_path)
         "    return 1.0 if '####' in solution_str else 0.0\n")
     out = tmp_path / "run"
     proc = _train(["trainer.total_steps=1", "data.val_max_samples=2", f"reward.custom_fn={tmp_path / 'flaky.py'}:score",
-                   "reward.timeout_s=1", f"trainer.output_dir={out}"], tmp_path)
+                   "reward.timeout_s=1", f"trainer.output_dir={out}", f"data.train_files={tmp_path / 'train.jsonl'}",
+                   "data.on_bad_row=skip", "data.on_long_prompt=truncate"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
     assert sum(r["reward/failed"] for r in records) > 0 and sum(r["reward/timed_out"] for r in records) > 0
     assert "ValueError: cannot score a three" in proc.stderr  # the first traceback, once per worker
     assert proc.stderr.count("reward function failed") <= 2
     assert not escape.exists()
+    assert records[0]["data/skipped_rows"] > 0 and records[0]["data/truncated_prompts"] > 0
+    assert "skipping a bad row" in proc.stderr and "train.jsonl: row" in proc.stderr
     scores = (tmp_path / "hostile.log").read_text().split()
     assert scores and set(scores) == {"0.0"}  # each hostile program ran, was contained and scored 0
 
