@@ -5,6 +5,7 @@
     distflow make-data --split train --num 1000 --out FILE.parquet
     distflow bench dataplane [--quick] [--workers N ...] [--json FILE] [--results-md FILE]
     distflow bench scheduler [--settings default compute] [--json FILE] [--results-md FILE]
+    distflow bench soak [--steps 200] [--workers 4] [--json FILE]
     distflow dag show [ALGORITHM] [--out PATH] [--config FILE] [section.key=value ...]
 
 A config or input error prints one line and exits with code 2; a failed worker exits 1.
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 from distflow.config import BUILTIN_MODEL, Config, ConfigError, load_config
+from distflow.runtime import netns
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
 WORKER_ENTRY = "distflow.trainer.loop:run_worker"
@@ -99,6 +101,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         _graph(cfg)
     except ValueError as e:  # ConfigError, GraphError
         return _fail(str(e))
+    if cfg.runtime.network != "host" and not netns.inside():
+        argv = ["-m", "distflow.cli", "train", *(["--config", args.config] if args.config else []), *args.overrides]
+        code = netns.run_in_loopback_namespace(argv)
+        if code is not None:
+            return code
+        if cfg.runtime.network == "loopback":
+            return _fail("runtime.network=loopback: this machine cannot make a network namespace (it needs root "
+                         "or unprivileged user namespaces); use runtime.network=host")
     run_dir = new_run_dir(cfg)
     cfg.trainer.output_dir = str(run_dir)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
@@ -143,7 +153,7 @@ def _worker_stages(run_dir: Path) -> str:
 
 def _print_summary(summary: dict) -> None:
     keys = ("heldout_accuracy_initial", "heldout_accuracy_final", "reward_first", "reward_last",
-            "steps", "num_workers", "wall_seconds", "tokens_per_second")
+            "steps", "num_workers", "wall_seconds", "tokens_per_second", "network")
     print("  ".join(f"{k}={summary[k]:.4g}" if isinstance(summary[k], float) else f"{k}={summary[k]}"
                     for k in keys if k in summary))
     print(f"run folder: {summary['run_dir']}")
@@ -165,6 +175,10 @@ def cmd_make_data(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.benchmark == "soak":
+        from distflow.benchmarks.soak import main as soak_main
+
+        return soak_main(args.bench_args)
     if args.benchmark == "scheduler":
         from distflow.benchmarks.scheduler import main as scheduler_main
 
@@ -237,6 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      help="task-graph overlap and streaming on vs off")
     scheduler.add_argument("bench_args", nargs=argparse.REMAINDER)
     scheduler.set_defaults(fn=cmd_bench)
+    soak = bench_sub.add_parser("soak", add_help=False, prefix_chars="+",
+                                help="many steps of the default task; host-memory slope per process")
+    soak.add_argument("bench_args", nargs=argparse.REMAINDER)
+    soak.set_defaults(fn=cmd_bench)
     dag = sub.add_parser("dag", help="the algorithm's task graph")
     dag_sub = dag.add_subparsers(dest="dag_command", required=True)
     show = dag_sub.add_parser("show", help="print the graph and write a picture (DOT/PNG/SVG or Mermaid)")

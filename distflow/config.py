@@ -149,6 +149,10 @@ class RuntimeConfig:
     threads_per_worker: int = _spec(1, min=1, doc="torch intra-op threads per CPU worker")
     collective_timeout_s: int = _spec(300, min=1)
     start_timeout_s: int = _spec(120, min=1)
+    network: str = _spec("auto", choices=("auto", "loopback", "host"),
+                         doc="loopback: run in a network namespace whose only interface is the loopback, "
+                             "so no port of Ray or torch.distributed is reachable from outside; "
+                             "auto: loopback where the machine allows it (root or user namespaces), else host")
 
 
 @dataclass(kw_only=True)

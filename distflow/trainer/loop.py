@@ -32,6 +32,7 @@ from distflow.engines.common import load_causal_lm, load_tokenizer
 from distflow.engines.critic import FSDPCritic
 from distflow.engines.reward import RewardRunner
 from distflow.engines.rollout import HFRolloutEngine, SamplingParams
+from distflow.runtime import netns
 from distflow.trainer import checkpoint, nodes
 from distflow.trainer.metrics import MeanAccumulator, MetricsWriter, StageTimer
 from distflow.trainer.report import write_plot
@@ -264,6 +265,7 @@ class Trainer:
             "num_workers": self.world, "wall_seconds": time.time() - start,
             "train_seconds": train_seconds, "tokens_per_second": tokens / max(train_seconds, 1e-9),
             "algorithm": cfg.algorithm.name, "run_dir": str(self.run_dir),
+            "network": "loopback" if netns.inside() else "host",
         }
         if self.rank == 0:
             history = self.writer.read()

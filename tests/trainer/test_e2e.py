@@ -30,9 +30,31 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+PROBE = """
+import json, os
+from pathlib import Path
+from distflow.engines.reward import default_compute_score
+
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    path = Path(__file__).parent / f"probe-{os.getpid()}.json"
+    if not path.exists():  # what the network looks like from inside the run, while it runs
+        listening = [line.split()[1] for name in ("/proc/net/tcp", "/proc/net/tcp6") if os.path.exists(name)
+                     for line in open(name).readlines()[1:] if line.split()[3] == "0A"]
+        interfaces = [line.split(":")[0].strip() for line in open("/proc/net/dev").readlines()[2:]]
+        path.write_text(json.dumps({"netns": os.readlink("/proc/self/ns/net"), "interfaces": interfaces,
+                                    "listening": listening}))
+    return default_compute_score(data_source, solution_str, ground_truth, extra_info)
+"""
+
+
 def test_ray_launcher_run_leaves_summary_plot_checkpoint_and_no_payload(tmp_path):
+    """Also: the run is loopback-only (runtime.network=auto as root): Ray's and
+    torch.distributed's listening ports live in a network namespace whose only
+    interface is the loopback."""
+    (tmp_path / "probe.py").write_text(PROBE)
     out = tmp_path / "run"
-    proc = _distflow([*SMALL, "trainer.total_steps=2", f"trainer.output_dir={out}"], tmp_path)
+    proc = _distflow([*SMALL, "trainer.total_steps=2", f"trainer.output_dir={out}",
+                      f"reward.custom_fn={tmp_path / 'probe.py'}:score"], tmp_path)
     summary = json.loads((out / "summary.json").read_text())
     for key in ("heldout_accuracy_initial", "heldout_accuracy_final", "steps", "num_workers",
                 "wall_seconds", "tokens_per_second"):
@@ -50,6 +72,12 @@ def test_ray_launcher_run_leaves_summary_plot_checkpoint_and_no_payload(tmp_path
     launcher = json.loads((out / "launcher.json").read_text())
     assert launcher["payload_bytes_received"] == 0
     assert launcher["control_bytes_received"] > 0  # the meter did see the summaries
+    # loopback only: one probe per worker's reward process
+    probes = [json.loads(p.read_text()) for p in tmp_path.glob("probe-*.json")]
+    assert len(probes) == 2 and summary["network"] == "loopback" and "network=loopback" in proc.stdout
+    for probe in probes:
+        assert probe["interfaces"] == ["lo"] and probe["netns"] != os.readlink("/proc/self/ns/net")
+        assert len(probe["listening"]) >= 4  # Ray's servers, the TCPStore, gloo: all behind the loopback
     # the final policy is a normal HF folder
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

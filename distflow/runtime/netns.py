@@ -1,0 +1,78 @@
+"""Loopback only: a single-machine run inside its own network namespace.
+
+Ray's servers (GCS, raylet, object manager, every worker's gRPC server) bind to all
+interfaces, whatever address they are given, and so may gloo's and the TCPStore's
+listeners. Rather than trust each of them, `run_in_loopback_namespace` re-runs the
+command in a fresh network namespace whose only interface is the loopback: Ray and
+`torch.distributed` still talk over 127.0.0.1, and nothing outside the run (no other
+machine, no other process on this one) can reach any of their ports.
+
+As root this is `unshare(CLONE_NEWNET)`; otherwise an unprivileged user namespace, same
+uid and gid inside, where the kernel allows it. The namespace is made by a fresh,
+single-threaded interpreter, which then execs the command.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ENV = "DISTFLOW_NETNS"  # set inside the namespace: the command does not isolate twice
+
+_ENTER = r"""
+import ctypes, fcntl, os, socket, struct, sys
+ready, argv = int(sys.argv[1]), sys.argv[2:]
+libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+uid, gid = os.getuid(), os.getgid()
+as_root = os.geteuid() == 0
+if libc.unshare(CLONE_NEWNET if as_root else CLONE_NEWUSER | CLONE_NEWNET) != 0:
+    os.write(ready, f"0unshare: {os.strerror(ctypes.get_errno())}".encode())
+    sys.exit(1)
+if not as_root:  # keep the same uid and gid inside the user namespace
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # bring the loopback up
+    flags = struct.unpack("16sH", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack("16sH", b"lo", 0)))[1]
+    fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH", b"lo", flags | IFF_UP))
+os.write(ready, b"1")
+os.close(ready)
+os.execve(sys.executable, [sys.executable, *argv], dict(os.environ, DISTFLOW_NETNS="loopback"))
+"""
+
+
+def inside() -> bool:
+    return bool(os.environ.get(ENV))
+
+
+def run_in_loopback_namespace(argv: list[str]) -> int | None:
+    """Run `python argv...` in a loopback-only network namespace and return its exit
+    code, or None (having run nothing) where no namespace can be made here."""
+    if not sys.platform.startswith("linux"):
+        return None
+    read_end, write_end = os.pipe()
+    try:
+        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _ENTER, str(write_end), *argv],
+                                pass_fds=[write_end])
+    finally:
+        os.close(write_end)
+    with os.fdopen(read_end, "rb") as ready:  # b"1", or b"0" and why not (EOF: it crashed)
+        answer = ready.read()
+    if answer[:1] != b"1":
+        proc.wait()
+        why = answer[1:].decode(errors="replace") or f"set-up exited with {proc.returncode}"
+        print(f"distflow: no loopback-only network namespace here ({why})", file=sys.stderr)
+        return None
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:  # the run got the same Ctrl-C: let it stop cleanly
+        return proc.wait()
+
+
+def interfaces() -> list[str]:
+    """Network interfaces of this process's namespace."""
+    with open("/proc/net/dev") as f:
+        return [line.split(":")[0].strip() for line in f.readlines()[2:]]

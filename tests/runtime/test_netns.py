@@ -1,0 +1,39 @@
+"""The loopback-only network namespace that single-machine runs use."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from distflow.runtime import netns
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux namespaces")
+
+
+def test_a_command_runs_in_a_namespace_whose_only_interface_is_an_up_loopback(tmp_path):
+    out = tmp_path / "inside.json"
+    probe = ("import json, os, socket, sys\n"
+             "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+             "c = socket.create_connection(s.getsockname(), timeout=5)\n"  # the loopback is up
+             "ifaces = [l.split(':')[0].strip() for l in open('/proc/net/dev').readlines()[2:]]\n"
+             f"json.dump({{'ifaces': ifaces, 'netns': os.readlink('/proc/self/ns/net'), 'env': os.environ.get('{netns.ENV}'),"
+             " 'uid': os.getuid()}, open(sys.argv[1], 'w'))\n"
+             "sys.exit(3)\n")
+    code = netns.run_in_loopback_namespace(["-c", probe, str(out)])
+    if code is None:
+        pytest.skip("this machine cannot make network namespaces")
+    inside = json.loads(out.read_text())
+    assert code == 3  # the command's own exit code comes back
+    assert inside["ifaces"] == ["lo"] and inside["netns"] != os.readlink("/proc/self/ns/net")
+    assert inside["env"] == "loopback" and inside["uid"] == os.getuid()
+
+
+def test_network_host_and_a_bad_value_are_config_choices():
+    from distflow.config import ConfigError, load_config
+
+    assert load_config(None, ["runtime.network=host"]).runtime.network == "host"
+    with pytest.raises(ConfigError, match="runtime.network"):
+        load_config(None, ["runtime.network=lan"])
