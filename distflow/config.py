@@ -270,6 +270,9 @@ def _validate_cross(cfg: Config) -> None:
             raise ConfigError(
                 f"model.path={cfg.model.path!r}: not a local HuggingFace model folder "
                 f"(no config.json there); use {BUILTIN_MODEL} or a folder made by save_pretrained")
+        if not any(name.endswith(".safetensors") for name in os.listdir(path)):
+            raise ConfigError(f"model.path={cfg.model.path!r}: no .safetensors weights there (pickled .bin "
+                              f"weights are never loaded; re-save with save_pretrained(safe_serialization=True))")
     if cfg.algorithm.graph is not None and not os.path.isfile(os.path.expanduser(cfg.algorithm.graph)):
         raise ConfigError(f"algorithm.graph={cfg.algorithm.graph!r}: no such file")
     buffer = cfg.algorithm.overlong_buffer_len

@@ -47,6 +47,13 @@ def test_bad_values_name_key_and_value(override, fragment):
     assert "\n" not in str(err.value)
 
 
+def test_a_model_folder_with_only_pickled_weights_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(ConfigError, match="no .safetensors weights there"):
+        load_config(None, [f"model.path={tmp_path}"])
+
+
 def test_yaml_unknown_key(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("trainer:\n  total_stepz: 3\n")

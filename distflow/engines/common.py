@@ -43,7 +43,9 @@ def load_causal_lm(path: str, dtype: str = "float32", device: torch.device | str
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=getattr(torch, dtype))
+    # safetensors only (never unpickle weights) and no code from the model folder
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=getattr(torch, dtype),
+                                                 use_safetensors=True, trust_remote_code=False)
     return model.to(device)
 
 
