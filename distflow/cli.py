@@ -6,6 +6,7 @@
     distflow bench dataplane [--quick] [--workers N ...] [--json FILE] [--results-md FILE]
     distflow bench scheduler [--settings default compute] [--json FILE] [--results-md FILE]
     distflow bench soak [--steps 200] [--workers 4] [--json FILE]
+    distflow cluster up|down|status [--hosts 5] [--rate-mbit 400] [--delay-ms 0]
     distflow dag show [ALGORITHM] [--out PATH] [--config FILE] [section.key=value ...]
 
 A config or input error prints one line and exits with code 2; a failed worker exits 1.
@@ -101,7 +102,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         _graph(cfg)
     except ValueError as e:  # ConfigError, GraphError
         return _fail(str(e))
-    if cfg.runtime.network != "host" and not netns.inside():
+    if cfg.runtime.ray_address is not None:  # a cluster: host network, and it must answer now
+        from distflow.runtime.ray_launcher import check_ray_address
+
+        try:
+            check_ray_address(cfg.runtime.ray_address)
+        except ValueError as e:
+            return _fail(str(e))
+    elif cfg.runtime.network != "host" and not netns.inside():
         argv = ["-m", "distflow.cli", "train", *(["--config", args.config] if args.config else []), *args.overrides]
         code = netns.run_in_loopback_namespace(argv)
         if code is not None:
@@ -115,17 +123,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"distflow: run folder {run_dir}", file=sys.stderr)
     if cfg.runtime.launcher == "torchrun":
         return _exec_torchrun(cfg, args)
-    from distflow.runtime.ray_launcher import WorkerFailed, launch_ray
+    from distflow.runtime.ray_launcher import ClusterTooSmall, WorkerFailed, launch_ray
 
     progress = LauncherProgress(run_dir, cfg.trainer.total_steps, cfg.trainer.progress)
     try:
         results = launch_ray(WORKER_ENTRY, (cfg.to_dict(), str(run_dir), False), run_dir=run_dir,
                              num_workers=cfg.runtime.num_workers, device=cfg.runtime.device,
                              collective_timeout_s=cfg.runtime.collective_timeout_s,
-                             threads=cfg.runtime.threads_per_worker, on_poll=progress.poll)
+                             threads=cfg.runtime.threads_per_worker, on_poll=progress.poll,
+                             ray_address=cfg.runtime.ray_address)
     except WorkerFailed as e:
         progress.close()
         return _fail(str(e), EXIT_FAILED)
+    except ClusterTooSmall as e:
+        progress.close()
+        return _fail(str(e))
     progress.close()
     _print_summary(results[0])
     return 0
@@ -172,6 +184,12 @@ def cmd_make_data(args: argparse.Namespace) -> int:
 
     print(write_parquet(args.out, args.split, args.num, args.seed))
     return 0
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from distflow.runtime.cluster import main as cluster_main
+
+    return cluster_main(args.cluster_args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -255,6 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 help="many steps of the default task; host-memory slope per process")
     soak.add_argument("bench_args", nargs=argparse.REMAINDER)
     soak.set_defaults(fn=cmd_bench)
+    cluster = sub.add_parser("cluster", add_help=False, prefix_chars="+",
+                             help="an emulated cluster on this machine (network namespaces, shaped links, Ray); "
+                                  "`distflow cluster --help`")
+    cluster.add_argument("cluster_args", nargs=argparse.REMAINDER)
+    cluster.set_defaults(fn=cmd_cluster)
     dag = sub.add_parser("dag", help="the algorithm's task graph")
     dag_sub = dag.add_subparsers(dest="dag_command", required=True)
     show = dag_sub.add_parser("show", help="print the graph and write a picture (DOT/PNG/SVG or Mermaid)")

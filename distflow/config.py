@@ -149,6 +149,8 @@ class RuntimeConfig:
     threads_per_worker: int = _spec(1, min=1, doc="torch intra-op threads per CPU worker")
     collective_timeout_s: int = _spec(300, min=1)
     start_timeout_s: int = _spec(120, min=1)
+    ray_address: str | None = _spec(None, doc="host:port of a running Ray cluster to join (opt-in); "
+                                              "default: a private Ray on this machine")
     network: str = _spec("auto", choices=("auto", "loopback", "host"),
                          doc="loopback: run in a network namespace whose only interface is the loopback, "
                              "so no port of Ray or torch.distributed is reachable from outside; "
@@ -264,6 +266,12 @@ def _validate_cross(cfg: Config) -> None:
     mini = cfg.actor.ppo_mini_batch_size
     if batch % mini:
         raise ConfigError(f"actor.ppo_mini_batch_size={mini}: must divide data.train_batch_size={batch}")
+    if cfg.runtime.ray_address is not None:
+        if cfg.runtime.launcher != "ray":
+            raise ConfigError(f"runtime.ray_address={cfg.runtime.ray_address!r}: needs runtime.launcher=ray")
+        if cfg.runtime.network == "loopback":
+            raise ConfigError(f"runtime.ray_address={cfg.runtime.ray_address!r}: a cluster cannot be "
+                              "loopback-only; use runtime.network=auto or host")
     if cfg.model.path != BUILTIN_MODEL:
         path = os.path.expanduser(cfg.model.path)
         if not os.path.isfile(os.path.join(path, "config.json")):

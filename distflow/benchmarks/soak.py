@@ -99,10 +99,12 @@ class Sampler:
             pids = [pid for pid, cmd in tree.items() if name in cmd.split(" ")[0]]
             if pids:
                 roles[f"ray {name}"] = pids[0]
-        for role, pid in roles.items():
-            rss = rss_bytes(pid)
-            if rss is not None:
-                self.samples.setdefault(role, []).append((step, rss))
+        rss = {role: rss_bytes(pid) for role, pid in roles.items()}
+        if any(rss[f"worker {rank}"] is None for rank in workers):
+            return  # a worker has ended: the run is shutting down, not training
+        for role, value in rss.items():
+            if value is not None:
+                self.samples.setdefault(role, []).append((step, value))
 
     def report(self, warmup: int) -> list[dict]:
         rows = []

@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -222,7 +221,7 @@ def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> Result:
 
 def _run(code: str, stdin: str, limits: Limits, isolate: bool) -> Result:
     python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
-    with tempfile.TemporaryDirectory(prefix="distflow-sandbox-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="distflow-sandbox-", ignore_cleanup_errors=True) as tmp:
         with open(os.path.join(tmp, "main.py"), "w") as f:
             f.write(code)
         os.makedirs(os.path.join(tmp, "root"))
@@ -246,14 +245,11 @@ def _run(code: str, stdin: str, limits: Limits, isolate: bool) -> Result:
             except subprocess.TimeoutExpired:
                 timed_out = True
                 _kill_group(proc)
-
             seconds = time.perf_counter() - start
             out, err, status = (_read(files[n], limits.file_mb << 20) for n in ("stdout", "stderr", "status"))
         finally:
             for f in files.values():
                 f.close()
-            if not isolate:
-                shutil.rmtree(os.path.join(tmp, "root"), ignore_errors=True)
     if not timed_out and _returncode(status) is None:
         raise SandboxError(f"the sandbox did not start: {err.strip().splitlines()[-1] if err.strip() else 'no output'}")
     return Result(_status(timed_out, status, err), _returncode(status), out, err, seconds)

@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import shutil
+import socket
 import tempfile
 import traceback
 from dataclasses import dataclass
@@ -27,6 +28,10 @@ _MAX_RAY_TEMP_LEN = 44
 
 class WorkerFailed(RuntimeError):
     pass
+
+
+class ClusterTooSmall(ValueError):
+    """The Ray cluster has fewer free slots than the run has workers."""
 
 
 class WorkerError(RuntimeError):
@@ -87,6 +92,13 @@ def ray_temp_dir(run_dir: Path) -> tuple[str, str | None]:
 class _Worker:
     """The Ray actor: a process that joins the group and runs the worker program."""
 
+    def rendezvous(self) -> tuple[str, int]:
+        """(this node's address, a free port on it): rank 0's become the group's master."""
+        import ray
+
+        address = ray.util.get_node_ip_address()
+        return address, free_port(address)
+
     def run(self, entry: str, args: tuple, rank: int, world_size: int, master_addr: str,
             master_port: int, device: str, timeout_s: int, threads: int) -> Any:
         try:
@@ -96,26 +108,54 @@ class _Worker:
             raise WorkerError(rank, headline, traceback.format_exc()) from None
 
 
+def check_ray_address(address: str, timeout_s: float = 10.0) -> str:
+    """The local address this machine reaches the Ray head `host:port` from; a one-line
+    ValueError when nothing answers there within `timeout_s`."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"runtime.ray_address={address!r}: expected host:port, e.g. 198.18.0.1:6379")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as s:
+            return s.getsockname()[0]
+    except OSError as e:
+        raise ValueError(f"runtime.ray_address={address!r}: nothing answers there within {timeout_s:.0f} s "
+                         f"({e.strerror or e})") from None
+
+
 def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, device: str,
                collective_timeout_s: int, threads: int, on_poll: Callable[[], None] | None = None,
-               poll_s: float = 0.5) -> list[Any]:
+               poll_s: float = 0.5, ray_address: str | None = None) -> list[Any]:
     """Run `entry(*args)` on `num_workers` Ray actors in one process group; return their
-    results in rank order. A worker that fails fails the launch, naming its rank."""
+    results in rank order. A worker that fails fails the launch, naming its rank.
+
+    Without `ray_address` Ray starts here on 127.0.0.1. With one, the launcher joins that
+    cluster; the workers are spread over its nodes, and rank 0's node address is the
+    process group's master."""
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     import ray
 
-    temp_dir, cleanup = ray_temp_dir(run_dir)
+    temp_dir, cleanup = ray_temp_dir(run_dir) if ray_address is None else (None, None)
     received = ReceivedBytes()
     actors: list[Any] = []
     try:
-        ray.init(num_cpus=num_workers, include_dashboard=False, _temp_dir=temp_dir,
-                 _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False,
-                 runtime_env={"env_vars": WORKER_ENV})
+        if ray_address is None:
+            ray.init(num_cpus=num_workers, include_dashboard=False, _temp_dir=temp_dir,
+                     _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False,
+                     runtime_env={"env_vars": WORKER_ENV})
+        else:
+            ray.init(address=ray_address, _node_ip_address=check_ray_address(ray_address), log_to_driver=True,
+                     configure_logging=False, runtime_env={"env_vars": WORKER_ENV})
+            slots = int(ray.available_resources().get("CPU", 0))
+            if slots < num_workers:
+                raise ClusterTooSmall(f"runtime.num_workers={num_workers}: the Ray cluster at {ray_address} has "
+                                 f"{slots} free CPU slots for workers")
         use_gpu = device != "cpu" and ray.cluster_resources().get("GPU", 0) >= num_workers
         actor_cls = ray.remote(num_cpus=1, num_gpus=1 if use_gpu else 0)(_Worker)
-        actors = [actor_cls.options(name=f"distflow-worker-{r}").remote() for r in range(num_workers)]
-        port = free_port()
-        pending = {actors[r].run.remote(entry, args, r, num_workers, "127.0.0.1", port, device,
+        spread = {} if ray_address is None else {"scheduling_strategy": "SPREAD"}
+        actors = [actor_cls.options(name=f"distflow-worker-{r}", **spread).remote() for r in range(num_workers)]
+        master, port = ("127.0.0.1", free_port()) if ray_address is None else \
+            ray.get(actors[0].rendezvous.remote(), timeout=120)
+        pending = {actors[r].run.remote(entry, args, r, num_workers, master, port, device,
                                         collective_timeout_s, threads): r for r in range(num_workers)}
         results: dict[int, Any] = {}
         while pending:

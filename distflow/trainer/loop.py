@@ -265,7 +265,7 @@ class Trainer:
             "num_workers": self.world, "wall_seconds": time.time() - start,
             "train_seconds": train_seconds, "tokens_per_second": tokens / max(train_seconds, 1e-9),
             "algorithm": cfg.algorithm.name, "run_dir": str(self.run_dir),
-            "network": "loopback" if netns.inside() else "host",
+            "network": "cluster" if cfg.runtime.ray_address else "loopback" if netns.inside() else "host",
         }
         if self.rank == 0:
             history = self.writer.read()

@@ -1,0 +1,124 @@
+"""The emulated cluster, for real: namespaces, shaped veths, a Ray cluster across them, a
+DistFlow run on it, and nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from distflow.runtime import cluster
+from distflow.runtime.cluster import ClusterError, ClusterSpec, EmulatedCluster, leftovers
+
+needs_root = pytest.mark.skipif(not sys.platform.startswith("linux") or os.geteuid() != 0,
+                                reason="the emulated cluster needs root on Linux (CI has it)")
+
+RECEIVER = """
+import socket
+s = socket.socket()
+s.bind(("0.0.0.0", 5001))
+s.listen()
+print("listening", flush=True)
+conn, _ = s.accept()
+total = 0
+while chunk := conn.recv(1 << 20):
+    total += len(chunk)
+print(total, flush=True)
+"""
+SENDER = """
+import socket, sys, time
+conn = socket.create_connection((sys.argv[1], 5001))
+start = time.perf_counter()
+for _ in range(int(sys.argv[2])):
+    conn.sendall(b"x" * (1 << 20))
+conn.shutdown(socket.SHUT_WR)
+conn.recv(1)
+print(time.perf_counter() - start)
+"""
+
+
+@needs_root
+def test_hosts_talk_over_shaped_links_and_everything_is_torn_down_even_on_an_error():
+    spec = ClusterSpec(hosts=3, rate_mbit=80, name="dft")
+    with pytest.raises(RuntimeError, match="boom"):
+        with EmulatedCluster(spec, with_ray=False) as c:
+            for i in range(spec.hosts):  # each host has its own address on eth0, and both ends are shaped
+                shown = c.run(i, ["ip", "-j", "addr", "show", "eth0"], capture_output=True, text=True).stdout
+                assert spec.address(i) in shown
+                assert "rate 80Mbit" in c.run(i, ["tc", "qdisc", "show", "dev", "eth0"], capture_output=True,
+                                               text=True).stdout
+            receiver = subprocess.Popen(cluster.in_host(spec, 2, [sys.executable, "-c", RECEIVER]),
+                                        stdout=subprocess.PIPE, text=True)
+            assert receiver.stdout.readline().strip() == "listening"
+            megabytes = 20
+            sent = c.run(0, [sys.executable, "-c", SENDER, spec.address(2), str(megabytes)],
+                         capture_output=True, text=True, timeout=60)
+            assert int(receiver.stdout.readline()) == megabytes << 20
+            receiver.wait(10)
+            # 20 MiB over an 80 Mbit/s link cannot take less than about 2 s: the shaping is real
+            assert float(sent.stdout) > 0.8 * (megabytes << 20) * 8 / 80e6
+            raise RuntimeError("boom")
+    assert leftovers(spec) == []
+
+
+def test_without_root_the_cluster_says_so_in_one_line(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(ClusterError, match="needs root"):
+        cluster.check_prerequisites()
+
+
+def test_a_ray_address_that_does_not_answer_is_one_line_before_anything_starts(tmp_path):
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "distflow.cli", "train", "runtime.ray_address=127.0.0.1:1"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2 and time.monotonic() - start < 30
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "runtime.ray_address='127.0.0.1:1': nothing answers there" in lines[0]
+    assert not (tmp_path / "runs").exists()
+
+
+PROBE = """
+import json, os
+from pathlib import Path
+from distflow.engines.reward import default_compute_score
+
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    path = Path(__file__).parent / f"probe-{os.getppid()}.json"
+    if not path.exists():  # from the worker's reward process: which host is this?
+        interfaces = [line.split(":")[0].strip() for line in open("/proc/net/dev").readlines()[2:]]
+        path.write_text(json.dumps({"netns": os.readlink("/proc/self/ns/net"), "interfaces": interfaces,
+                                    "gloo": os.environ.get("GLOO_SOCKET_IFNAME")}))
+    return default_compute_score(data_source, solution_str, ground_truth, extra_info)
+"""
+
+
+@needs_root
+@pytest.mark.slow
+def test_a_run_on_a_ray_cluster_across_hosts_places_one_worker_per_host(tmp_path):
+    spec = ClusterSpec(hosts=3, rate_mbit=400, name="dfe")
+    (tmp_path / "probe.py").write_text(PROBE)
+    out = tmp_path / "run"
+    with EmulatedCluster(spec) as c:
+        proc = c.run(0, [sys.executable, "-m", "distflow.cli", "train", f"runtime.ray_address={spec.ray_address}",
+                         "runtime.num_workers=2", "trainer.total_steps=1", "data.train_batch_size=4",
+                         "actor.ppo_mini_batch_size=4", "algorithm.group_size=4", "data.val_max_samples=4",
+                         "rollout.max_new_tokens=16", "trainer.progress=false", "trainer.save_final=false",
+                         f"reward.custom_fn={tmp_path / 'probe.py'}:score", f"trainer.output_dir={out}"],
+                     capture_output=True, text=True, timeout=400, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        too_many = c.run(0, [sys.executable, "-m", "distflow.cli", "train", f"runtime.ray_address={spec.ray_address}",
+                             "runtime.num_workers=4", f"trainer.output_dir={tmp_path / 'run2'}"],
+                         capture_output=True, text=True, timeout=200, cwd=tmp_path)
+    assert leftovers(spec) == []
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["network"] == "cluster" and summary["steps"] == 1
+    probes = [json.loads(p.read_text()) for p in tmp_path.glob("probe-*.json")]
+    # two workers, on two different hosts (namespaces), each with the host's eth0
+    assert len(probes) == 2 and len({p["netns"] for p in probes}) == 2
+    assert all(p["interfaces"] == ["lo", "eth0"] or sorted(p["interfaces"]) == ["eth0", "lo"] for p in probes)
+    assert all(p["gloo"] == "eth0" for p in probes)
+    assert too_many.returncode == 2 and "runtime.num_workers=4: the Ray cluster at" in too_many.stderr
