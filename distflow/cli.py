@@ -5,6 +5,7 @@
     distflow make-data --split train --num 1000 --out FILE.parquet
     distflow bench dataplane [--quick] [--workers N ...] [--json FILE] [--results-md FILE]
     distflow bench scheduler [--settings default compute] [--json FILE] [--results-md FILE]
+    distflow bench e2e [--quick] [--json FILE] [--results-md FILE] [--plot FILE]
     distflow bench soak [--steps 200] [--workers 4] [--json FILE]
     distflow cluster up|down|status [--hosts 5] [--rate-mbit 400] [--delay-ms 0]
     distflow dag show [ALGORITHM] [--out PATH] [--config FILE] [section.key=value ...]
@@ -99,7 +100,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         check_inputs(cfg)
-        _graph(cfg)
+        graph = _graph(cfg)
+        if cfg.runtime.mode == "centralized" and any(n.role == "filter" for n in graph.nodes):
+            raise ConfigError(f"runtime.mode='centralized': the graph of {cfg.algorithm.name} has a filter "
+                              f"(dynamic sampling); filters run in distributed mode only")
     except ValueError as e:  # ConfigError, GraphError
         return _fail(str(e))
     if cfg.runtime.ray_address is not None:  # a cluster: host network, and it must answer now
@@ -131,7 +135,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                              num_workers=cfg.runtime.num_workers, device=cfg.runtime.device,
                              collective_timeout_s=cfg.runtime.collective_timeout_s,
                              threads=cfg.runtime.threads_per_worker, on_poll=progress.poll,
-                             ray_address=cfg.runtime.ray_address)
+                             ray_address=cfg.runtime.ray_address, centralized=cfg.runtime.mode == "centralized")
     except WorkerFailed as e:
         progress.close()
         return _fail(str(e), EXIT_FAILED)
@@ -193,6 +197,10 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.benchmark == "e2e":
+        from distflow.benchmarks.e2e import main as e2e_main
+
+        return e2e_main(args.bench_args)
     if args.benchmark == "soak":
         from distflow.benchmarks.soak import main as soak_main
 
@@ -269,6 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      help="task-graph overlap and streaming on vs off")
     scheduler.add_argument("bench_args", nargs=argparse.REMAINDER)
     scheduler.set_defaults(fn=cmd_bench)
+    e2e = bench_sub.add_parser("e2e", add_help=False, prefix_chars="+",
+                               help="distributed vs centralized mode, one host and the emulated cluster")
+    e2e.add_argument("bench_args", nargs=argparse.REMAINDER)
+    e2e.set_defaults(fn=cmd_bench)
     soak = bench_sub.add_parser("soak", add_help=False, prefix_chars="+",
                                 help="many steps of the default task; host-memory slope per process")
     soak.add_argument("bench_args", nargs=argparse.REMAINDER)

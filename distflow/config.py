@@ -149,6 +149,9 @@ class RuntimeConfig:
     threads_per_worker: int = _spec(1, min=1, doc="torch intra-op threads per CPU worker")
     collective_timeout_s: int = _spec(300, min=1)
     start_timeout_s: int = _spec(120, min=1)
+    mode: str = _spec("distributed", choices=("distributed", "centralized"),
+                      doc="centralized: the single-controller baseline; every stage's data passes through the "
+                          "driver (benchmarks)")
     ray_address: str | None = _spec(None, doc="host:port of a running Ray cluster to join (opt-in); "
                                               "default: a private Ray on this machine")
     network: str = _spec("auto", choices=("auto", "loopback", "host"),
@@ -266,6 +269,13 @@ def _validate_cross(cfg: Config) -> None:
     mini = cfg.actor.ppo_mini_batch_size
     if batch % mini:
         raise ConfigError(f"actor.ppo_mini_batch_size={mini}: must divide data.train_batch_size={batch}")
+    if cfg.runtime.mode == "centralized":
+        if cfg.runtime.launcher != "ray":
+            raise ConfigError("runtime.mode='centralized': needs runtime.launcher=ray (the driver is Ray's)")
+        if cfg.rollout.tensor_parallel_size != 1:
+            raise ConfigError("runtime.mode='centralized': needs rollout.tensor_parallel_size=1")
+        if cfg.scheduler.overlap is True:
+            raise ConfigError("runtime.mode='centralized': runs one node at a time; use scheduler.overlap=auto or false")
     if cfg.runtime.ray_address is not None:
         if cfg.runtime.launcher != "ray":
             raise ConfigError(f"runtime.ray_address={cfg.runtime.ray_address!r}: needs runtime.launcher=ray")

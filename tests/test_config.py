@@ -39,10 +39,12 @@ def test_yaml_file_then_overrides(tmp_path):
     ("data.train_batch_size=15", "data.train_batch_size=15: must be divisible by the number of rollout replicas"),
     ("rollout.tensor_parallel_size=3", "rollout.tensor_parallel_size=3: must divide runtime.num_workers=2"),
     ("actor.ppo_mini_batch_size=5", "actor.ppo_mini_batch_size=5: must divide"),
+    ("runtime.mode=central", "runtime.mode='central': allowed values are"),
+    ("runtime.ray_address=1.2.3.4:6379 runtime.launcher=torchrun", "needs runtime.launcher=ray"),
 ])
 def test_bad_values_name_key_and_value(override, fragment):
     with pytest.raises(ConfigError) as err:
-        load_config(None, [override])
+        load_config(None, override.split())
     assert fragment in str(err.value)
     assert "\n" not in str(err.value)
 
@@ -66,9 +68,10 @@ def test_yaml_unknown_key(tmp_path):
     ("trainer.total_steps=-3", "trainer.total_steps=-3"),
     ("model.path=/does/not/exist", "/does/not/exist"),
     ("data.train_files=/no/such.parquet", "/no/such.parquet"),
+    ("algorithm.name=dapo runtime.mode=centralized", "filters run in distributed mode only"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(override, fragment, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "distflow.cli", "train", override],
+    proc = subprocess.run([sys.executable, "-m", "distflow.cli", "train", *override.split()],
                           capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()

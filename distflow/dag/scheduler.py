@@ -87,16 +87,33 @@ class Placement:
             return self.rollout.tp_size > 1  # with TP=1 every worker already holds whole groups
         return dist.is_initialized() and dist.get_world_size() > 1
 
+    def layouts(self, src: str, dst: str) -> tuple[Layout, Layout, str]:
+        """(source layout, target layout, balance) of a move."""
+        if dst == "groups":  # gather the replica's shares on every member of its TP group
+            return self.train, self.rollout, "none"
+        return self.rollout if src == "groups" else self.train, self.train, self.balance
+
     def move(self, store: LocalStore, src: str, dst: str) -> None:
         batch = store.all()
-        if dst == "groups":  # gather the replica's shares on every member of its TP group
-            source, target, balance = self.train, self.rollout, "none"
-        else:
-            source = self.rollout if src == "groups" else self.train
-            target, balance = self.train, self.balance
+        source, target, balance = self.layouts(src, dst)
         new, _, _ = reshard(batch, batch["sample_id"], sequence_lengths(batch), source, target,
                             balance=balance, tolerance=self.tolerance, stats=self.stats)
         store.replace(new)
+
+
+class Relay(Protocol):
+    """runtime.mode=centralized: a single controller's data path. The scheduler sends the
+    step's sources and each node's outputs to the driver, takes each node's inputs from
+    it, and lets it plan and carry out layout changes."""
+
+    def sources(self, batch: Batch) -> None: ...
+
+    def inputs(self, store: LocalStore, fields: list[str]) -> None: ...
+
+    def outputs(self, store: LocalStore, fields: list[str]) -> None: ...
+
+    def move(self, store: LocalStore, src: Layout, dst: Layout, lengths: list[int], balance: str,
+             tolerance: float) -> None: ...
 
 
 def sequence_lengths(batch: Batch) -> list[int]:
@@ -108,8 +125,11 @@ def sequence_lengths(batch: Batch) -> list[int]:
 
 class Scheduler:
     def __init__(self, graph: Graph, *, placement: Placement, overlap: bool = True, threads: int = 2,
-                 refill: RefillSource | None = None, on_node: Callable[[str], None] | None = None):
-        self.graph, self.placement = graph, placement
+                 refill: RefillSource | None = None, on_node: Callable[[str], None] | None = None,
+                 relay: Relay | None = None):
+        self.graph, self.placement, self.relay = graph, placement, relay
+        if relay is not None and (overlap or refill is not None or any(n.role == "filter" for n in graph.nodes)):
+            raise ValueError("a relayed (centralized) run executes one node at a time and has no filters")
         self.fns = graph.resolve()
         self.refill, self.on_node = refill, on_node
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -130,6 +150,8 @@ class Scheduler:
     def run(self, ctx: Any, store: LocalStore, step: int) -> list[Span]:
         """Run every node on this worker's store; returns the step's spans."""
         self.step, self.spans, self.state, self.counters = step, [], "local", {}
+        if self.relay is not None:
+            self._timed("relay_sources", lambda: self.relay.sources(store.all()))
         self._run_nodes(ctx, store, self.graph.order, top_level=True)
         return self.spans
 
@@ -147,9 +169,10 @@ class Scheduler:
                 if _LAYOUT_ORDER[node.layout] > _LAYOUT_ORDER[self.state]:
                     if self.placement.moves(self.state, node.layout):
                         self._wait(futures)  # rows are about to change under them
-                        self._timed(f"reshard_{node.layout}", lambda: self.placement.move(store, self.state,
-                                                                                           node.layout))
+                        self._timed(f"reshard_{node.layout}", lambda: self._move(store, node.layout))
                     self.state = node.layout
+                if self.relay is not None:  # one node at a time, its data through the driver
+                    self._timed(f"relay_in_{name}", lambda: self.relay.inputs(store, node.inputs))
                 if node.stream:
                     handled |= self._run_stream(ctx, store, node, order, futures)
                 elif node.role == "filter":
@@ -159,10 +182,19 @@ class Scheduler:
                     self._run_node(ctx, store, node)
                 else:
                     futures[name] = self.pool.submit(self._run_node, ctx, store, node)
+                if self.relay is not None and node.outputs:
+                    self._timed(f"relay_out_{name}", lambda: self.relay.outputs(store, node.outputs))
             self._wait(futures)
         except NodeFailed:
             self._wait(futures, quiet=True)
             raise
+
+    def _move(self, store: LocalStore, dst: str) -> None:
+        if self.relay is None:
+            self.placement.move(store, self.state, dst)
+            return
+        source, target, balance = self.placement.layouts(self.state, dst)
+        self.relay.move(store, source, target, sequence_lengths(store.all()), balance, self.placement.tolerance)
 
     @staticmethod
     def _wait(futures: dict[str, Future], quiet: bool = False) -> None:

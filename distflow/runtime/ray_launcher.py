@@ -124,19 +124,22 @@ def check_ray_address(address: str, timeout_s: float = 10.0) -> str:
 
 def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, device: str,
                collective_timeout_s: int, threads: int, on_poll: Callable[[], None] | None = None,
-               poll_s: float = 0.5, ray_address: str | None = None) -> list[Any]:
+               poll_s: float = 0.5, ray_address: str | None = None, centralized: bool = False) -> list[Any]:
     """Run `entry(*args)` on `num_workers` Ray actors in one process group; return their
     results in rank order. A worker that fails fails the launch, naming its rank.
 
     Without `ray_address` Ray starts here on 127.0.0.1. With one, the launcher joins that
     cluster; the workers are spread over its nodes, and rank 0's node address is the
-    process group's master."""
+    process group's master. `centralized`: the driver relays every stage's data
+    (runtime.mode=centralized, `runtime/centralized.py`); it is passed to `entry` as
+    its last argument."""
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     import ray
 
     temp_dir, cleanup = ray_temp_dir(run_dir) if ray_address is None else (None, None)
     received = ReceivedBytes()
     actors: list[Any] = []
+    relay = None
     try:
         if ray_address is None:
             ray.init(num_cpus=num_workers, include_dashboard=False, _temp_dir=temp_dir,
@@ -155,11 +158,18 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
         actors = [actor_cls.options(name=f"distflow-worker-{r}", **spread).remote() for r in range(num_workers)]
         master, port = ("127.0.0.1", free_port()) if ray_address is None else \
             ray.get(actors[0].rendezvous.remote(), timeout=120)
-        pending = {actors[r].run.remote(entry, args, r, num_workers, master, port, device,
-                                        collective_timeout_s, threads): r for r in range(num_workers)}
+        if centralized:
+            from distflow.runtime.centralized import DriverRelay
+
+            relay = DriverRelay(num_workers, collective_timeout_s)
+        pending = {actors[r].run.remote(entry, args + ((relay.endpoint(r),) if relay else ()), r, num_workers,
+                                        master, port, device, collective_timeout_s, threads): r
+                   for r in range(num_workers)}
         results: dict[int, Any] = {}
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=poll_s)
+            if relay is not None:  # the driver's data path: serve it between the checks
+                relay.serve(poll_s / 10)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=0 if relay is not None else poll_s)
             if on_poll is not None:
                 on_poll()
             for ref in ready:
@@ -177,7 +187,8 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
                 pass
         ray.shutdown()
         (run_dir / "launcher.json").write_text(json.dumps(
-            {"payload_bytes_received": received.payload, "control_bytes_received": received.control}))
+            {"payload_bytes_received": received.payload, "control_bytes_received": received.control,
+             "mode": "centralized" if centralized else "distributed"} | (relay.stats() if relay else {})))
         if cleanup:
             shutil.rmtree(cleanup, ignore_errors=True)
 

@@ -80,7 +80,7 @@ class RefillPrompts:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Path, device: torch.device, progress: bool):
+    def __init__(self, cfg: Config, run_dir: Path, device: torch.device, progress: bool, relay=None):
         self.cfg, self.run_dir, self.device = cfg, run_dir, device
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -126,12 +126,12 @@ class Trainer:
                                        critic=critic, reward_fn=reward_fn, accuracy_fn=accuracy_fn)
         self.rollout, self.actor = rollout, actor
         self.placement = Placement(self.rollout_layout, self.train_layout)
-        cfg.scheduler.overlap = resolve_overlap(cfg, device)
+        cfg.scheduler.overlap = resolve_overlap(cfg, device) and relay is None  # a single controller: one node at a time
         self._status_lock = threading.Lock()
         self.scheduler = Scheduler(self.graph, placement=self.placement, overlap=cfg.scheduler.overlap,
                                    threads=cfg.scheduler.threads,
                                    refill=RefillPrompts(self) if any(n.refill for n in self.graph.nodes) else None,
-                                   on_node=lambda name: self._status(self.ctx.step, name))
+                                   on_node=lambda name: self._status(self.ctx.step, name), relay=relay)
         self.trace_steps = {int(s) for s in str(cfg.trainer.trace_steps).replace(" ", "").split(",") if s}
         self.store = LocalStore()
         self.writer = MetricsWriter(run_dir / "metrics.jsonl") if self.rank == 0 else None
@@ -316,14 +316,15 @@ class Trainer:
         return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
 
 
-def run_worker(cfg_dict: dict, run_dir: str, progress: bool = False) -> dict:
+def run_worker(cfg_dict: dict, run_dir: str, progress: bool = False, relay=None) -> dict:
     """Entry point of every worker (Ray actor or torchrun process); the process group
-    is already initialised by the runtime."""
+    is already initialised by the runtime. `relay`: the driver's data path in
+    runtime.mode=centralized."""
     cfg = from_dict(cfg_dict)
     device = torch.device("cpu")
     if torch.cuda.is_available() and cfg.runtime.device != "cpu":
         device = torch.device("cuda", torch.cuda.current_device())
-    trainer = Trainer(cfg, Path(run_dir), device, progress)
+    trainer = Trainer(cfg, Path(run_dir), device, progress, relay)
     try:
         return trainer.fit()
     finally:

@@ -50,11 +50,12 @@ def score(data_source, solution_str, ground_truth, extra_info=None):
 def test_ray_launcher_run_leaves_summary_plot_checkpoint_and_no_payload(tmp_path):
     """Also: the run is loopback-only (runtime.network=auto as root): Ray's and
     torch.distributed's listening ports live in a network namespace whose only
-    interface is the loopback."""
+    interface is the loopback. And runtime.mode=centralized, the single-controller
+    baseline, gives exactly the same metrics with every stage's data through the driver."""
     (tmp_path / "probe.py").write_text(PROBE)
     out = tmp_path / "run"
-    proc = _distflow([*SMALL, "trainer.total_steps=2", f"trainer.output_dir={out}",
-                      f"reward.custom_fn={tmp_path / 'probe.py'}:score"], tmp_path)
+    args = [*SMALL, "trainer.total_steps=2", "scheduler.overlap=false", f"reward.custom_fn={tmp_path / 'probe.py'}:score"]
+    proc = _distflow([*args, f"trainer.output_dir={out}"], tmp_path)
     summary = json.loads((out / "summary.json").read_text())
     for key in ("heldout_accuracy_initial", "heldout_accuracy_final", "steps", "num_workers",
                 "wall_seconds", "tokens_per_second"):
@@ -86,6 +87,18 @@ def test_ray_launcher_run_leaves_summary_plot_checkpoint_and_no_payload(tmp_path
     AutoModelForCausalLM.from_pretrained(ckpt)
     tok = AutoTokenizer.from_pretrained(ckpt)
     assert tok.decode(tok("Ann has 3", add_special_tokens=False)["input_ids"]) == "Ann has 3"
+
+    central = tmp_path / "centralized"
+    _distflow([*args, "runtime.mode=centralized", "trainer.save_final=false", f"trainer.output_dir={central}"],
+              tmp_path)
+    skip = ("time/", "perf/", "coordinator/")  # timings, and the peer-to-peer transfer counters
+    for a, b in zip(records, _metrics(central), strict=True):
+        assert {k: v for k, v in a.items() if not k.startswith(skip)} == \
+            {k: v for k, v in b.items() if not k.startswith(skip)}  # bit for bit
+    driver = json.loads((central / "launcher.json").read_text())
+    assert driver["mode"] == "centralized" and driver["payload_bytes_received"] == 0
+    # the driver took in every stage's outputs and sent out every stage's inputs
+    assert 0 < driver["driver_payload_bytes_received"] < driver["driver_payload_bytes_sent"]
 
 
 def test_worker_failure_is_reported_with_its_rank(tmp_path):
