@@ -6,6 +6,7 @@
     distflow bench dataplane [--quick] [--workers N ...] [--json FILE] [--results-md FILE]
     distflow bench scheduler [--settings default compute] [--json FILE] [--results-md FILE]
     distflow bench e2e [--quick] [--json FILE] [--results-md FILE] [--plot FILE]
+    distflow bench project [--records benchmarks/e2e.jsonl] [--plot FILE]
     distflow bench soak [--steps 200] [--workers 4] [--json FILE]
     distflow cluster up|down|status [--hosts 5] [--rate-mbit 400] [--delay-ms 0]
     distflow dag show [ALGORITHM] [--out PATH] [--config FILE] [section.key=value ...]
@@ -197,6 +198,10 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.benchmark == "project":
+        from distflow.benchmarks.projection import main as projection_main
+
+        return projection_main(args.bench_args)
     if args.benchmark == "e2e":
         from distflow.benchmarks.e2e import main as e2e_main
 
@@ -281,6 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
                                help="distributed vs centralized mode, one host and the emulated cluster")
     e2e.add_argument("bench_args", nargs=argparse.REMAINDER)
     e2e.set_defaults(fn=cmd_bench)
+    project = bench_sub.add_parser("project", add_help=False, prefix_chars="+",
+                                   help="a model fitted to the e2e records: step time at 8-512 GPUs, both modes")
+    project.add_argument("bench_args", nargs=argparse.REMAINDER)
+    project.set_defaults(fn=cmd_bench)
     soak = bench_sub.add_parser("soak", add_help=False, prefix_chars="+",
                                 help="many steps of the default task; host-memory slope per process")
     soak.add_argument("bench_args", nargs=argparse.REMAINDER)

@@ -71,7 +71,14 @@ def run_once(setting: str, mode: str, workers: int, steps: int, out_dir: Path, p
     tokens = sum(r["tokens/total"] for r in measured)
     seconds = sum(r["time/step"] for r in measured)
     stages = sorted({k for r in measured for k in r if k.startswith("time/") and k != "time/step"})
+    all_steps = len(records)
     return {"mode": mode, "setting": setting, "num_workers": workers, "steps": steps,
+            # per step over all steps, for the projection's fits
+            "tokens_per_step": sum(r["tokens/total"] for r in records) / all_steps,
+            "peer_bytes_per_step": sum(r.get("coordinator/payload_sent_bytes", 0.0) for r in records) / all_steps,
+            "driver_bytes_per_step": (launcher.get("driver_payload_bytes_received", 0)
+                                      + launcher.get("driver_payload_bytes_sent", 0)) / all_steps,
+            "driver_relay_seconds_per_step": launcher.get("driver_relay_seconds", 0.0) / all_steps,
             "tokens_per_second": tokens / seconds, "step_seconds": seconds / len(measured),
             "stage_seconds": {k[5:]: sum(r.get(k, 0.0) for r in measured) / len(measured) for k in stages},
             "launcher_payload_bytes": launcher["payload_bytes_received"],

@@ -30,3 +30,29 @@ def test_ratios_scaling_efficiency_table_and_plot(tmp_path):
     assert "| heavy | cluster 5 hosts | 4 | distributed | 300 | 3.00 |" in text
     e2e.plot(records, str(tmp_path / "e2e.png"))
     assert (tmp_path / "e2e.png").stat().st_size > 1000
+
+
+def test_the_projection_fits_costs_from_records_and_prints_its_assumptions(tmp_path, capsys):
+    import json
+
+    from distflow.benchmarks import projection
+
+    records = []
+    for tokens in (1e4, 4e4):  # the driver relays 60 bytes per token at 1 ns per byte; peers send 20 per token
+        records.append({"mode": "centralized", "where": "host", "num_workers": 2, "tokens_per_step": tokens,
+                        "driver_bytes_per_step": 60 * tokens, "driver_relay_seconds_per_step": 60 * tokens * 1e-9,
+                        "peer_bytes_per_step": 0})
+        records.append({"mode": "distributed", "where": "host", "num_workers": 2, "tokens_per_step": tokens,
+                        "driver_bytes_per_step": 0, "driver_relay_seconds_per_step": 0, "peer_bytes_per_step": 20 * tokens})
+    path = tmp_path / "e2e.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert projection.fit(records) == pytest.approx({"driver_bytes_per_token": 60, "worker_bytes_per_token": 20,
+                                                     "driver_seconds_per_byte": 1e-9})
+    out = tmp_path / "p.json"
+    assert projection.main(["--records", str(path), "--plot", str(tmp_path / "p.png"), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "A MODEL, NOT A MEASUREMENT" in text and "nic_gbit = 100.0" in text and "driver_bytes_per_token = 60" in text
+    rows = json.loads(out.read_text())["rows"]
+    ratios = [r["ratio"] for r in rows]
+    assert all(a < b for a, b in zip(ratios, ratios[1:]))  # the driver's link is what grows with the GPUs
+    assert rows[0]["compute_s"] == rows[-1]["compute_s"]  # weak scaling: the same work per GPU
