@@ -52,6 +52,13 @@ def check_inputs(cfg: Config) -> None:
             source = source.strip()
             if source and not source.startswith("builtin:") and not os.path.isfile(os.path.expanduser(source)):
                 raise ConfigError(f"data.{key}={source!r}: no such file")
+            if source.endswith(".parquet"):  # its footer only: a file that is not parquet stops here
+                from distflow.data.dataset import DatasetError, open_source
+
+                try:
+                    open_source(source)
+                except DatasetError as e:
+                    raise ConfigError(f"data.{key}: {e}") from None
     if cfg.runtime.device == "cuda":
         import torch
 

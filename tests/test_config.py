@@ -56,6 +56,17 @@ def test_a_model_folder_with_only_pickled_weights_is_refused(tmp_path):
         load_config(None, [f"model.path={tmp_path}"])
 
 
+def test_a_data_file_that_is_not_parquet_is_one_line_before_anything_starts(tmp_path):
+    bad = tmp_path / "train.parquet"
+    bad.write_text("this is not parquet")
+    proc = subprocess.run([sys.executable, "-m", "distflow.cli", "train", f"data.train_files={bad}"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"data.train_files: {bad}: not a readable parquet file" in lines[0]
+    assert not (tmp_path / "runs").exists()
+
+
 def test_yaml_unknown_key(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("trainer:\n  total_stepz: 3\n")

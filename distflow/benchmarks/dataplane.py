@@ -604,6 +604,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="append one JSON record per measurement to this file")
     p.add_argument("--results-md", help="write a markdown report (tables, command, machine)")
     p.add_argument("--quick", action="store_true", help="workers [2], batch 64, seq-len 128, repeats 1")
+    p.add_argument("--cluster", action="store_true",
+                   help="run on the emulated cluster instead (root; see `--cluster --help`)")
     # Internal: one centralized measurement in a fresh driver process.
     p.add_argument("--_child", choices=MODES[1:], help=argparse.SUPPRESS)
     p.add_argument("--_ray-temp", help=argparse.SUPPRESS)
@@ -640,6 +642,11 @@ def _measure_all(args: argparse.Namespace, out: IO[str] | None) -> list[dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--cluster" in argv:  # the emulated cluster: distflow/benchmarks/dataplane_cluster.py
+        from distflow.benchmarks.dataplane_cluster import main as cluster_main
+
+        return cluster_main([a for a in argv if a != "--cluster"])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args._child:
@@ -648,8 +655,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.workers, args.batch, args.seq_len, args.repeats = [2], 64, 128, 1
     _check_args(parser, args)
-    command = ("python " + shlex.join(sys.argv) if argv is None
-               else "python -m distflow.benchmarks.dataplane " + shlex.join(argv))
+    command = "python -m distflow.benchmarks.dataplane " + shlex.join(argv)
     started, load_start = time.monotonic(), os.getloadavg()[0]
     imbalance_recs = imbalance_records(args.seq_len)
     out = open(args.json, "w") if args.json else None

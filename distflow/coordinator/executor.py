@@ -157,8 +157,9 @@ def execute(plan: ReshardPlan, batch: Batch, sample_ids: Sequence[int], group=No
 # Peers on the same host exchange payloads through shared memory (/dev/shm): the sender
 # writes one file per peer, the collective size exchange that follows orders the write
 # before the read, and the receiver reads and unlinks it. Only cross-host payloads go
-# through gloo/NCCL. "Same host" is DISTFLOW_HOST_ID when set (the emulated cluster sets
-# one per network namespace, which share a filesystem), else hostname + boot id.
+# through gloo/NCCL. "Same host" is DISTFLOW_HOST_ID when set, else hostname + boot id +
+# network namespace (the emulated cluster's hosts share one filesystem and /dev/shm, but
+# their traffic must cross their links).
 
 _GROUP_INFO: dict[int, tuple[list[int], int, itertools.count]] = {}
 _SHM_DIR = "/dev/shm"
@@ -175,7 +176,11 @@ def _host_key() -> int:
                 boot = f.read().strip()
         except OSError:
             boot = ""
-        key = f"{socket.gethostname()}-{boot}"
+        try:  # another network namespace (a container, an emulated host) counts as another host
+            netns = os.stat("/proc/self/ns/net").st_ino
+        except OSError:
+            netns = 0
+        key = f"{socket.gethostname()}-{boot}-{netns}"
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=7).digest(), "little")
 
 

@@ -147,7 +147,7 @@ class _ListSource:
         return self.rows[index]
 
 
-def _open_source(source: str):
+def open_source(source: str):
     if source.startswith(BUILTIN_PREFIX):
         return _ListSource(_builtin(source))
     path = os.path.expanduser(source)
@@ -166,7 +166,7 @@ class ShardedDataset:
 
     def __init__(self, spec: str):
         self.names = [s.strip() for s in spec.split(",") if s.strip()]
-        self.sources = [_open_source(s) for s in self.names]
+        self.sources = [open_source(s) for s in self.names]
         self.starts = [0]
         for src in self.sources:
             self.starts.append(self.starts[-1] + src.num_rows)

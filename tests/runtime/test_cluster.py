@@ -110,15 +110,28 @@ def test_a_run_on_a_ray_cluster_across_hosts_places_one_worker_per_host(tmp_path
                          f"reward.custom_fn={tmp_path / 'probe.py'}:score", f"trainer.output_dir={out}"],
                      capture_output=True, text=True, timeout=400, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-4000:]
+        # the data-plane benchmark on the same cluster: the driver's link carries the batch, the coordinator's don't
+        from distflow.benchmarks.dataplane import Spec
+        from distflow.benchmarks.dataplane_cluster import measure
+
+        bench = {r["mode"]: r for r in measure(Spec(2, 64, 128, 1), ["coordinator", "centralized-zerocopy"], 400,
+                                               cluster=spec)}
         too_many = c.run(0, [sys.executable, "-m", "distflow.cli", "train", f"runtime.ray_address={spec.ray_address}",
                              "runtime.num_workers=4", f"trainer.output_dir={tmp_path / 'run2'}"],
                          capture_output=True, text=True, timeout=200, cwd=tmp_path)
     assert leftovers(spec) == []
     summary = json.loads((out / "summary.json").read_text())
     assert summary["network"] == "cluster" and summary["steps"] == 1
+    step = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1]
+    assert step["coordinator/shm_sent_bytes"] == 0  # hosts exchange over their links, never through /dev/shm
     probes = [json.loads(p.read_text()) for p in tmp_path.glob("probe-*.json")]
     # two workers, on two different hosts (namespaces), each with the host's eth0
     assert len(probes) == 2 and len({p["netns"] for p in probes}) == 2
     assert all(p["interfaces"] == ["lo", "eth0"] or sorted(p["interfaces"]) == ["eth0", "lo"] for p in probes)
     assert all(p["gloo"] == "eth0" for p in probes)
+    for r in bench.values():
+        assert r["where"] == "cluster" and r["num_hosts"] == 3 and r["wire_floor_seconds"] > 0 and r["seconds"] > 0
+    central, coordinator = bench["centralized-zerocopy"], bench["coordinator"]
+    assert central["driver_link_bytes"] > 2 * central["batch_bytes"]  # in and out through host 0
+    assert coordinator["driver_link_bytes"] < central["driver_link_bytes"] / 4
     assert too_many.returncode == 2 and "runtime.num_workers=4: the Ray cluster at" in too_many.stderr

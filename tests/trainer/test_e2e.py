@@ -101,21 +101,6 @@ def test_ray_launcher_run_leaves_summary_plot_checkpoint_and_no_payload(tmp_path
     assert 0 < driver["driver_payload_bytes_received"] < driver["driver_payload_bytes_sent"]
 
 
-def test_worker_failure_is_reported_with_its_rank(tmp_path):
-    bad = tmp_path / "train.parquet"
-    bad.write_text("this is not parquet")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
-    proc = subprocess.run([sys.executable, "-m", "distflow.cli", "train", *SMALL, f"data.train_files={bad}",
-                           f"trainer.output_dir={tmp_path / 'run'}"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1
-    assert "distflow: error: worker" in proc.stderr and "failed" in proc.stderr
-    assert "not a readable parquet file" in proc.stderr
-    error_lines = [line for line in proc.stderr.splitlines() if line.startswith("distflow: error:")]
-    assert len(error_lines) == 1 and "DatasetError" in error_lines[0]
-    assert list((tmp_path / "run").glob("worker-*-traceback.txt")), "the full traceback is kept in the run folder"
-
-
 def test_any_local_model_parquet_data_custom_reward_and_periodic_checkpoints(tmp_path, random_model_dir):
     """The non-default path: model.path, verl parquet files, reward.custom_fn, save_every."""
     from distflow.data.tasks.arith import write_parquet
@@ -145,7 +130,7 @@ def test_tensor_parallel_rollout_layout_trains_like_plain_data_parallel(tmp_path
     for name, extra in {"dp2": ["runtime.num_workers=2"],
                         "tp2": ["runtime.num_workers=4", "rollout.tensor_parallel_size=2"]}.items():
         out = tmp_path / name
-        _distflow([*SMALL, "runtime.launcher=torchrun", "trainer.total_steps=2", "trainer.save_final=false",
+        _distflow([*SMALL, "runtime.launcher=torchrun", "trainer.total_steps=1", "trainer.save_final=false",
                    "actor.ppo_mini_batch_size=2", "actor.micro_batch_size=3", *extra,
                    f"trainer.output_dir={out}"], tmp_path)
         runs[name] = _metrics(out)

@@ -1,0 +1,172 @@
+"""The data-plane benchmark on the emulated cluster (`distflow bench dataplane --cluster`).
+
+    python -m distflow.benchmarks.dataplane_cluster --workers 4 --rate-mbit 400 --json benchmarks/dataplane-cluster.jsonl
+
+Host 0 holds the Ray head and the driver; each worker host one rank (one CPU slot each,
+so one rank per host). The same three transitions of the same batch as on one host:
+the coordinator's ranks exchange over their own links (one Ray actor per host joins the
+gloo group, rank 0's host is the master); the centralized modes gather into the driver
+on host 0 and send back out, through host 0's link. Each record carries `where:
+"cluster"`, `num_hosts`, the bytes each host's link carried per round (host-side veth
+counters, both directions, warm-up round included in the average) and
+`wire_floor_seconds`: the busiest link direction's bytes per round over the link rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from distflow.benchmarks import dataplane
+from distflow.benchmarks.dataplane import MODES, TIMEOUT_S, WARMUP_ROUNDS, Spec
+
+
+class _Rank:
+    """One coordinator rank on its own host (a Ray actor)."""
+
+    def rendezvous(self) -> tuple[str, int]:
+        import ray
+
+        from distflow.runtime.process_group import free_port
+
+        address = ray.util.get_node_ip_address()
+        return address, free_port(address)
+
+    def run(self, rank: int, spec: dict[str, int], master: str, port: int) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        from distflow.runtime.process_group import init_process_group
+
+        init_process_group(rank, spec["num_workers"], master, port, "cpu", TIMEOUT_S, threads=1)
+        try:
+            return dataplane._coordinator_rounds(rank, Spec(**spec))
+        finally:
+            dist.destroy_process_group()
+
+
+def _child(mode: str, spec: Spec, address: str, out: str) -> int:
+    """Inside host 0: one measurement against the cluster at `address`."""
+    os.environ["RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"] = "0"  # "-pickle" is Ray's default tensor path
+    import ray
+
+    from distflow.runtime.ray_launcher import check_ray_address
+
+    ray.init(address=address, _node_ip_address=check_ray_address(address), log_to_driver=False,
+             configure_logging=False)
+    try:
+        if mode == "coordinator":
+            from distflow.benchmarks.dataplane_cluster import _Rank as rank_cls  # pickled by reference
+
+            actors = [ray.remote(num_cpus=1)(rank_cls).remote() for _ in range(spec.num_workers)]
+            master, port = ray.get(actors[0].rendezvous.remote(), timeout=TIMEOUT_S)
+            reports = ray.get([a.run.remote(r, asdict(spec), master, port) for r, a in enumerate(actors)],
+                              timeout=TIMEOUT_S)
+            if reports[0]["rows"] != spec.batch:
+                raise RuntimeError(f"coordinator ended with {reports[0]['rows']} rows, expected {spec.batch}")
+            record = dataplane._record("coordinator", spec, reports[0]["laps"], reports[0]["busiest"], None)
+        else:
+            record = dataplane._centralized_rounds(ray, mode, spec)
+        Path(out).write_text(json.dumps(record))
+        return 0
+    finally:
+        ray.shutdown()
+
+
+def _link_bytes(names: list[str]) -> list[tuple[int, int]]:
+    """(bytes out of the host, bytes into the host) per host-side veth."""
+    def read(name: str, what: str) -> int:
+        return int(Path(f"/sys/class/net/{name}/statistics/{what}_bytes").read_text())
+    return [(read(n, "rx"), read(n, "tx")) for n in names]
+
+
+def measure(spec: Spec, modes: list[str], rate_mbit: float, cluster=None) -> list[dict[str, Any]]:
+    """Each mode on a fresh emulated cluster of 1 + N hosts, or on `cluster` (a
+    ClusterSpec that is up, with N worker hosts)."""
+    from distflow.runtime.cluster import ClusterSpec, EmulatedCluster
+
+    if cluster is not None:
+        return _measure_on(cluster, spec, modes)
+    cluster = ClusterSpec(hosts=1 + spec.num_workers, rate_mbit=rate_mbit, name="dfd")
+    with EmulatedCluster(cluster):
+        return _measure_on(cluster, spec, modes)
+
+
+def _measure_on(cluster, spec: Spec, modes: list[str]) -> list[dict[str, Any]]:
+    from distflow.runtime.cluster import in_host, ray_env
+
+    rate_mbit, records = cluster.rate_mbit, []
+    with tempfile.TemporaryDirectory(prefix="dfd-") as tmp:
+        veths = [cluster.veth(i) for i in range(cluster.hosts)]
+        for mode in modes:
+            print(f"dataplane (cluster): {cluster.hosts} hosts, N={spec.num_workers} {mode} ...", file=sys.stderr,
+                  flush=True)
+            out = Path(tmp, f"{mode}.json")
+            before = _link_bytes(veths)
+            cmd = in_host(cluster, 0, [sys.executable, "-m", "distflow.benchmarks.dataplane_cluster", "--_child", mode,
+                                       "--_address", cluster.ray_address, "--_out", str(out),
+                                       "--workers", str(spec.num_workers), "--batch", str(spec.batch),
+                                       "--seq-len", str(spec.seq_len), "--repeats", str(spec.repeats)])
+            proc = subprocess.run(cmd, env=ray_env(cluster), capture_output=True, text=True, timeout=TIMEOUT_S)
+            if proc.returncode != 0 or not out.exists():
+                raise RuntimeError(f"{mode} on the cluster failed:\n{proc.stderr[-3000:]}")
+            after = _link_bytes(veths)
+            rounds = WARMUP_ROUNDS + spec.repeats
+            per_round = [((a_out - b_out) / rounds, (a_in - b_in) / rounds)
+                         for (b_out, b_in), (a_out, a_in) in zip(before, after)]
+            busiest = max(max(pair) for pair in per_round)
+            record = json.loads(out.read_text()) | {
+                "where": "cluster", "num_hosts": cluster.hosts, "rate_mbit": rate_mbit,
+                "link_bytes_per_round": per_round, "busiest_link_bytes": busiest,
+                "driver_link_bytes": sum(per_round[0]),
+                "wire_floor_seconds": busiest / (rate_mbit * 1e6 / 8)}
+            records.append(record)
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="distflow bench dataplane --cluster", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", type=int, nargs="+", default=[4], help="worker hosts (one rank each, even)")
+    p.add_argument("--batch", type=int, default=1024)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rate-mbit", type=float, default=400.0)
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--json", help="append one JSON record per measurement")
+    p.add_argument("--_child", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--_address", help=argparse.SUPPRESS)
+    p.add_argument("--_out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args._child:
+        return _child(args._child, Spec(args.workers[0], args.batch, args.seq_len, args.repeats), args._address,
+                      args._out)
+    records = []
+    for n in args.workers:
+        if n < 2 or n % 2:
+            p.error(f"--workers {n}: each N must be even and >= 2 (the TP layout has pairs)")
+        records += measure(Spec(n, args.batch, args.seq_len, args.repeats), args.modes, args.rate_mbit)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    base = {r["num_workers"]: r["seconds"] for r in records if r["mode"] == "coordinator"}
+    print(f"\nB={args.batch} x L={args.seq_len}, links {args.rate_mbit:g} Mbit/s each way, median of {args.repeats}")
+    print("| hosts | N | mode | seconds | x coordinator | wire floor s | within floor | driver link MB/round "
+          "| busiest link MB/round |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in records:
+        ratio = r["seconds"] / base[r["num_workers"]] if r["num_workers"] in base else float("nan")
+        print(f"| {r['num_hosts']} | {r['num_workers']} | {r['mode']} | {r['seconds']:.3f} | {ratio:.1f} "
+              f"| {r['wire_floor_seconds']:.3f} | {r['seconds'] / r['wire_floor_seconds']:.2f} "
+              f"| {r['driver_link_bytes'] / 1e6:.1f} | {r['busiest_link_bytes'] / 1e6:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
