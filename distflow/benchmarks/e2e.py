@@ -48,8 +48,8 @@ def _launcher_peak(root: int, stop: threading.Event, out: list[int]) -> None:
 
 
 def run_once(setting: str, mode: str, workers: int, steps: int, out_dir: Path, prefix: list[str] = (),
-             extra: list[str] = (), env: dict | None = None) -> dict:
-    run_dir = out_dir / f"{setting}-{mode}-{workers}"
+             extra: list[str] = (), env: dict | None = None, where: str = "host") -> dict:
+    run_dir = out_dir / f"{where}-{setting}-{mode}-{workers}"
     cmd = [*prefix, sys.executable, "-m", "distflow.cli", "train", *COMMON, *SETTINGS[setting], *extra,
            f"runtime.mode={mode}", f"runtime.num_workers={workers}", f"trainer.total_steps={steps}",
            f"trainer.output_dir={run_dir}"]
@@ -103,7 +103,7 @@ def on_host(settings: list[str], modes: list[str], workers: list[int], steps: in
         for n in workers:
             for mode in modes:
                 record = run_once(setting, mode, n, steps, out_dir) | {"where": "host"}
-                print(_line(record), flush=True)
+                _keep(record)
                 records.append(record)
     return records
 
@@ -121,15 +121,26 @@ def on_cluster(settings: list[str], modes: list[str], hosts: list[int], steps: i
                 for mode in modes:
                     before = link_bytes(veths)
                     record = run_once(setting, mode, worker_hosts, steps, out_dir, prefix=in_host(spec, 0, []),
-                                      extra=[f"runtime.ray_address={spec.ray_address}"], env=ray_env(spec))
+                                      extra=[f"runtime.ray_address={spec.ray_address}"], env=ray_env(spec),
+                                      where=f"cluster{spec.hosts}")
                     after = link_bytes(veths)
                     per_host = [after[v] - before[v] for v in veths]
                     record |= {"where": "cluster", "num_hosts": spec.hosts, "rate_mbit": rate_mbit,
                                "driver_link_bytes": per_host[0], "busiest_worker_link_bytes": max(per_host[1:]),
                                "link_bytes": per_host}
-                    print(_line(record), flush=True)
+                    _keep(record)
                     records.append(record)
     return records
+
+
+_PARTIAL: list[Path] = []  # where each record is appended as soon as it is measured
+
+
+def _keep(record: dict) -> None:
+    print(_line(record), flush=True)
+    for path in _PARTIAL:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
 
 
 def _line(r: dict) -> str:
@@ -164,7 +175,8 @@ def markdown(records: list[dict], command: str) -> str:
         lines.append(
             f"| {r['setting']} | {r['where']}{' ' + str(r['num_hosts']) + ' hosts' if r['where'] == 'cluster' else ''} "
             f"| {r['num_workers']} | {r['mode']} | {r['tokens_per_second']:.0f} "
-            f"| {r.get('speedup_vs_centralized', float('nan')):.2f} | {r['step_seconds']:.2f} "
+            f"| {format(r['speedup_vs_centralized'], '.2f') if 'speedup_vs_centralized' in r else '-'} "
+            f"| {r['step_seconds']:.2f} "
             f"| {r['driver_bytes_in'] / 1e6:.1f} / {r['driver_bytes_out'] / 1e6:.1f} | {r['launcher_payload_bytes']} "
             f"| {r['launcher_peak_rss_bytes'] / 2**20:.0f} "
             f"| {r.get('driver_link_bytes', 0) / 1e6:.1f} | {r.get('busiest_worker_link_bytes', 0) / 1e6:.1f} "
@@ -211,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.settings, args.workers, args.cluster_hosts, args.steps = ["default"], [2], [], 2
     modes = ["distributed", "centralized"]
+    if args.json:  # records are appended as they come (a later failure keeps them), then rewritten whole
+        Path(args.json).write_text("")
+        _PARTIAL.append(Path(args.json))
     with tempfile.TemporaryDirectory(prefix="distflow-e2e-") as tmp:
         records = on_host(args.settings, modes, args.workers, args.steps, Path(tmp))
         if args.cluster_hosts:

@@ -7,8 +7,9 @@ Fitted from the records (least squares, printed with the output):
 - bytes per token that pass through the driver per step in centralized mode (in and
   out), and that workers send each other per step in distributed mode (the Data
   Coordinator's `coordinator/payload_sent_bytes`, summed over workers);
-- the driver's processing time per byte it relays (`driver_relay_seconds`, the
-  concatenation, splitting and copies on the driver), measured on this machine.
+- the driver's time per byte it relays and per step (`driver_relay_seconds` against
+  bytes, a line with an intercept: the concatenation, splitting and copies, and the
+  per-stage round trips), measured on this machine.
 
 Stated inputs (flags, printed): the model's tokens per GPU-second for a whole RL step
 (generation and training), prompt and response lengths, prompts per GPU (weak scaling:
@@ -17,7 +18,7 @@ node, the driver's included. Step time = compute + data, with no overlap of the 
 either mode:
 
     compute      = tokens per GPU / GPU tokens per second             (the same in both modes)
-    centralized  = driver bytes / NIC + driver bytes x driver seconds per byte
+    centralized  = driver bytes / NIC + driver bytes x driver seconds per byte + driver seconds per step
     distributed  = bytes per node / NIC + bytes per node x driver seconds per byte
 
 The driver's link carries every stage's data in and out, so its time grows with the GPU
@@ -43,6 +44,17 @@ def fit_through_origin(points: list[tuple[float, float]]) -> float:
     return sum(x * y for x, y in points) / den
 
 
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(slope, intercept) of y = a x + b by least squares."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    if not var:
+        raise ValueError("the points need at least two different x")
+    a = sum((x - mx) * (y - my) for x, y in points) / var
+    return a, my - a * mx
+
+
 def fit(records: list[dict]) -> dict[str, float]:
     central = [r for r in records if r["mode"] == "centralized" and r["where"] == "host"]
     distributed = [r for r in records if r["mode"] == "distributed" and r["where"] == "host" and r["num_workers"] > 1]
@@ -53,9 +65,8 @@ def fit(records: list[dict]) -> dict[str, float]:
             [(r["tokens_per_step"], r["driver_bytes_per_step"]) for r in central]),
         "worker_bytes_per_token": fit_through_origin(
             [(r["tokens_per_step"], r["peer_bytes_per_step"]) for r in distributed]),
-        "driver_seconds_per_byte": fit_through_origin(
-            [(r["driver_bytes_per_step"], r["driver_relay_seconds_per_step"]) for r in central]),
-    }
+    } | dict(zip(("driver_seconds_per_byte", "driver_seconds_per_step"), fit_line(
+        [(r["driver_bytes_per_step"], r["driver_relay_seconds_per_step"]) for r in central])))
 
 
 def project(costs: dict[str, float], gpus: int, args: argparse.Namespace) -> dict[str, float]:
@@ -66,7 +77,8 @@ def project(costs: dict[str, float], gpus: int, args: argparse.Namespace) -> dic
     compute = tokens_per_gpu / args.gpu_tokens_per_s
     driver_bytes = costs["driver_bytes_per_token"] * tokens
     node_bytes = costs["worker_bytes_per_token"] * tokens / nodes
-    central = compute + driver_bytes / nic + driver_bytes * costs["driver_seconds_per_byte"]
+    central = (compute + driver_bytes / nic + driver_bytes * costs["driver_seconds_per_byte"]
+               + costs["driver_seconds_per_step"])
     distributed = compute + node_bytes / nic + node_bytes * costs["driver_seconds_per_byte"]
     return {"gpus": gpus, "tokens_per_step": tokens, "compute_s": compute, "centralized_step_s": central,
             "distributed_step_s": distributed, "ratio": central / distributed,

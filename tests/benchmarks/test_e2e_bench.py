@@ -47,7 +47,8 @@ def test_the_projection_fits_costs_from_records_and_prints_its_assumptions(tmp_p
     path = tmp_path / "e2e.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     assert projection.fit(records) == pytest.approx({"driver_bytes_per_token": 60, "worker_bytes_per_token": 20,
-                                                     "driver_seconds_per_byte": 1e-9})
+                                                     "driver_seconds_per_byte": 1e-9, "driver_seconds_per_step": 0},
+                                                    abs=1e-12)
     out = tmp_path / "p.json"
     assert projection.main(["--records", str(path), "--plot", str(tmp_path / "p.png"), "--json", str(out)]) == 0
     text = capsys.readouterr().out
