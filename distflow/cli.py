@@ -204,26 +204,21 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     return cluster_main(args.cluster_args)
 
 
+# `distflow bench NAME ...` runs distflow.benchmarks.<module>.main(...)
+BENCHMARKS = {
+    "dataplane": ("dataplane", "Data Coordinator vs single-controller data path (--cluster: the emulated cluster)"),
+    "scheduler": ("scheduler", "task-graph overlap and streaming on vs off"),
+    "e2e": ("e2e", "distributed vs centralized mode, one host and the emulated cluster"),
+    "project": ("projection", "a model fitted to the e2e records: step time at 8-512 GPUs, both modes"),
+    "soak": ("soak", "many steps of the default task; host-memory slope per process"),
+}
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.benchmark == "project":
-        from distflow.benchmarks.projection import main as projection_main
+    import importlib
 
-        return projection_main(args.bench_args)
-    if args.benchmark == "e2e":
-        from distflow.benchmarks.e2e import main as e2e_main
-
-        return e2e_main(args.bench_args)
-    if args.benchmark == "soak":
-        from distflow.benchmarks.soak import main as soak_main
-
-        return soak_main(args.bench_args)
-    if args.benchmark == "scheduler":
-        from distflow.benchmarks.scheduler import main as scheduler_main
-
-        return scheduler_main(args.bench_args)
-    from distflow.benchmarks.dataplane import main as dataplane_main
-
-    return dataplane_main(args.bench_args)
+    module = importlib.import_module(f"distflow.benchmarks.{BENCHMARKS[args.benchmark][0]}")
+    return module.main(args.bench_args)
 
 
 def cmd_dag_show(args: argparse.Namespace) -> int:
@@ -279,28 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
     data.set_defaults(fn=cmd_make_data)
     bench = sub.add_parser("bench", help="benchmarks; `distflow bench dataplane --help` for options")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
-    # prefix_chars="+": this parser claims no "-" options, so every option after
-    # `dataplane` (--help included) reaches the benchmark's own parser untouched.
-    dataplane = bench_sub.add_parser("dataplane", add_help=False, prefix_chars="+",
-                                     help="Data Coordinator vs single-controller data path")
-    dataplane.add_argument("bench_args", nargs=argparse.REMAINDER)
-    dataplane.set_defaults(fn=cmd_bench)
-    scheduler = bench_sub.add_parser("scheduler", add_help=False, prefix_chars="+",
-                                     help="task-graph overlap and streaming on vs off")
-    scheduler.add_argument("bench_args", nargs=argparse.REMAINDER)
-    scheduler.set_defaults(fn=cmd_bench)
-    e2e = bench_sub.add_parser("e2e", add_help=False, prefix_chars="+",
-                               help="distributed vs centralized mode, one host and the emulated cluster")
-    e2e.add_argument("bench_args", nargs=argparse.REMAINDER)
-    e2e.set_defaults(fn=cmd_bench)
-    project = bench_sub.add_parser("project", add_help=False, prefix_chars="+",
-                                   help="a model fitted to the e2e records: step time at 8-512 GPUs, both modes")
-    project.add_argument("bench_args", nargs=argparse.REMAINDER)
-    project.set_defaults(fn=cmd_bench)
-    soak = bench_sub.add_parser("soak", add_help=False, prefix_chars="+",
-                                help="many steps of the default task; host-memory slope per process")
-    soak.add_argument("bench_args", nargs=argparse.REMAINDER)
-    soak.set_defaults(fn=cmd_bench)
+    # prefix_chars="+": these parsers claim no "-" options, so every option after the
+    # benchmark's name (--help included) reaches the benchmark's own parser untouched.
+    for name, (_, help_text) in BENCHMARKS.items():
+        one = bench_sub.add_parser(name, add_help=False, prefix_chars="+", help=help_text)
+        one.add_argument("bench_args", nargs=argparse.REMAINDER)
+        one.set_defaults(fn=cmd_bench)
     cluster = sub.add_parser("cluster", add_help=False, prefix_chars="+",
                              help="an emulated cluster on this machine (network namespaces, shaped links, Ray); "
                                   "`distflow cluster --help`")

@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from distflow.benchmarks.soak import descendants, rss_bytes
 
@@ -97,19 +98,20 @@ def link_bytes(names: list[str]) -> dict[str, int]:
     return out
 
 
-def on_host(settings: list[str], modes: list[str], workers: list[int], steps: int, out_dir: Path) -> list[dict]:
+def on_host(settings: list[str], modes: list[str], workers: list[int], steps: int, out_dir: Path,
+            keep: Callable[[dict], None]) -> list[dict]:
     records = []
     for setting in settings:
         for n in workers:
             for mode in modes:
                 record = run_once(setting, mode, n, steps, out_dir) | {"where": "host"}
-                _keep(record)
+                keep(record)
                 records.append(record)
     return records
 
 
 def on_cluster(settings: list[str], modes: list[str], hosts: list[int], steps: int, rate_mbit: float,
-               out_dir: Path) -> list[dict]:
+               out_dir: Path, keep: Callable[[dict], None]) -> list[dict]:
     from distflow.runtime.cluster import ClusterSpec, EmulatedCluster, in_host, ray_env
 
     records = []
@@ -128,19 +130,23 @@ def on_cluster(settings: list[str], modes: list[str], hosts: list[int], steps: i
                     record |= {"where": "cluster", "num_hosts": spec.hosts, "rate_mbit": rate_mbit,
                                "driver_link_bytes": per_host[0], "busiest_worker_link_bytes": max(per_host[1:]),
                                "link_bytes": per_host}
-                    _keep(record)
+                    keep(record)
                     records.append(record)
     return records
 
 
-_PARTIAL: list[Path] = []  # where each record is appended as soon as it is measured
+def _keeper(path: str | None) -> Callable[[dict], None]:
+    """Prints each record, and appends it to `path` as soon as it is measured (a later
+    failure keeps it; the file is rewritten whole, with ratios, at the end)."""
+    if path:
+        Path(path).write_text("")
 
-
-def _keep(record: dict) -> None:
-    print(_line(record), flush=True)
-    for path in _PARTIAL:
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+    def keep(record: dict) -> None:
+        print(_line(record), flush=True)
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+    return keep
 
 
 def _line(r: dict) -> str:
@@ -223,13 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.settings, args.workers, args.cluster_hosts, args.steps = ["default"], [2], [], 2
     modes = ["distributed", "centralized"]
-    if args.json:  # records are appended as they come (a later failure keeps them), then rewritten whole
-        Path(args.json).write_text("")
-        _PARTIAL.append(Path(args.json))
+    keep = _keeper(args.json)
     with tempfile.TemporaryDirectory(prefix="distflow-e2e-") as tmp:
-        records = on_host(args.settings, modes, args.workers, args.steps, Path(tmp))
+        records = on_host(args.settings, modes, args.workers, args.steps, Path(tmp), keep)
         if args.cluster_hosts:
-            records += on_cluster(args.settings, modes, args.cluster_hosts, args.steps, args.rate_mbit, Path(tmp))
+            records += on_cluster(args.settings, modes, args.cluster_hosts, args.steps, args.rate_mbit, Path(tmp), keep)
     add_ratios_and_efficiency(records)
     command = "python benchmarks/e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.json:
