@@ -177,10 +177,10 @@ class DriverRelay:
             self.batch.update(merged.select(order))
         elif kind == "inputs":
             for r in ranks:
-                fields = messages[r].fields
-                rows = self.batch.select(self._rows(messages[r].ids))
-                self._reply(r, Batch({f: rows.tensors[f] for f in fields if f in rows.tensors},
-                                     {f: rows.meta[f] for f in fields if f in rows.meta}))
+                fields = messages[r].fields  # only these are copied for the worker's rows
+                wanted = Batch({f: self.batch.tensors[f] for f in fields if f in self.batch.tensors},
+                               {f: self.batch.meta[f] for f in fields if f in self.batch.meta})
+                self._reply(r, wanted.select(self._rows(messages[r].ids)))
         elif kind == "move":
             src, dst, balance, tolerance, _ = messages[ranks[0]].move
             lengths = {s: n for r in ranks for s, n in messages[r].move[4].items()}
