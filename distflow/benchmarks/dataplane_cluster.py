@@ -4,8 +4,8 @@
 
 Host 0 holds the Ray head and the driver; each worker host one rank (one CPU slot each,
 so one rank per host). The same three transitions of the same batch as on one host:
-the coordinator's ranks exchange over their own links (one Ray actor per host joins the
-gloo group, rank 0's host is the master); the centralized modes gather into the driver
+the coordinator's ranks exchange over their own links (the launcher's worker actor, one
+per host, joins the gloo group; rank 0's host is the master); the centralized modes gather into the driver
 on host 0 and send back out, through host 0's link. Each record carries `where:
 "cluster"`, `num_hosts`, the bytes each host's link carried per round (host-side veth
 counters, both directions, warm-up round included in the average) and
@@ -20,35 +20,11 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from distflow.benchmarks import dataplane
 from distflow.benchmarks.dataplane import MODES, TIMEOUT_S, WARMUP_ROUNDS, Spec
-
-
-class _Rank:
-    """One coordinator rank on its own host (a Ray actor)."""
-
-    def rendezvous(self) -> tuple[str, int]:
-        import ray
-
-        from distflow.runtime.process_group import free_port
-
-        address = ray.util.get_node_ip_address()
-        return address, free_port(address)
-
-    def run(self, rank: int, spec: dict[str, int], master: str, port: int) -> dict[str, Any]:
-        import torch.distributed as dist
-
-        from distflow.runtime.process_group import init_process_group
-
-        init_process_group(rank, spec["num_workers"], master, port, "cpu", TIMEOUT_S, threads=1)
-        try:
-            return dataplane._coordinator_rounds(rank, Spec(**spec))
-        finally:
-            dist.destroy_process_group()
 
 
 def _child(mode: str, spec: Spec, address: str, out: str) -> int:
@@ -61,13 +37,14 @@ def _child(mode: str, spec: Spec, address: str, out: str) -> int:
     ray.init(address=address, _node_ip_address=check_ray_address(address), log_to_driver=False,
              configure_logging=False)
     try:
-        if mode == "coordinator":
-            from distflow.benchmarks.dataplane_cluster import _Rank as rank_cls  # pickled by reference
+        if mode == "coordinator":  # the launcher's own worker actor, one per host, runs the rounds
+            from distflow.runtime.ray_launcher import _Worker
 
-            actors = [ray.remote(num_cpus=1)(rank_cls).remote() for _ in range(spec.num_workers)]
+            actors = [ray.remote(num_cpus=1)(_Worker).remote() for _ in range(spec.num_workers)]
             master, port = ray.get(actors[0].rendezvous.remote(), timeout=TIMEOUT_S)
-            reports = ray.get([a.run.remote(r, asdict(spec), master, port) for r, a in enumerate(actors)],
-                              timeout=TIMEOUT_S)
+            reports = ray.get([a.run.remote("distflow.benchmarks.dataplane:_coordinator_rounds", (r, spec), r,
+                                            spec.num_workers, master, port, "cpu", TIMEOUT_S, 1)
+                               for r, a in enumerate(actors)], timeout=TIMEOUT_S)
             if reports[0]["rows"] != spec.batch:
                 raise RuntimeError(f"coordinator ended with {reports[0]['rows']} rows, expected {spec.batch}")
             record = dataplane._record("coordinator", spec, reports[0]["laps"], reports[0]["busiest"], None)
