@@ -70,9 +70,3 @@ def run_in_loopback_namespace(argv: list[str]) -> int | None:
         return proc.wait()
     except KeyboardInterrupt:  # the run got the same Ctrl-C: let it stop cleanly
         return proc.wait()
-
-
-def interfaces() -> list[str]:
-    """Network interfaces of this process's namespace."""
-    with open("/proc/net/dev") as f:
-        return [line.split(":")[0].strip() for line in f.readlines()[2:]]
