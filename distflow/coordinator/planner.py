@@ -53,11 +53,14 @@ Sources
 
 from __future__ import annotations
 
+import gc
 import heapq
 import sys
 from collections import Counter, defaultdict
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from distflow.coordinator.layout import Layout
 
@@ -70,35 +73,12 @@ _EXACT_MATCH_MAX = 8
 # Partitioning
 
 
-class _Part:
-    """One partition of a KK tuple: its items and their total."""
-
-    __slots__ = ("total", "items", "lead")
-
-    def __init__(self, items: list[int], total: int) -> None:
-        self.total = total
-        self.items = items
-        # Smallest index, for index tie-breaks; empty parts sort after every item.
-        self.lead = min(items) if items else sys.maxsize
-
-    def absorb(self, other: _Part) -> None:
-        if len(self.items) < len(other.items):
-            self.items, other.items = other.items, self.items
-        self.items.extend(other.items)
-        self.total += other.total
-        self.lead = min(self.lead, other.lead)
-
-
 def _check_weights(weights: Sequence[int], k: int) -> None:
     if k < 1:
         raise ValueError(f"k={k} partitions requested; k must be >= 1")
     for i, w in enumerate(weights):
         if w < 0:
             raise ValueError(f"weights[{i}]={w} is negative; weights must be >= 0")
-
-
-def _descending(parts: list[_Part]) -> list[_Part]:
-    return sorted(parts, key=lambda p: (-p.total, -len(p.items), p.lead))
 
 
 def _seeds(order: list[int], k: int, equal_size: bool) -> Iterator[list[int]]:
@@ -123,28 +103,35 @@ def karmarkar_karp(weights: Sequence[int], k: int, equal_size: bool = False) -> 
     ``max(weights)``. With ``equal_size`` the partition sizes differ by at most 1.
     """
     _check_weights(weights, k)
-    order = sorted(range(len(weights)), key=lambda i: (weights[i], i))
-    heap: list[tuple[int, int, list[_Part]]] = []
-
-    def push(parts: list[_Part], seq: int) -> None:
-        parts = _descending(parts)
-        # seq (creation order) settles equal spreads, so parts are never compared.
-        heapq.heappush(heap, (parts[-1].total - parts[0].total, seq, parts))
-
+    # A partition is [-total, -size, lead, items], so a plain sort puts a tuple's parts
+    # in descending order (lead: smallest item, the tie-break; empty parts sort last).
+    order = sorted(range(len(weights)), key=weights.__getitem__)  # stable: ties by index
+    heap: list[tuple[int, int, list[list]]] = []
     for seq, seed in enumerate(_seeds(order, k, equal_size)):
-        parts = [_Part([i], weights[i]) for i in seed]
-        push(parts + [_Part([], 0) for _ in range(k - len(seed))], seq)
+        parts = [[-weights[i], -1, i, [i]] for i in seed] + [[0, 0, sys.maxsize, []] for _ in range(k - len(seed))]
+        parts.sort()
+        # (min total - max total, creation order): the widest spread pops first.
+        heap.append((parts[0][0] - parts[-1][0], seq, parts))
     if not heap:
         return [[] for _ in range(k)]
+    heapq.heapify(heap)
     seq = len(heap)
+    pop, push = heapq.heappop, heapq.heappush
     while len(heap) > 1:
-        a, b = heapq.heappop(heap)[2], heapq.heappop(heap)[2]
+        a, b = pop(heap)[2], pop(heap)[2]
         # Heaviest with lightest: the merged spread is at most max(spread a, spread b).
         for pa, pb in zip(a, reversed(b)):
-            pa.absorb(pb)
-        push(a, seq)
+            pa[0] += pb[0]
+            pa[1] += pb[1]
+            if pb[2] < pa[2]:
+                pa[2] = pb[2]
+            if len(pa[3]) < len(pb[3]):  # extend the longer list: O(n log n) copying in all
+                pa[3], pb[3] = pb[3], pa[3]
+            pa[3].extend(pb[3])
+        a.sort()
+        push(heap, (a[0][0] - a[-1][0], seq, a))
         seq += 1
-    return [sorted(p.items) for p in _descending(heap[0][2])]
+    return [sorted(p[3]) for p in heap[0][2]]
 
 
 class _CountCap:
@@ -221,8 +208,7 @@ def imbalance(weights: Sequence[int], parts: Sequence[Sequence[int]]) -> float:
 # Reshard plan
 
 
-@dataclass(frozen=True)
-class Move:
+class Move(NamedTuple):
     """Send one sample's payload from rank ``src`` to rank ``dst``."""
 
     sample: int
@@ -274,6 +260,27 @@ def plan_reshard(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]]
     moving most of the batch to remove it).
     Raises ``ValueError`` on inconsistent inputs, before anything moves.
     """
+    with gc_paused():
+        return _plan(src, dst, holdings, lengths, balance, equal_count, tolerance)
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Planning (and decoding a plan, and assembling a batch) allocates thousands of
+    small objects and no reference cycles; in a worker process each of the garbage
+    collector's passes that this would trigger walks the process's live objects, which
+    doubled the planning time here. Pause it meanwhile."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _plan(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]], lengths: Mapping[int, int],
+          balance: str, equal_count: bool, tolerance: float) -> ReshardPlan:
     holders = _validate(src, dst, holdings, lengths, balance)
     stay = _locality_bins(dst, holders, lengths, equal_count)
     bins = stay
@@ -293,33 +300,39 @@ def plan_reshard(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]]
 
 def _validate(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]],
               lengths: Mapping[int, int], balance: str) -> dict[int, frozenset[int]]:
-    """Check the inputs; return each sample's holders."""
+    """Check the inputs; return each sample's holders (one shared frozenset per
+    distinct set of holders)."""
     if balance not in BALANCE_MODES:
         raise ValueError(f"balance={balance!r} is not one of {', '.join(map(repr, BALANCE_MODES))}")
     if src.world_size != dst.world_size:
         raise ValueError(f"src world_size={src.world_size} differs from dst world_size="
                          f"{dst.world_size}; a reshard moves data within one set of workers")
-    for s, n in lengths.items():
-        if n < 0:
-            raise ValueError(f"sample {s} has negative length {n}; lengths must be >= 0")
+    if lengths and min(lengths.values()) < 0:
+        s, n = next((s, n) for s, n in lengths.items() if n < 0)
+        raise ValueError(f"sample {s} has negative length {n}; lengths must be >= 0")
     if len(lengths) < dst.dp_size:
         raise ValueError(f"{len(lengths)} samples cannot fill the {dst.dp_size} destination "
                          f"DP ranks; each DP rank needs at least one sample")
     members = set(src.members)
-    held: dict[int, set[int]] = defaultdict(set)
+    held: dict[int, list[int]] = {}
     for rank, samples in holdings.items():
+        if samples and rank not in members:
+            raise ValueError(f"rank {rank} holds sample {samples[0]} but is not in the source "
+                             f"layout's ranks {src.members}")
         for s in samples:
-            if rank not in members:
-                raise ValueError(f"rank {rank} holds sample {s} but is not in the source "
-                                 f"layout's ranks {src.members}")
-            if s not in lengths:
+            ranks = held.get(s)
+            if ranks is not None:
+                ranks.append(rank)
+            elif s in lengths:
+                held[s] = [rank]
+            else:
                 raise ValueError(f"rank {rank} holds sample {s}, which has no entry in lengths")
-            held[s].add(rank)
-    unheld = [s for s in sorted(lengths) if s not in held]
-    if unheld:
+    if len(held) < len(lengths):
+        unheld = [s for s in sorted(lengths) if s not in held]
         raise ValueError(f"sample {unheld[0]} has no holder ({len(unheld)} unheld in all); "
                          f"every sample in lengths must be held by a source rank")
-    return {s: frozenset(held[s]) for s in lengths}
+    shared: dict[tuple[int, ...], frozenset[int]] = {}
+    return {s: shared.setdefault(tuple(held[s]), frozenset(held[s])) for s in lengths}
 
 
 def _largest_bin(bins: list[list[int]], lengths: Mapping[int, int]) -> int:
@@ -338,15 +351,28 @@ def _locality_bins(dst: Layout, holders: Mapping[int, frozenset[int]],
     cap = _CountCap(len(lengths), k) if equal_count else None
     bins: list[list[int]] = [[] for _ in range(k)]
     totals = [0] * k
+    tiers_of: dict[frozenset[int], list[list[int]]] = {}
     for s in sorted(lengths, key=lambda s: (-lengths[s], s)):
-        votes = Counter(group[r] for r in holders[s] if r in group)
-        open_groups = [g for g in range(k) if cap is None or cap.has_room(len(bins[g]))]
-        g = min(open_groups, key=lambda g: (-votes[g], totals[g], g))
+        tiers = tiers_of.get(holders[s])
+        if tiers is None:
+            tiers = tiers_of[holders[s]] = _vote_tiers(holders[s], group, k)
+        for tier in tiers:  # the groups with the most votes first, those with none last
+            open_groups = tier if cap is None else [g for g in tier if cap.has_room(len(bins[g]))]
+            if open_groups:
+                g = open_groups[0] if len(open_groups) == 1 else min(open_groups, key=lambda g: (totals[g], g))
+                break
         bins[g].append(s)
         totals[g] += lengths[s]
         if cap is not None:
             cap.took(len(bins[g]))
     return bins
+
+
+def _vote_tiers(holders: frozenset[int], group: Mapping[int, int], k: int) -> list[list[int]]:
+    """The destination groups, cut into tiers of equal votes (members holding the
+    sample), most votes first; each tier in group order."""
+    votes = Counter(group[r] for r in holders if r in group)
+    return [[g for g in range(k) if votes[g] == v] for v in sorted({votes[g] for g in range(k)}, reverse=True)]
 
 
 def _match_bins(bins: list[list[int]], dst: Layout, holders: Mapping[int, frozenset[int]],
@@ -408,20 +434,22 @@ def _route(assignment: list[list[int]], dst: Layout, holders: Mapping[int, froze
            lengths: Mapping[int, int]) -> ReshardPlan:
     """Keep what is already in place; fetch the rest from the least-loaded holder."""
     keep: dict[int, list[int]] = {r: [] for r in dst.members}
-    need: list[tuple[int, int]] = []
+    need: list[tuple[int, int, int]] = []
     for g, ranks in enumerate(dst.dp_groups()):
         for r in ranks:
+            kept = keep[r]
             for s in assignment[g]:
                 if r in holders[s]:
-                    keep[r].append(s)
+                    kept.append(s)
                 else:
-                    need.append((s, r))
+                    need.append((-lengths[s], s, r))
+    need.sort()
     sent: dict[int, int] = defaultdict(int)
     moves = []
-    for s, r in sorted(need, key=lambda p: (-lengths[p[0]], p[0], p[1])):
-        source = min(holders[s], key=lambda h: (sent[h], h))
+    for _, s, r in need:
+        hs = holders[s]
+        source = min(hs, key=lambda h: (sent[h], h)) if len(hs) > 1 else next(iter(hs))
         sent[source] += lengths[s]
         moves.append(Move(s, source, r))
     moves.sort(key=lambda m: (m.src, m.dst, m.sample))
     return ReshardPlan(assignment, moves, keep)
-
