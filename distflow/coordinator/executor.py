@@ -22,6 +22,7 @@ ranks computed the same plan: zero bytes move.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import itertools
 import json
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from distflow.coordinator.layout import Layout
-from distflow.coordinator.planner import Move, ReshardPlan, gc_paused, plan_reshard
+from distflow.coordinator.planner import Move, ReshardPlan, gc_paused, plan_reshard, stay_put_plan
 from distflow.data.batch import LEFT_PADDED, Batch
 
 _HEADER_LEN_BYTES = 8
@@ -61,7 +62,7 @@ def _world(group) -> tuple[int, int]:
 def gather_metadata(sample_ids: Sequence[int], lengths: Sequence[int], group=None,
                     stats: TransferStats | None = None) -> tuple[dict[int, list[int]], dict[int, int]]:
     """All ranks' (sample id, length) lists: returns holdings by rank and lengths by id."""
-    local = torch.tensor([[int(s), int(n)] for s, n in zip(sample_ids, lengths)] or [], dtype=torch.int64)
+    local = _int64([int(v) for pair in zip(sample_ids, lengths) for v in pair])
     holdings, all_lengths = {}, {}
     for r, rows in enumerate(all_gather_rows(local.reshape(-1, 2), group, stats)):
         rows = rows.tolist()
@@ -428,9 +429,13 @@ def plan_collectively(sample_ids: Sequence[int], lengths: Sequence[int], src: La
         holdings, all_lengths = gather_metadata(sample_ids, lengths, group, stats)
     rank, world = _world(group)
 
+    options = {"balance": balance, "equal_count": equal_count, "tolerance": tolerance}
+    stay = stay_put_plan(src, dst, holdings, all_lengths, **options)  # O(samples), on every rank
+    if stay is not None:
+        return stay, all_lengths
+
     def plan() -> ReshardPlan:
-        return plan_reshard(src, dst, holdings, all_lengths, balance=balance, equal_count=equal_count,
-                            tolerance=tolerance)
+        return plan_reshard(src, dst, holdings, all_lengths, **options)
 
     if world == 1 or not _group_state(group, world).plan_on_leader:
         return plan(), all_lengths
@@ -440,10 +445,13 @@ def plan_collectively(sample_ids: Sequence[int], lengths: Sequence[int], src: La
 def _broadcast_plan(plan_fn, group, stats: TransferStats | None) -> ReshardPlan:
     """Rank 0 runs `plan_fn` and broadcasts the plan, or the ValueError it raised, so
     that every rank returns the same plan or raises the same error."""
+    plan, error = None, None
     if plan_fn is not None:
         try:
-            code = encode_plan(plan_fn())
+            plan = plan_fn()
+            code = encode_plan(plan)
         except ValueError as e:
+            error = e
             code = torch.tensor([-1, *str(e).encode()], dtype=torch.int64)
         size = torch.tensor([len(code)], dtype=torch.int64)
     else:
@@ -456,8 +464,12 @@ def _broadcast_plan(plan_fn, group, stats: TransferStats | None) -> ReshardPlan:
         stats.meta_received += 8 * (1 + len(code))
     elif stats is not None:
         stats.meta_sent += 8 * (1 + len(code)) * (dist.get_world_size(group) - 1)
+    if error is not None:
+        raise error
     if int(code[0]) == -1:
         raise ValueError(bytes(code[1:].tolist()).decode())
+    if plan is not None:
+        return plan
     with gc_paused():
         return decode_plan(code)
 
@@ -473,7 +485,14 @@ def encode_plan(plan: ReshardPlan) -> torch.Tensor:
     flat.append(len(plan.keep))
     for r, samples in plan.keep.items():
         flat += [r, len(samples), *samples]
-    return torch.tensor(flat, dtype=torch.int64)
+    return _int64(flat)
+
+
+def _int64(values: Sequence[int]) -> torch.Tensor:
+    """A 1-D int64 tensor of Python ints (through `array`: torch.tensor of a long list is
+    several times slower)."""
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64) if values else \
+        torch.empty(0, dtype=torch.int64)
 
 
 def decode_plan(code: torch.Tensor) -> ReshardPlan:

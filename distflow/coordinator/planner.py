@@ -279,14 +279,44 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def stay_put_plan(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]],
+                  lengths: Mapping[int, int], *, balance: str = "kk", equal_count: bool = False,
+                  tolerance: float = 0.0) -> ReshardPlan | None:
+    """The plan `plan_reshard` returns, in O(samples), when it is "nothing moves": each
+    destination group's members all hold the same samples, no sample is held outside
+    one group, and (unless ``balance="none"``) that placement is within the tolerance of
+    the balancer's bound. None when that does not hold (plan it in full). Raises what
+    `plan_reshard` raises."""
+    with gc_paused():
+        _validate(src, dst, holdings, lengths, balance)
+        if equal_count:
+            return None
+        bins = []
+        for ranks in dst.dp_groups():
+            held = [holdings.get(r, ()) for r in ranks]
+            if any(len(h) != len(held[0]) or set(h) != set(held[0]) for h in held[1:]):
+                return None
+            bins.append(sorted(held[0]))
+        if sum(map(len, bins)) != len(lengths) or sum(len(holdings.get(r, ())) for r in holdings) != \
+                sum(len(b) * dst.tp_size for b in bins):
+            return None  # a sample held by two groups, or by a rank outside the layout
+        if balance != "none" and _largest_bin(bins, lengths) > _bound(dst, lengths) * (1.0 + tolerance):
+            return None
+        return ReshardPlan(bins, [], {r: list(bins[g]) for g, ranks in enumerate(dst.dp_groups()) for r in ranks})
+
+
+def _bound(dst: Layout, lengths: Mapping[int, int]) -> int:
+    """No partition's largest bin is below this: when staying put is within the
+    tolerance of it, the balancer cannot win and need not run."""
+    return max(max(lengths.values()), -(-sum(lengths.values()) // dst.dp_size))
+
+
 def _plan(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]], lengths: Mapping[int, int],
           balance: str, equal_count: bool, tolerance: float) -> ReshardPlan:
     holders = _validate(src, dst, holdings, lengths, balance)
     stay = _locality_bins(dst, holders, lengths, equal_count)
     bins = stay
-    # No partition's largest bin is below this bound: when staying put is within the
-    # tolerance of it, the balancer cannot win and need not run.
-    bound = max(max(lengths.values()), -(-sum(lengths.values()) // dst.dp_size))
+    bound = _bound(dst, lengths)
     if balance != "none" and _largest_bin(stay, lengths) > bound * (1.0 + tolerance):
         split = karmarkar_karp if balance == "kk" else greedy_lpt
         ids = sorted(lengths)

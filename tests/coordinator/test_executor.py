@@ -1,6 +1,8 @@
 """The executor on real gloo processes: ragged tensors of several dtypes plus strings,
 DP -> TP-group layout and back, byte accounting, zero bytes for the same layout."""
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -126,3 +128,68 @@ def test_shared_memory_and_gloo_transports_agree():
         assert r["auto"][2] == 0 and r["gloo"][:2] == r["auto"][:2]
     import os
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("distflow-")], "shm files are cleaned up"
+
+
+def test_plan_codec_roundtrip():
+    from distflow.coordinator.executor import decode_plan, encode_plan
+    from distflow.coordinator.planner import plan_reshard
+
+    lengths = {s: 1 + (s * 13) % 29 for s in range(40)}
+    holdings = {r: [s for s in lengths if s % 4 == r] for r in range(4)}
+    for dst in (Layout(4, tp_size=2), Layout(4, ranks=(2, 3)), Layout(4)):
+        plan = plan_reshard(Layout(4), dst, holdings, lengths, balance="kk")
+        assert decode_plan(encode_plan(plan)) == plan
+
+
+def _rounds(rank, world, small_shm):
+    """Several reshards in a row, growing, through reused shared-memory slots; rank 0
+    planning or every rank; then with a /dev/shm too small for the payload."""
+    import os
+
+    from distflow.coordinator import executor
+
+    state = executor._group_state(None, world)
+    out = []
+    for rnd, (leader, shm_dir) in enumerate([(True, None), (False, None), (True, None), (False, small_shm)]):
+        if shm_dir is not None:
+            executor._SHM_DIR = shm_dir
+        state.plan_on_leader = leader
+        batch, ids, lengths = _sample_batch(rank)
+        width = 64 << (2 * rnd)  # 64 .. 4096 floats: every slot has to grow
+        batch.tensors["wide"] = torch.tensor(ids, dtype=torch.float32)[:, None] + torch.arange(width) / width
+        got = {}
+        for transport in ("auto", "gloo"):
+            stats = TransferStats()
+            tp_batch, tp_ids, _ = reshard(batch, ids, lengths, Layout(world), Layout(world, tp_size=2),
+                                          stats=stats, transport=transport)
+            back, back_ids, _ = reshard(tp_batch, tp_ids, [3 + (s * 7) % 11 for s in tp_ids],
+                                        Layout(world, tp_size=2), Layout(world), stats=stats, transport=transport)
+            for b, i in ((tp_batch, tp_ids), (back, back_ids)):
+                _check_rows(b, i)
+                assert torch.equal(b["wide"], torch.tensor(i, dtype=torch.float32)[:, None]
+                                   + torch.arange(width) / width)
+            got[transport] = (tp_ids, back_ids, tp_batch["wide"].tolist(), stats.shm_sent, stats.payload_sent)
+        assert got["auto"][:3] == got["gloo"][:3]
+        out.append({"shm_sent": got["auto"][3], "payload": got["auto"][4]})
+    names = [f for d in ("/dev/shm", small_shm) if d and os.path.isdir(d) for f in os.listdir(d)]
+    return out, [n for n in names if n.startswith("distflow-")]
+
+
+def test_reused_slots_leader_or_every_rank_and_a_full_shm(tmp_path):
+    import subprocess
+
+    small = tmp_path / "shm"
+    small.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], capture_output=True).returncode == 0
+    try:
+        results = run_gloo(_rounds, WORLD, str(small) if mounted else None)
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(small)], check=True)
+    for rounds, leftovers in results:
+        assert not leftovers, leftovers  # names are unlinked once mapped
+        assert all(r["payload"] > 0 for r in rounds)
+        assert all(r["shm_sent"] > 0 for r in rounds[:3])
+        if mounted:  # 64 KiB of /dev/shm cannot hold the last round: it went over the wire
+            assert rounds[3]["shm_sent"] < rounds[3]["payload"]

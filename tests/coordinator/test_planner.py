@@ -24,6 +24,7 @@ from distflow.coordinator.planner import (
     imbalance,
     karmarkar_karp,
     plan_reshard,
+    stay_put_plan,
 )
 
 # database=None: no example database is saved under the repo between runs.
@@ -355,6 +356,9 @@ def test_plan_invariants(scenario, balance, equal_count):
     again = plan_reshard(src, dst, shuffled, dict(reversed(list(lengths.items()))),
                          balance=balance, equal_count=equal_count)
     assert again == plan
+    # the O(n) shortcut the executor tries first agrees whenever it applies
+    stay = stay_put_plan(src, dst, holdings, lengths, balance=balance, equal_count=equal_count)
+    assert stay is None or stay == plan
 
 
 @PROPERTY
@@ -392,6 +396,7 @@ def test_same_layout_none_moves_nothing(scenario):
     plan = plan_reshard(lay, lay, holdings, lengths, balance="none")
     assert plan.moves == []
     check_plan(plan, lay, lay, holdings, lengths)
+    assert stay_put_plan(lay, lay, holdings, lengths, balance="none") == plan
 
 
 @PROPERTY
