@@ -160,19 +160,23 @@ def _coordinator_rounds(rank: int, spec: Spec) -> dict[str, Any]:
     steps = [(dp, dp, "none"), (dp, tp, "kk"), (tp, dp, "kk")]
     laps: list[list[float]] = []
     moved, rows = 0, 0
+    row_bytes = spec.batch_bytes // spec.batch
+    sizes: list[list[int]] = []  # per transition: payload bytes this rank sent to each peer
     for rnd in range(WARMUP_ROUNDS + spec.repeats):
         stats = TransferStats()
-        batch, batch_ids, marks = start_batch, ids, []
+        batch, batch_ids, marks, sizes = start_batch, ids, [], []
         dist.barrier()
         start = time.perf_counter()
         for src, dst, balance in steps:
-            batch, batch_ids, _ = reshard(batch, batch_ids, [length_of[s] for s in batch_ids], src, dst,
-                                          balance=balance, tolerance=TOLERANCE, stats=stats)
+            batch, batch_ids, plan = reshard(batch, batch_ids, [length_of[s] for s in batch_ids], src, dst,
+                                             balance=balance, tolerance=TOLERANCE, stats=stats)
             marks.append(time.perf_counter())
+            sizes.append([row_bytes * sum(m.dst == p for m in plan.sends(rank)) for p in range(spec.num_workers)])
         if rnd >= WARMUP_ROUNDS:
             laps.append([b - a for a, b in zip([start] + marks, marks)])
             moved = stats.payload_sent + stats.payload_received + stats.meta_sent + stats.meta_received
             rows = len(batch_ids)
+    raw = _raw_alltoall_seconds(sizes, spec)
     # Max over ranks: the slowest rank sets the stage time, the busiest sets the bytes.
     totals = torch.tensor([[sum(lap)] + lap for lap in laps], dtype=torch.float64)
     dist.all_reduce(totals, op=dist.ReduceOp.MAX)
@@ -180,7 +184,36 @@ def _coordinator_rounds(rank: int, spec: Spec) -> dict[str, Any]:
     dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
     held = torch.tensor([rows], dtype=torch.int64)
     dist.all_reduce(held)  # every sample must end on exactly one rank
-    return {"laps": totals[:, 1:].tolist(), "busiest": int(busiest), "rows": int(held)}
+    return {"laps": totals[:, 1:].tolist(), "busiest": int(busiest), "rows": int(held), "raw_alltoall": raw}
+
+
+def _raw_alltoall_seconds(sizes: list[list[int]], spec: Spec) -> float:
+    """The transport's own time for the coordinator's payload: per transition one plain
+    gloo `all_to_all_single` of uint8 buffers with the same bytes per peer pair (rows
+    times their tensor bytes; no planning, packing, headers or copies), three transitions
+    per round, the same rounds as the coordinator; median of the timed rounds, max over
+    ranks."""
+    import torch.distributed as dist
+
+    recv_sizes = torch.empty(len(sizes), spec.num_workers, dtype=torch.int64)
+    dist.all_to_all_single(recv_sizes.view(-1), torch.tensor(sizes, dtype=torch.int64).t().contiguous().view(-1))
+    recv_sizes = recv_sizes.view(spec.num_workers, len(sizes)).t().tolist()
+    moving = torch.tensor([sum(out) for out in sizes], dtype=torch.int64)
+    dist.all_reduce(moving)  # a transition in which no rank sends anything has no exchange
+    send = [torch.ones(sum(out), dtype=torch.uint8) for out in sizes]
+    recv = [torch.empty(sum(inn), dtype=torch.uint8) for inn in recv_sizes]
+    rounds = []
+    for rnd in range(WARMUP_ROUNDS + spec.repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        for out, inn, sb, rb, active in zip(sizes, recv_sizes, send, recv, moving.tolist()):
+            if active:
+                dist.all_to_all_single(rb, sb, inn, out)
+        if rnd >= WARMUP_ROUNDS:
+            rounds.append(time.perf_counter() - start)
+    took = torch.tensor([statistics.median(rounds)], dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return float(took)
 
 
 def _coordinator_entry(rank: int, spec: Spec, port: int, results: Any) -> None:
@@ -253,7 +286,8 @@ def run_coordinator(spec: Spec) -> dict[str, Any]:
         results.close()
     if report["rows"] != spec.batch:
         raise RuntimeError(f"coordinator ended with {report['rows']} rows in all, expected {spec.batch}")
-    return _record("coordinator", spec, report["laps"], report["busiest"], None)
+    return _record("coordinator", spec, report["laps"], report["busiest"], None,
+                   raw_alltoall_seconds=report["raw_alltoall"])
 
 
 # ---------------------------------------------------------------------------------
@@ -446,7 +480,7 @@ def imbalance_records(seq_len: int) -> list[dict[str, Any]]:
 
 
 MAIN_HEADERS = ["N", "mode", "seconds", "x coordinator", "s per transition (DP->DP / DP->TP2 / TP2->DP)",
-                "busiest process MiB", "busiest / batch", "driver peak RSS MiB"]
+                "busiest process MiB", "busiest / batch", "driver peak RSS MiB", "plain all_to_all s"]
 
 
 def _mib(n: int) -> str:
@@ -464,7 +498,8 @@ def main_rows(records: list[dict[str, Any]]) -> list[list[str]]:
                      f"{r['seconds'] / base:.2f}" if base else "-",
                      " / ".join(f"{s:.4f}" for s in r["transition_seconds"].values()),
                      _mib(r["busiest_process_bytes"]), f"{r['busiest_process_bytes'] / r['batch_bytes']:.2f}",
-                     "-" if rss is None else _mib(rss)])
+                     "-" if rss is None else _mib(rss),
+                     f"{r['raw_alltoall_seconds']:.4f}" if r.get("raw_alltoall_seconds") is not None else "-"])
     return rows
 
 
@@ -517,9 +552,13 @@ CAVEATS = """\
   here only bytes, driver memory and single-host time are.
 - **Few cores.** All N workers (and, for the centralized modes, the driver and Ray's own
   processes) share the cores listed below, so larger N adds CPU contention to both
-  modes; the load average shows what else was running. Every coordinator rank also runs
-  the (pure, identical) planner itself, which costs N times the CPU on a shared machine
-  and nothing extra on a cluster where each rank has its own.
+  modes; the load average shows what else was running. With more ranks than cores the
+  coordinator's rank 0 plans alone and broadcasts the plan; with a core per rank every
+  rank runs the same pure planner itself.
+- **Plain all_to_all.** On the coordinator's row: the same payload bytes per rank pair
+  through one plain gloo `all_to_all_single` per transition, in the same processes after
+  the timed rounds (no planning, packing, headers or copies; 127.0.0.1 sockets, not
+  shared memory): what the bytes alone cost through the collective backend.
 - **Bytes.** Coordinator: the busiest rank's payload plus metadata (lengths all-gather,
   size exchange, JSON headers with the ground-truth strings), sent plus received, over
   the three transitions. Centralized: tensor/array bytes plus UTF-8 string bytes the

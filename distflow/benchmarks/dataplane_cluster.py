@@ -47,7 +47,8 @@ def _child(mode: str, spec: Spec, address: str, out: str) -> int:
                                for r, a in enumerate(actors)], timeout=TIMEOUT_S)
             if reports[0]["rows"] != spec.batch:
                 raise RuntimeError(f"coordinator ended with {reports[0]['rows']} rows, expected {spec.batch}")
-            record = dataplane._record("coordinator", spec, reports[0]["laps"], reports[0]["busiest"], None)
+            record = dataplane._record("coordinator", spec, reports[0]["laps"], reports[0]["busiest"], None,
+                                       raw_alltoall_seconds=reports[0]["raw_alltoall"])
         else:
             record = dataplane._centralized_rounds(ray, mode, spec)
         Path(out).write_text(json.dumps(record))

@@ -260,22 +260,27 @@ _SLOTS = 2
 _GROWTH = 1.25  # a regrown slot gets this much headroom, so that steps of varying size reuse it
 
 
-def _host_key() -> int:
+def _host_key(machine_only: bool = False) -> int:
+    """Who shares this rank's /dev/shm: DISTFLOW_HOST_ID when set, else hostname, boot id
+    and network namespace. `machine_only`: who shares its CPUs (the same kernel), which
+    leaves out the network namespace."""
     import hashlib
     import socket
 
-    key = os.environ.get("DISTFLOW_HOST_ID")
+    key = None if machine_only else os.environ.get("DISTFLOW_HOST_ID")
     if key is None:
         try:
             with open("/proc/sys/kernel/random/boot_id") as f:
                 boot = f.read().strip()
         except OSError:
             boot = ""
-        try:  # another network namespace (a container, an emulated host) counts as another host
-            netns = os.stat("/proc/self/ns/net").st_ino
-        except OSError:
-            netns = 0
-        key = f"{socket.gethostname()}-{boot}-{netns}"
+        netns = 0
+        if not machine_only:
+            try:  # another network namespace (a container, an emulated host) counts as another host
+                netns = os.stat("/proc/self/ns/net").st_ino
+            except OSError:
+                pass
+        key = f"{socket.gethostname() if not machine_only or not boot else ''}-{boot}-{netns}"
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=7).digest(), "little")
 
 
@@ -285,14 +290,15 @@ class _GroupState:
     per rank), this rank's shared-memory slots, and where plans are computed.
 
     Every rank computes the same plan itself when each has a core of its own: that costs
-    no extra time and no message. Where some host has more ranks than cores, N copies of
-    the planner would compete for them, so the group's rank 0 plans alone and broadcasts
-    the plan (a few bytes per sample) instead."""
+    no extra time and no message. Where some machine (one kernel, whatever its network
+    namespaces: the emulated cluster's hosts share one) has more ranks than cores, N
+    copies of the planner would compete for them, so the group's rank 0 plans alone and
+    broadcasts the plan (a few bytes per sample) instead."""
 
-    def __init__(self, hosts: list[int], token: int, cores: list[int]) -> None:
+    def __init__(self, hosts: list[int], token: int, cores: list[int], machines: list[int]) -> None:
         self.hosts, self.token = hosts, token
-        ranks_on = {h: hosts.count(h) for h in hosts}
-        self.plan_on_leader = any(ranks_on[h] > c for h, c in zip(hosts, cores))
+        ranks_on = {m: machines.count(m) for m in machines}
+        self.plan_on_leader = any(ranks_on[m] > c for m, c in zip(machines, cores))
         self.rounds = itertools.count()
         self.generations = itertools.count(1)
         self.send: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}  # (peer, slot) -> (generation, mapping)
@@ -344,15 +350,16 @@ def _usable_cores() -> int:
 
 
 def _group_state(group, world: int) -> _GroupState:
-    """This group's state; one all-gather of host keys, usable cores (and rank 0's token
-    naming the group's files) on first use."""
+    """This group's state; one all-gather of host and machine keys, usable cores (and
+    rank 0's token naming the group's files) on first use."""
     gid = id(group)
     if gid not in _GROUPS:
-        mine = torch.tensor([_host_key(), int.from_bytes(os.urandom(6), "little"), _usable_cores()],
-                            dtype=torch.int64)
-        every = [torch.empty(3, dtype=torch.int64) for _ in range(world)]
+        mine = torch.tensor([_host_key(), int.from_bytes(os.urandom(6), "little"), _usable_cores(),
+                             _host_key(machine_only=True)], dtype=torch.int64)
+        every = [torch.empty(4, dtype=torch.int64) for _ in range(world)]
         dist.all_gather(every, mine, group=group)
-        _GROUPS[gid] = _GroupState([int(t[0]) for t in every], int(every[0][1]), [int(t[2]) for t in every])
+        _GROUPS[gid] = _GroupState([int(t[0]) for t in every], int(every[0][1]), [int(t[2]) for t in every],
+                                   [int(t[3]) for t in every])
     return _GROUPS[gid]
 
 
