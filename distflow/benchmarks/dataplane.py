@@ -36,9 +36,9 @@ Modes
     reported. A token-imbalance section compares ``karmarkar_karp`` with
     ``contiguous_split`` (max/mean tokens per rank) on 1024 long-tailed lengths.
 
-Caveat: on one host Ray's object store is shared memory while gloo goes over loopback
-TCP, so single-host timings favour the centralized path's transport. What grows with the
-cluster is the driver's bytes and memory (and, on real nodes, its network link).
+Both data paths use shared memory on one host (Ray's object store; the coordinator's
+reused /dev/shm slots). What grows with the cluster is the driver's bytes and memory
+(and, on real nodes, its network link): ``--cluster`` measures that link.
 """
 
 from __future__ import annotations

@@ -80,7 +80,8 @@ def all_gather_rows(local: torch.Tensor, group=None, stats: TransferStats | None
     One `all_to_all_single` (a single hop; gloo's all_gather passes through N-1 ranks in
     turn, 4 ms against 2.5 ms for 4 ranks here) of messages padded to a row capacity
     remembered per group, each starting with its row count. When some rank has more
-    rows than that, every rank sees it in the counts and all repeat at the new size."""
+    rows than that, every rank sees it in the counts and all repeat at the new size.
+    `stats` counts the counts and rows the messages carry (not the padding)."""
     rank, world = _world(group)
     columns = local.shape[1]
     key = (id(group), columns)
@@ -93,12 +94,13 @@ def all_gather_rows(local: torch.Tensor, group=None, stats: TransferStats | None
             message[1: 1 + local.numel()] = local.flatten()
         received = torch.empty(world * width, dtype=torch.int64)
         dist.all_to_all_single(received, message.repeat(world), group=group)
-        if stats is not None:
-            stats.meta_sent += 8 * width * (world - 1)
-            stats.meta_received += 8 * width * (world - 1)
         received = received.view(world, width)
         counts = received[:, 0].tolist()
         if max(counts) <= capacity:
+            if stats is not None:  # what the messages carry, not the padding or a resized round, which
+                # depend on earlier calls: a resumed run counts the same bytes as an uninterrupted one
+                stats.meta_sent += 8 * (1 + local.numel()) * (world - 1)
+                stats.meta_received += 8 * sum(1 + n * columns for r, n in enumerate(counts) if r != rank)
             if 4 * max(counts) < capacity:  # far too wide now: every rank narrows alike
                 _ROW_CAPACITY[key] = max(counts) + max(counts) // 4
             return [received[r, 1: 1 + counts[r] * columns].view(-1, columns) for r in range(world)]

@@ -3,7 +3,8 @@
 A reshard runs in three steps. Workers first exchange only per-sample token lengths
 (metadata, a few bytes per sample); then every worker runs ``plan_reshard`` on the
 same metadata and so reaches the same plan without further talk (the planner is pure
-and deterministic); then an executor moves the payloads with collectives.
+and deterministic); then an executor moves the payloads with collectives. When nothing
+needs to move, ``stay_put_plan`` finds that plan in one pass, without balancing.
 
 Balancing (``karmarkar_karp``, ``greedy_lpt``)
     Samples are split into one bin per destination DP replica so that the bins'
