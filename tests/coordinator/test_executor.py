@@ -4,7 +4,6 @@ DP -> TP-group layout and back, byte accounting, zero bytes for the same layout.
 import os
 
 import torch
-import torch.distributed as dist
 
 from distflow.coordinator.executor import TransferStats, pack, reshard, unpack
 from distflow.coordinator.layout import Layout
