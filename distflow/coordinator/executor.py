@@ -71,9 +71,6 @@ def gather_metadata(sample_ids: Sequence[int], lengths: Sequence[int], group=Non
     return holdings, all_lengths
 
 
-_ROW_CAPACITY: dict[tuple[int, int], int] = {}  # (group, columns) -> rows per message
-
-
 def all_gather_rows(local: torch.Tensor, group=None, stats: TransferStats | None = None) -> list[torch.Tensor]:
     """Every rank's int64 rows (`local`: n x c, n may differ per rank), indexed by rank.
 
@@ -84,8 +81,8 @@ def all_gather_rows(local: torch.Tensor, group=None, stats: TransferStats | None
     `stats` counts the counts and rows the messages carry (not the padding)."""
     rank, world = _world(group)
     columns = local.shape[1]
-    key = (id(group), columns)
-    capacity = _ROW_CAPACITY.get(key, 0)
+    capacities = _group_state(group, world).row_capacity
+    capacity = capacities.get(columns, 0)
     while True:
         width = 1 + capacity * columns
         message = torch.zeros(width, dtype=torch.int64)
@@ -102,9 +99,9 @@ def all_gather_rows(local: torch.Tensor, group=None, stats: TransferStats | None
                 stats.meta_sent += 8 * (1 + local.numel()) * (world - 1)
                 stats.meta_received += 8 * sum(1 + n * columns for r, n in enumerate(counts) if r != rank)
             if 4 * max(counts) < capacity:  # far too wide now: every rank narrows alike
-                _ROW_CAPACITY[key] = max(counts) + max(counts) // 4
+                capacities[columns] = max(counts) + max(counts) // 4
             return [received[r, 1: 1 + counts[r] * columns].view(-1, columns) for r in range(world)]
-        capacity = _ROW_CAPACITY[key] = max(counts) + max(counts) // 4
+        capacity = capacities[columns] = max(counts) + max(counts) // 4
 
 
 def _aligned(n: int) -> int:
@@ -264,32 +261,34 @@ _GROWTH = 1.25  # a regrown slot gets this much headroom, so that steps of varyi
 
 def _host_key(machine_only: bool = False) -> int:
     """Who shares this rank's /dev/shm: DISTFLOW_HOST_ID when set, else hostname, boot id
-    and network namespace. `machine_only`: who shares its CPUs (the same kernel), which
-    leaves out the network namespace."""
+    and network namespace. `machine_only`: who shares its CPUs, i.e. the same kernel
+    (boot id), whatever the network namespace."""
     import hashlib
     import socket
 
-    key = None if machine_only else os.environ.get("DISTFLOW_HOST_ID")
-    if key is None:
-        try:
-            with open("/proc/sys/kernel/random/boot_id") as f:
-                boot = f.read().strip()
-        except OSError:
-            boot = ""
-        netns = 0
-        if not machine_only:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    if machine_only:
+        key = boot or socket.gethostname()
+    else:
+        key = os.environ.get("DISTFLOW_HOST_ID")
+        if key is None:
             try:  # another network namespace (a container, an emulated host) counts as another host
                 netns = os.stat("/proc/self/ns/net").st_ino
             except OSError:
-                pass
-        key = f"{socket.gethostname() if not machine_only or not boot else ''}-{boot}-{netns}"
+                netns = 0
+            key = f"{socket.gethostname()}-{boot}-{netns}"
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=7).digest(), "little")
 
 
 class _GroupState:
     """Per process group: every rank's host key, the exchange counter (per group, because
     exchanges on different groups, such as a background transfer, interleave differently
-    per rank), this rank's shared-memory slots, and where plans are computed.
+    per rank), this rank's shared-memory slots, the metadata messages' row capacity, and
+    where plans are computed.
 
     Every rank computes the same plan itself when each has a core of its own: that costs
     no extra time and no message. Where some machine (one kernel, whatever its network
@@ -302,6 +301,7 @@ class _GroupState:
         ranks_on = {m: machines.count(m) for m in machines}
         self.plan_on_leader = any(ranks_on[m] > c for m, c in zip(machines, cores))
         self.rounds = itertools.count()
+        self.row_capacity: dict[int, int] = {}  # all_gather_rows: columns -> rows per message
         self.generations = itertools.count(1)
         self.send: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}  # (peer, slot) -> (generation, mapping)
         self.recv: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
