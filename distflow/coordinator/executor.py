@@ -251,7 +251,9 @@ def _assemble(pieces: list[tuple[Batch, list[int]]], ids: list[int]) -> Batch:
 # first time or when a larger message needs a larger file (a new generation), and the
 # receiver unlinks it as soon as it has mapped it: both sides keep their mappings and
 # /dev/shm keeps no names. Where the space cannot be reserved (/dev/shm full), that
-# message goes over the wire instead.
+# message goes over the wire instead. The price: a rank holds two slots per same-host
+# peer and direction, each as large as the largest message so far (plus 25%), for the
+# life of the process.
 
 _GROUPS: dict[int, "_GroupState"] = {}
 _SHM_DIR = "/dev/shm"
