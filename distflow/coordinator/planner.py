@@ -298,8 +298,8 @@ def stay_put_plan(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]
             if any(len(h) != len(held[0]) or set(h) != set(held[0]) for h in held[1:]):
                 return None
             bins.append(sorted(held[0]))
-        if sum(map(len, bins)) != len(lengths) or sum(len(holdings.get(r, ())) for r in holdings) != \
-                sum(len(b) * dst.tp_size for b in bins):
+        if sum(map(len, bins)) != len(lengths) or \
+                sum(map(len, holdings.values())) != dst.tp_size * sum(map(len, bins)):
             return None  # a sample held by two groups, or by a rank outside the layout
         if balance != "none" and _largest_bin(bins, lengths) > _bound(dst, lengths) * (1.0 + tolerance):
             return None
