@@ -377,10 +377,13 @@ def _exchange(plan: ReshardPlan, batch: Batch, row_of: dict[int, int], rank: int
     # per peer: [bytes on the wire, bytes in shared memory, the slot's generation,
     # whether this rank sends anything at all over the wire]
     sizes = torch.zeros(world, 4, dtype=torch.int64)
+    to_peer: list[list[int]] = [[] for _ in range(world)]
+    for m in plan.sends(rank):  # sorted by (dst, sample): each peer's samples in order
+        to_peer[m.dst].append(m.sample)
     outgoing: list[torch.Tensor] = []
     wire: list[torch.Tensor] = []
     for peer in range(world):
-        samples = sorted(m.sample for m in plan.sends(rank) if m.dst == peer)
+        samples = to_peer[peer]
         placed: list[int] = []
 
         def alloc(n: int, peer: int = peer, placed: list[int] = placed) -> torch.Tensor:
