@@ -176,7 +176,7 @@ def _coordinator_rounds(rank: int, spec: Spec) -> dict[str, Any]:
             laps.append([b - a for a, b in zip([start] + marks, marks)])
             moved = stats.payload_sent + stats.payload_received + stats.meta_sent + stats.meta_received
             rows = len(batch_ids)
-    raw = _raw_alltoall_seconds(sizes, spec)
+    raw = _raw_transport_seconds(sizes, spec)
     # Max over ranks: the slowest rank sets the stage time, the busiest sets the bytes.
     totals = torch.tensor([[sum(lap)] + lap for lap in laps], dtype=torch.float64)
     dist.all_reduce(totals, op=dist.ReduceOp.MAX)
@@ -184,36 +184,51 @@ def _coordinator_rounds(rank: int, spec: Spec) -> dict[str, Any]:
     dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
     held = torch.tensor([rows], dtype=torch.int64)
     dist.all_reduce(held)  # every sample must end on exactly one rank
-    return {"laps": totals[:, 1:].tolist(), "busiest": int(busiest), "rows": int(held), "raw_alltoall": raw}
+    return {"laps": totals[:, 1:].tolist(), "busiest": int(busiest), "rows": int(held), "raw": raw}
 
 
-def _raw_alltoall_seconds(sizes: list[list[int]], spec: Spec) -> float:
-    """The transport's own time for the coordinator's payload: per transition one plain
-    gloo `all_to_all_single` of uint8 buffers with the same bytes per peer pair (rows
-    times their tensor bytes; no planning, packing, headers or copies), three transitions
-    per round, the same rounds as the coordinator; median of the timed rounds, max over
-    ranks."""
+def _raw_transport_seconds(sizes: list[list[int]], spec: Spec) -> dict[str, float]:
+    """The transport's own time for the coordinator's payload: the same bytes per peer
+    pair (rows times their tensor bytes; no planning, packing, headers or copies), three
+    transitions per round, the same rounds as the coordinator, two ways: one plain gloo
+    `all_to_all_single` per transition, and plain `isend`/`irecv` to every peer at once
+    (what the coordinator's wire path does). Median of the timed rounds, max over ranks."""
     import torch.distributed as dist
 
-    recv_sizes = torch.empty(len(sizes), spec.num_workers, dtype=torch.int64)
+    world = spec.num_workers
+    recv_sizes = torch.empty(len(sizes), world, dtype=torch.int64)
     dist.all_to_all_single(recv_sizes.view(-1), torch.tensor(sizes, dtype=torch.int64).t().contiguous().view(-1))
-    recv_sizes = recv_sizes.view(spec.num_workers, len(sizes)).t().tolist()
+    recv_sizes = recv_sizes.view(world, len(sizes)).t().tolist()
     moving = torch.tensor([sum(out) for out in sizes], dtype=torch.int64)
     dist.all_reduce(moving)  # a transition in which no rank sends anything has no exchange
     send = [torch.ones(sum(out), dtype=torch.uint8) for out in sizes]
     recv = [torch.empty(sum(inn), dtype=torch.uint8) for inn in recv_sizes]
-    rounds = []
-    for rnd in range(WARMUP_ROUNDS + spec.repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        for out, inn, sb, rb, active in zip(sizes, recv_sizes, send, recv, moving.tolist()):
-            if active:
-                dist.all_to_all_single(rb, sb, inn, out)
-        if rnd >= WARMUP_ROUNDS:
-            rounds.append(time.perf_counter() - start)
-    took = torch.tensor([statistics.median(rounds)], dtype=torch.float64)
+    rank = dist.get_rank()
+
+    def alltoall(out, inn, sb, rb) -> None:
+        dist.all_to_all_single(rb, sb, inn, out)
+
+    def p2p(out, inn, sb, rb) -> None:
+        works = [dist.irecv(chunk, src=p) for p, chunk in enumerate(rb.split(inn)) if inn[p] and p != rank]
+        works += [dist.isend(chunk, dst=p) for p, chunk in enumerate(sb.split(out)) if out[p] and p != rank]
+        for work in works:
+            work.wait()
+
+    took = []
+    for exchange in (alltoall, p2p):
+        rounds = []
+        for rnd in range(WARMUP_ROUNDS + spec.repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            for out, inn, sb, rb, active in zip(sizes, recv_sizes, send, recv, moving.tolist()):
+                if active:
+                    exchange(out, inn, sb, rb)
+            if rnd >= WARMUP_ROUNDS:
+                rounds.append(time.perf_counter() - start)
+        took.append(statistics.median(rounds))
+    took = torch.tensor(took, dtype=torch.float64)
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return float(took)
+    return {"raw_alltoall_seconds": float(took[0]), "raw_p2p_seconds": float(took[1])}
 
 
 def _coordinator_entry(rank: int, spec: Spec, port: int, results: Any) -> None:
@@ -286,8 +301,7 @@ def run_coordinator(spec: Spec) -> dict[str, Any]:
         results.close()
     if report["rows"] != spec.batch:
         raise RuntimeError(f"coordinator ended with {report['rows']} rows in all, expected {spec.batch}")
-    return _record("coordinator", spec, report["laps"], report["busiest"], None,
-                   raw_alltoall_seconds=report["raw_alltoall"])
+    return _record("coordinator", spec, report["laps"], report["busiest"], None, **report["raw"])
 
 
 # ---------------------------------------------------------------------------------

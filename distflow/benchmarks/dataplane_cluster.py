@@ -9,8 +9,8 @@ per host, joins the gloo group; rank 0's host is the master); the centralized mo
 on host 0 and send back out, through host 0's link. Each record carries `where:
 "cluster"`, `num_hosts`, the bytes each host's link carried per round (host-side veth
 counters, both directions, warm-up round included in the average; for the coordinator
-the window also holds its plain all_to_all reference rounds, which move the same payload,
-so it is averaged over twice the rounds) and `wire_floor_seconds`: the busiest link
+the window also holds its two plain-transport reference runs, which move the same
+payload, so it is averaged over three times the rounds) and `wire_floor_seconds`: the busiest link
 direction's bytes per round over the link rate.
 """
 
@@ -50,7 +50,7 @@ def _child(mode: str, spec: Spec, address: str, out: str) -> int:
             if reports[0]["rows"] != spec.batch:
                 raise RuntimeError(f"coordinator ended with {reports[0]['rows']} rows, expected {spec.batch}")
             record = dataplane._record("coordinator", spec, reports[0]["laps"], reports[0]["busiest"], None,
-                                       raw_alltoall_seconds=reports[0]["raw_alltoall"])
+                                       **reports[0]["raw"])
         else:
             record = dataplane._centralized_rounds(ray, mode, spec)
         Path(out).write_text(json.dumps(record))
@@ -99,9 +99,10 @@ def _measure_on(cluster, spec: Spec, modes: list[str]) -> list[dict[str, Any]]:
             after = _link_bytes(veths)
             rounds = WARMUP_ROUNDS + spec.repeats
             if mode == "coordinator":
-                # the same window holds as many rounds of the plain all_to_all reference, which
-                # move the same payload bytes (without the metadata, under 1% of them)
-                rounds *= 2
+                # the same window holds as many rounds of each plain-transport reference
+                # (all_to_all, isend/irecv), which move the same payload bytes (without the
+                # metadata, under 1% of them)
+                rounds *= 3
             per_round = [((a_out - b_out) / rounds, (a_in - b_in) / rounds)
                          for (b_out, b_in), (a_out, a_in) in zip(before, after)]
             busiest = max(max(pair) for pair in per_round)

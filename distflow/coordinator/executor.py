@@ -1,20 +1,20 @@
 """Carrying out a reshard plan with `torch.distributed` collectives.
 
-Three collectives at most, all rank-to-rank (no process sees more than its own share):
+Three steps at most, all rank-to-rank (no process sees more than its own share):
 
 1. `gather_metadata`: an all-gather of (sample id, token length) pairs, a few bytes per
    sample, so that every rank can run the pure planner on identical inputs (where a
    host has more ranks than cores, rank 0 plans alone and broadcasts the plan);
-2. a size exchange (`all_to_all_single` of four int64 per peer): how many bytes each
+2. a size exchange (`all_to_all_single` of three int64 per peer): how many bytes each
    rank sends each other rank, and where (shared memory or the wire);
 3. the payload exchange: one uint8 buffer per peer, through shared memory to peers on
-   the same host and `all_to_all_single` to the others (see "transports" below); the
-   collective is skipped when nothing goes over the wire.
+   the same host and point-to-point (`isend`/`irecv`, all in flight at once) to the
+   others (see "transports" below).
 
 A peer's buffer is a small JSON header (field names, dtypes, shapes, and the non-tensor
 fields such as ground-truth strings, which are JSON, never pickled) followed by the raw
 bytes of each tensor field. Tensors of any dtype and width travel in one message; the
-receiver copies every piece straight to its final row (`_assemble`), re-padding ragged
+receiver copies every piece straight to its final row (`_Assembler`), re-padding ragged
 widths as `Batch.concat` does. When the plan has no moves
 (same layout: the local cache) step 2 and 3 are skipped on every rank alike, since all
 ranks computed the same plan: zero bytes move.
@@ -108,29 +108,42 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def pack(batch: Batch, rows: Sequence[int], sample_ids: Sequence[int],
-         alloc=lambda n: torch.empty(n, dtype=torch.uint8)) -> torch.Tensor:
-    """Rows of `batch` as one uint8 buffer: header length, JSON header, then each tensor
-    field's rows, gathered straight into the buffer (one copy) at 8-byte-aligned offsets
-    so that the receiver can view them in place. `alloc(n)` provides the buffer (a
-    shared-memory file for a peer on the same host)."""
-    index = torch.as_tensor(list(rows), dtype=torch.long)
-    fields = [(k, v, (len(rows), *v.shape[1:])) for k, v in batch.tensors.items()]
-    header = {"ids": [int(s) for s in sample_ids],
-              "tensors": [[k, str(v.dtype).removeprefix("torch."), list(shape)] for k, v, shape in fields],
-              "meta": {k: [m[i] for i in index.tolist()] for k, m in batch.meta.items()}}
-    head = json.dumps(header).encode()
-    offset = _aligned(_HEADER_LEN_BYTES + len(head))
-    sizes = [_aligned(torch.Size(shape).numel() * v.element_size()) for _, v, shape in fields]
-    buffer = alloc(offset + sum(sizes))
-    buffer[:_HEADER_LEN_BYTES] = torch.tensor([len(head)], dtype=torch.int64).view(torch.uint8)
-    buffer[_HEADER_LEN_BYTES: _HEADER_LEN_BYTES + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-    for (_, v, shape), size in zip(fields, sizes):
-        nbytes = torch.Size(shape).numel() * v.element_size()
-        out = buffer[offset: offset + nbytes].view(v.dtype).view(shape)
-        torch.index_select(v, 0, index, out=out)
-        offset += size
-    return buffer
+class Packing:
+    """How the rows of `batch` lie in one uint8 buffer: header length, JSON header, then
+    each tensor field's rows at 8-byte-aligned offsets (so that the receiver can view
+    them in place). Its size is known before any byte is copied, so that the receiver
+    can be told first and the copy can overlap an earlier peer's transfer."""
+
+    def __init__(self, batch: Batch, rows: Sequence[int], sample_ids: Sequence[int]):
+        self.index = torch.as_tensor(list(rows), dtype=torch.long)
+        self.fields = [(v, (len(rows), *v.shape[1:])) for v in batch.tensors.values()]
+        header = {"ids": [int(s) for s in sample_ids],
+                  "tensors": [[k, str(v.dtype).removeprefix("torch."), list(shape)]
+                              for k, (v, shape) in zip(batch.tensors, self.fields)],
+                  "meta": {k: [m[i] for i in self.index.tolist()] for k, m in batch.meta.items()}}
+        self.head = json.dumps(header).encode()
+        self.start = _aligned(_HEADER_LEN_BYTES + len(self.head))
+        self.nbytes = self.start + sum(_aligned(torch.Size(shape).numel() * v.element_size())
+                                       for v, shape in self.fields)
+
+    def fill(self, buffer: torch.Tensor) -> torch.Tensor:
+        """Gather the rows straight into `buffer` (`nbytes` long): one copy."""
+        buffer[:_HEADER_LEN_BYTES] = torch.tensor([len(self.head)], dtype=torch.int64).view(torch.uint8)
+        buffer[_HEADER_LEN_BYTES: _HEADER_LEN_BYTES + len(self.head)] = torch.frombuffer(
+            bytearray(self.head), dtype=torch.uint8)
+        offset = self.start
+        for v, shape in self.fields:
+            nbytes = torch.Size(shape).numel() * v.element_size()
+            out = buffer[offset: offset + nbytes].view(v.dtype).view(shape)
+            torch.index_select(v, 0, self.index, out=out)
+            offset += _aligned(nbytes)
+        return buffer
+
+
+def pack(batch: Batch, rows: Sequence[int], sample_ids: Sequence[int]) -> torch.Tensor:
+    """Rows of `batch` as one new uint8 buffer (see `Packing`)."""
+    packing = Packing(batch, rows, sample_ids)
+    return packing.fill(torch.empty(packing.nbytes, dtype=torch.uint8))
 
 
 def _header_len(buffer: torch.Tensor) -> int:
@@ -172,14 +185,16 @@ def _execute(plan: ReshardPlan, batch: Batch, sample_ids: Sequence[int], group, 
         return batch, list(sample_ids)
     row_of = {int(s): i for i, s in enumerate(sample_ids)}
     kept = [s for s in mine if s in row_of]
-    received = _exchange(plan, batch, row_of, rank, world, group, stats, transport) if plan.moves else []
     kept_rows = [row_of[s] for s in kept]
-    if not received:  # one copy of the kept rows; none if that is the whole batch in order
+    if len(kept) == len(mine):  # nothing comes in: one copy of the kept rows, none if that is the batch in order
+        if plan.moves:
+            _exchange(plan, batch, row_of, rank, world, group, stats, transport, None)
         return (batch if kept_rows == list(range(len(batch))) else batch.select(kept_rows)), kept
-    pieces = ([(_rows(batch, kept_rows), kept)] if kept else []) + received
-    got = sorted(s for _, ids in pieces for s in ids)
-    assert got == mine, f"rank {rank} assembled samples {got[:8]}..., the plan says {mine[:8]}..."
-    return _assemble(pieces, mine), mine
+    assembler = _Assembler(mine)
+    # the kept rows are copied into place while the wire carries the rest
+    _exchange(plan, batch, row_of, rank, world, group, stats, transport, assembler,
+              lambda: assembler.add(_rows(batch, kept_rows), kept) if kept else None)
+    return assembler.result(rank), mine
 
 
 def _contiguous(rows: Sequence[int]) -> bool:
@@ -188,7 +203,7 @@ def _contiguous(rows: Sequence[int]) -> bool:
 
 def _rows(batch: Batch, rows: list[int]) -> Batch:
     """The rows of `batch`: views when they are one increasing block, else a copy
-    (to be copied once more into place by `_assemble`)."""
+    (to be copied once more into place by `_Assembler`)."""
     if _contiguous(rows):
         lo, hi = rows[0], rows[-1] + 1
         return Batch({k: v[lo:hi] for k, v in batch.tensors.items()},
@@ -196,40 +211,57 @@ def _rows(batch: Batch, rows: list[int]) -> Batch:
     return batch.select(rows)
 
 
-def _assemble(pieces: list[tuple[Batch, list[int]]], ids: list[int]) -> Batch:
-    """One batch in `ids` order from pieces holding disjoint subsets of those ids:
-    each piece's rows are copied once, straight to their final positions. 2-D fields
-    of different widths are padded with 0 to the widest, on the left for LEFT_PADDED
-    fields (as `Batch.concat` does)."""
-    position = {s: i for i, s in enumerate(ids)}
-    spots = [[position[s] for s in piece_ids] for _, piece_ids in pieces]
-    index = [None if _contiguous(p) else torch.tensor(p, dtype=torch.long) for p in spots]
-    first = pieces[0][0]
-    tensors = {}
-    for name, sample in first.tensors.items():
-        parts = [piece.tensors[name] for piece, _ in pieces]
-        shape = [len(ids), *sample.shape[1:]]
-        ragged = sample.dim() == 2 and len({t.shape[1] for t in parts}) > 1
-        if ragged:
-            shape[1] = max(t.shape[1] for t in parts)
-        out = (torch.zeros if ragged else torch.empty)(shape, dtype=sample.dtype)
-        for part, rows, idx in zip(parts, spots, index):
+class _Assembler:
+    """The new batch in `ids` order, built piece by piece as pieces arrive (each holds a
+    disjoint subset of `ids`): every piece's rows are copied once, straight to their final
+    positions. 2-D fields of different widths are padded with 0 to the widest, on the left
+    for LEFT_PADDED fields (as `Batch.concat` does); a piece wider than the ones before it
+    widens that field (one more copy of it)."""
+
+    def __init__(self, ids: list[int]):
+        self.ids = ids
+        self.position = {s: i for i, s in enumerate(ids)}
+        self.placed = 0
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.meta: dict[str, list] = {}
+
+    def add(self, piece: Batch, piece_ids: list[int]) -> None:
+        spots = [self.position[s] for s in piece_ids]
+        index = None if _contiguous(spots) else torch.tensor(spots, dtype=torch.long)
+        n = len(self.ids)
+        for name, part in piece.tensors.items():
+            out = self.tensors.get(name)
+            if out is None:
+                out = self.tensors[name] = torch.empty((n, *part.shape[1:]), dtype=part.dtype)
+            elif part.dim() == 2 and part.shape[1] > out.shape[1]:
+                wider = torch.zeros((n, part.shape[1]), dtype=out.dtype)
+                self._columns(wider, out.shape[1], name).copy_(out)
+                out = self.tensors[name] = wider
             target = out
-            if ragged:
-                target = out[:, shape[1] - part.shape[1]:] if name in LEFT_PADDED else out[:, :part.shape[1]]
-            if idx is None:
-                target[rows[0]: rows[0] + len(rows)].copy_(part)
+            if part.dim() == 2 and part.shape[1] < out.shape[1]:
+                if index is None:
+                    out[spots[0]: spots[0] + len(spots)].zero_()
+                else:
+                    out.index_fill_(0, index, 0)
+                target = self._columns(out, part.shape[1], name)
+            if index is None:
+                target[spots[0]: spots[0] + len(spots)].copy_(part)
             else:
-                target.index_copy_(0, idx, part)
-        tensors[name] = out
-    meta = {}
-    for name in first.meta:
-        values: list = [None] * len(ids)
-        for (piece, _), rows in zip(pieces, spots):
-            for i, v in zip(rows, piece.meta[name]):
-                values[i] = v
-        meta[name] = values
-    return Batch(tensors, meta)
+                target.index_copy_(0, index, part)
+        for name, values in piece.meta.items():
+            column = self.meta.setdefault(name, [None] * n)
+            for i, v in zip(spots, values):
+                column[i] = v
+        self.placed += len(spots)
+
+    @staticmethod
+    def _columns(out: torch.Tensor, width: int, name: str) -> torch.Tensor:
+        return out[:, out.shape[1] - width:] if name in LEFT_PADDED else out[:, :width]
+
+    def result(self, rank: int) -> Batch:
+        assert self.placed == len(self.ids), \
+            f"rank {rank} assembled {self.placed} samples, the plan says {len(self.ids)}"
+        return Batch(self.tensors, self.meta)
 
 
 # ---------------------------------------------------------------------------- transports
@@ -367,70 +399,68 @@ def _group_state(group, world: int) -> _GroupState:
     return _GROUPS[gid]
 
 
-def _exchange(plan: ReshardPlan, batch: Batch, row_of: dict[int, int], rank: int, world: int,
-              group, stats: TransferStats, transport: str = "auto") -> list[tuple[Batch, list[int]]]:
+def _exchange(plan: ReshardPlan, batch: Batch, row_of: dict[int, int], rank: int, world: int, group,
+              stats: TransferStats, transport: str, into: _Assembler | None, while_sending=None) -> None:
+    """Send this rank's moves, and add what arrives to `into` (None: nothing arrives);
+    `while_sending()` runs once every send is on its way, before the first arrival."""
     state = _group_state(group, world)
     slot = next(state.rounds) % _SLOTS
     shm_ok = transport != "gloo" and os.path.isdir(_SHM_DIR)
-    local = [shm_ok and p != rank and state.hosts[p] == state.hosts[rank] for p in range(world)]
-    empty = torch.empty(0, dtype=torch.uint8)
-    # per peer: [bytes on the wire, bytes in shared memory, the slot's generation,
-    # whether this rank sends anything at all over the wire]
-    sizes = torch.zeros(world, 4, dtype=torch.int64)
     to_peer: list[list[int]] = [[] for _ in range(world)]
     for m in plan.sends(rank):  # sorted by (dst, sample): each peer's samples in order
         to_peer[m.dst].append(m.sample)
-    outgoing: list[torch.Tensor] = []
-    wire: list[torch.Tensor] = []
-    for peer in range(world):
-        samples = to_peer[peer]
-        placed: list[int] = []
-
-        def alloc(n: int, peer: int = peer, placed: list[int] = placed) -> torch.Tensor:
-            got = state.send_slot(rank, peer, slot, n) if local[peer] else None
-            if got is None:
-                return torch.empty(n, dtype=torch.uint8)
-            placed.append(got[0])
-            return got[1]
-
-        buffer = pack(batch, [row_of[s] for s in samples], samples, alloc=alloc) if samples else empty
-        outgoing.append(buffer)
-        if placed:
-            sizes[peer, 1:3] = torch.tensor([len(buffer), placed[0]])
-            stats.shm_sent += len(buffer)
-            wire.append(empty)
+    # per peer: [bytes on the wire, bytes in shared memory, the slot's generation]
+    sizes = torch.zeros(world, 3, dtype=torch.int64)
+    wired: dict[int, Packing] = {}  # filled after the size exchange, overlapping the transfers
+    for peer, samples in enumerate(to_peer):
+        if not samples:
+            continue
+        packing = Packing(batch, [row_of[s] for s in samples], samples)
+        same_host = shm_ok and state.hosts[peer] == state.hosts[rank]
+        got = state.send_slot(rank, peer, slot, packing.nbytes) if same_host else None
+        if got is not None:
+            packing.fill(got[1])
+            sizes[peer, 1:] = torch.tensor([packing.nbytes, got[0]])
+            stats.shm_sent += packing.nbytes
         else:
-            sizes[peer, 0] = len(buffer)
-            wire.append(buffer)
-    sizes[:, 3] = int(sizes[:, 0].sum() > 0)
+            wired[peer] = packing
+            sizes[peer, 0] = packing.nbytes
+        stats.payload_sent += packing.nbytes - packing.start
+        stats.meta_sent += packing.start
     # The exchange orders every shared-memory write before its read, and tells every
-    # rank whether any rank needs the wire.
-    incoming = torch.empty(world, 4, dtype=torch.int64)  # row p: what peer p sends me
+    # receiver how many bytes to expect over the wire.
+    incoming = torch.empty(world, 3, dtype=torch.int64)  # row p: what peer p sends me
     dist.all_to_all_single(incoming, sizes, group=group)
-    stats.meta_sent += 32 * (world - 1)
-    stats.meta_received += 32 * (world - 1)
-    wire_sizes = incoming[:, 0].tolist()
-    chunks: list[torch.Tensor] = [empty] * world
-    if int(incoming[:, 3].sum()):  # every rank sees every rank's flag: all agree
-        recv = torch.empty(sum(wire_sizes), dtype=torch.uint8)
-        dist.all_to_all_single(recv, torch.cat(wire), wire_sizes, [len(w) for w in wire], group=group)
-        chunks = list(recv.split(wire_sizes))
-    for p in range(world):
+    stats.meta_sent += 24 * (world - 1)
+    stats.meta_received += 24 * (world - 1)
+    # The wire: every receive posted at once, then each peer's buffer filled and sent as
+    # soon as it is ready, rank r starting with r + 1 so that the links start together.
+    # Each peer's bytes arrive on their own connection, in parallel.
+    receives = [(p, torch.empty(int(incoming[p, 0]), dtype=torch.uint8))
+                for p in ((rank - k) % world for k in range(1, world)) if incoming[p, 0]]
+    pending = [(buf, dist.irecv(buf, group_src=p, group=group)) for p, buf in receives]
+    sends = []
+    for peer in ((rank + k) % world for k in range(1, world)):
+        if peer in wired:
+            buf = wired[peer].fill(torch.empty(wired[peer].nbytes, dtype=torch.uint8))
+            sends.append((buf, dist.isend(buf, group_dst=peer, group=group)))
+    if while_sending is not None:
+        while_sending()
+
+    def take(chunk: torch.Tensor) -> None:
+        part, ids, head = unpack(chunk)
+        stats.payload_received += len(chunk) - head
+        stats.meta_received += head
+        into.add(part, ids)
+
+    for p in range(world):  # shared memory first: it is there already
         if incoming[p, 1]:
-            chunks[p] = state.recv_slot(rank, p, slot, int(incoming[p, 2]), int(incoming[p, 1]))
-    pieces = []
-    for peer, chunk in enumerate(chunks):
-        if peer != rank and len(chunk):
-            part, ids, head = unpack(chunk)
-            stats.payload_received += len(chunk) - head
-            stats.meta_received += head
-            pieces.append((part, ids))
-    for peer, chunk in enumerate(outgoing):
-        if peer != rank and len(chunk):
-            head = _aligned(_header_len(chunk) + _HEADER_LEN_BYTES)
-            stats.payload_sent += len(chunk) - head
-            stats.meta_sent += head
-    return pieces
+            take(state.recv_slot(rank, p, slot, int(incoming[p, 2]), int(incoming[p, 1])))
+    for buf, work in pending:  # then each peer's bytes, copied out while the next ones arrive
+        work.wait()
+        take(buf)
+    for _, work in sends:
+        work.wait()
 
 
 def plan_collectively(sample_ids: Sequence[int], lengths: Sequence[int], src: Layout, dst: Layout, *,

@@ -28,6 +28,8 @@ def test_quick_run_reports_every_mode(tmp_path):
     coordinator = by_mode["coordinator"]
     assert coordinator["driver_peak_rss_bytes"] is None
     assert coordinator["busiest_process_bytes"] > 0  # DP -> TP pairs really moves data
+    # the plain-transport references moved the same payload and were timed
+    assert coordinator["raw_alltoall_seconds"] > 0 and coordinator["raw_p2p_seconds"] > 0
     for mode in CENTRALIZED:
         r = by_mode[mode]
         assert coordinator["busiest_process_bytes"] < r["busiest_process_bytes"]

@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from distflow.coordinator.executor import TransferStats, pack, reshard, unpack
+from distflow.coordinator.executor import TransferStats, _Assembler, pack, reshard, unpack
 from distflow.coordinator.layout import Layout
 from distflow.data.batch import Batch
 from helpers import run_gloo
@@ -83,6 +83,35 @@ def test_pack_roundtrip_keeps_dtypes_shapes_and_strings():
     for k, v in batch.tensors.items():
         assert out[k].dtype == v.dtype and torch.equal(out[k], v[[0, 2]])
     assert out["ground_truth"] == ["answer-1", "answer-9"]
+
+
+def test_assembler_places_pieces_in_any_order_and_pads_like_concat():
+    """Pieces of ragged widths arriving in any order (wider after narrower and the other
+    way round, contiguous and scattered rows) give what concatenating and reordering gives."""
+    gen = torch.Generator().manual_seed(0)
+    for case in range(40):
+        n = int(torch.randint(2, 12, (1,), generator=gen))
+        ids = sorted(torch.randperm(100, generator=gen)[:n].tolist())
+        order = torch.randperm(n, generator=gen).tolist()
+        cuts = sorted(torch.randperm(n - 1, generator=gen)[:case % 3].add(1).tolist())
+        groups = [sorted(order[a:b]) if case % 2 else order[a:b] for a, b in zip([0, *cuts], [*cuts, n])]
+        pieces = []
+        for rows in groups:
+            width = int(torch.randint(1, 6, (1,), generator=gen))
+            pieces.append((Batch({"prompts": torch.randint(1, 9, (len(rows), width), generator=gen),
+                                  "responses": torch.rand(len(rows), width + 1, generator=gen),
+                                  "scores": torch.rand(len(rows), generator=gen)},
+                                 {"ground_truth": [f"gt-{ids[r]}" for r in rows]}), [ids[r] for r in rows]))
+        assembler = _Assembler(ids)
+        for piece, piece_ids in pieces:
+            assembler.add(piece, piece_ids)
+        got = assembler.result(0)
+        whole = Batch.concat([p for p, _ in pieces])
+        arrived = [s for _, piece_ids in pieces for s in piece_ids]
+        expected = whole.select([arrived.index(s) for s in ids])
+        assert set(got.tensors) == set(expected.tensors) and got.meta == expected.meta
+        for k, v in expected.tensors.items():
+            assert torch.equal(got[k], v), (case, k)
 
 
 def _too_few(rank, world):
