@@ -108,6 +108,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         check_inputs(cfg)
+    except ValueError as e:  # ConfigError
+        return _fail(str(e))
+    if cfg.runtime.ray_address is None and cfg.runtime.network != "host" and not netns.inside():
+        # the same command again in a loopback-only namespace, which checks the graph itself
+        argv = ["-m", "distflow.cli", "train", *(["--config", args.config] if args.config else []), *args.overrides]
+        code = netns.run_in_loopback_namespace(argv)
+        if code is not None:
+            return code
+        if cfg.runtime.network == "loopback":
+            return _fail("runtime.network=loopback: this machine cannot make a network namespace (it needs root "
+                         "or unprivileged user namespaces); use runtime.network=host")
+    try:
         graph = _graph(cfg)
         if cfg.runtime.mode == "centralized" and any(n.role == "filter" for n in graph.nodes):
             raise ConfigError(f"runtime.mode='centralized': the graph of {cfg.algorithm.name} has a filter "
@@ -121,14 +133,6 @@ def cmd_train(args: argparse.Namespace) -> int:
             check_ray_address(cfg.runtime.ray_address)
         except ValueError as e:
             return _fail(str(e))
-    elif cfg.runtime.network != "host" and not netns.inside():
-        argv = ["-m", "distflow.cli", "train", *(["--config", args.config] if args.config else []), *args.overrides]
-        code = netns.run_in_loopback_namespace(argv)
-        if code is not None:
-            return code
-        if cfg.runtime.network == "loopback":
-            return _fail("runtime.network=loopback: this machine cannot make a network namespace (it needs root "
-                         "or unprivileged user namespaces); use runtime.network=host")
     run_dir = new_run_dir(cfg)
     cfg.trainer.output_dir = str(run_dir)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
