@@ -494,7 +494,8 @@ def imbalance_records(seq_len: int) -> list[dict[str, Any]]:
 
 
 MAIN_HEADERS = ["N", "mode", "seconds", "x coordinator", "s per transition (DP->DP / DP->TP2 / TP2->DP)",
-                "busiest process MiB", "busiest / batch", "driver peak RSS MiB", "plain all_to_all s"]
+                "busiest process MiB", "busiest / batch", "driver peak RSS MiB", "plain all_to_all s",
+                "plain isend/irecv s"]
 
 
 def _mib(n: int) -> str:
@@ -513,7 +514,8 @@ def main_rows(records: list[dict[str, Any]]) -> list[list[str]]:
                      " / ".join(f"{s:.4f}" for s in r["transition_seconds"].values()),
                      _mib(r["busiest_process_bytes"]), f"{r['busiest_process_bytes'] / r['batch_bytes']:.2f}",
                      "-" if rss is None else _mib(rss),
-                     f"{r['raw_alltoall_seconds']:.4f}" if r.get("raw_alltoall_seconds") is not None else "-"])
+                     *(f"{r[k]:.4f}" if r.get(k) is not None else "-"
+                       for k in ("raw_alltoall_seconds", "raw_p2p_seconds"))])
     return rows
 
 
@@ -569,10 +571,12 @@ CAVEATS = """\
   modes; the load average shows what else was running. With more ranks than cores the
   coordinator's rank 0 plans alone and broadcasts the plan; with a core per rank every
   rank runs the same pure planner itself.
-- **Plain all_to_all.** On the coordinator's row: the same payload bytes per rank pair
-  through one plain gloo `all_to_all_single` per transition, in the same processes after
-  the timed rounds (no planning, packing, headers or copies; 127.0.0.1 sockets, not
-  shared memory): what the bytes alone cost through the collective backend.
+- **Plain all_to_all, plain isend/irecv.** On the coordinator's row: the same payload
+  bytes per rank pair through one plain gloo `all_to_all_single` per transition, and
+  through plain `isend`/`irecv` to every peer at once (the coordinator's own wire path),
+  in the same processes after the timed rounds (no planning, packing, headers or copies;
+  127.0.0.1 sockets, not shared memory): what the bytes alone cost through the
+  collective backend.
 - **Bytes.** Coordinator: the busiest rank's payload plus metadata (lengths all-gather,
   size exchange, JSON headers with the ground-truth strings), sent plus received, over
   the three transitions. Centralized: tensor/array bytes plus UTF-8 string bytes the
