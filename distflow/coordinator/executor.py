@@ -221,7 +221,7 @@ class _Assembler:
     def __init__(self, ids: list[int]):
         self.ids = ids
         self.position = {s: i for i, s in enumerate(ids)}
-        self.placed = 0
+        self.placed: set[int] = set()  # positions filled so far
         self.tensors: dict[str, torch.Tensor] = {}
         self.meta: dict[str, list] = {}
 
@@ -252,15 +252,15 @@ class _Assembler:
             column = self.meta.setdefault(name, [None] * n)
             for i, v in zip(spots, values):
                 column[i] = v
-        self.placed += len(spots)
+        self.placed.update(spots)
 
     @staticmethod
     def _columns(out: torch.Tensor, width: int, name: str) -> torch.Tensor:
         return out[:, out.shape[1] - width:] if name in LEFT_PADDED else out[:, :width]
 
     def result(self, rank: int) -> Batch:
-        assert self.placed == len(self.ids), \
-            f"rank {rank} assembled {self.placed} samples, the plan says {len(self.ids)}"
+        assert len(self.placed) == len(self.ids), \
+            f"rank {rank} assembled {len(self.placed)} of the {len(self.ids)} samples the plan gives it"
         return Batch(self.tensors, self.meta)
 
 

@@ -3,6 +3,7 @@ DP -> TP-group layout and back, byte accounting, zero bytes for the same layout.
 
 import os
 
+import pytest
 import torch
 
 from distflow.coordinator.executor import TransferStats, _Assembler, pack, reshard, unpack
@@ -112,6 +113,10 @@ def test_assembler_places_pieces_in_any_order_and_pads_like_concat():
         assert set(got.tensors) == set(expected.tensors) and got.meta == expected.meta
         for k, v in expected.tensors.items():
             assert torch.equal(got[k], v), (case, k)
+    partial = _Assembler([1, 2, 3])
+    partial.add(Batch({"scores": torch.ones(2)}, {}), [3, 1])
+    with pytest.raises(AssertionError, match="assembled 2 of the 3 samples"):
+        partial.result(0)
 
 
 def _too_few(rank, world):
