@@ -104,6 +104,16 @@ def _graph(cfg: Config):
     return graph
 
 
+def _driver_graph(cfg: Config, graph) -> list | None:
+    """runtime.mode=centralized: the graph the driver runs; None in distributed mode."""
+    if cfg.runtime.mode != "centralized":
+        return None
+    from distflow.runtime.centralized import NodeSpec
+
+    return [NodeSpec(n, graph.by_name[n].layout, tuple(graph.by_name[n].inputs), tuple(graph.by_name[n].outputs))
+            for n in graph.order]
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
@@ -147,7 +157,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                              num_workers=cfg.runtime.num_workers, device=cfg.runtime.device,
                              collective_timeout_s=cfg.runtime.collective_timeout_s,
                              threads=cfg.runtime.threads_per_worker, on_poll=progress.poll,
-                             ray_address=cfg.runtime.ray_address, centralized=cfg.runtime.mode == "centralized")
+                             ray_address=cfg.runtime.ray_address, centralized=_driver_graph(cfg, graph))
     except WorkerFailed as e:
         progress.close()
         return _fail(str(e), EXIT_FAILED)

@@ -85,7 +85,7 @@ class Placement:
             return False
         if dst == "groups":
             return self.rollout.tp_size > 1  # with TP=1 every worker already holds whole groups
-        return dist.is_initialized() and dist.get_world_size() > 1
+        return self.train.world_size > 1
 
     def layouts(self, src: str, dst: str) -> tuple[Layout, Layout, str]:
         """(source layout, target layout, balance) of a move."""
@@ -102,18 +102,20 @@ class Placement:
 
 
 class Relay(Protocol):
-    """runtime.mode=centralized: a single controller's data path. The scheduler sends the
-    step's sources and each node's outputs to the driver, takes each node's inputs from
-    it, and lets it plan and carry out layout changes."""
+    """runtime.mode=centralized: a single controller runs the graph. The scheduler sends
+    it the step's sources, then carries out its commands (`runtime/centralized.py`): run
+    a node on the inputs it sends, take the rows it sends (a layout change), or end the
+    step; each node's outputs go back to it."""
 
     def sources(self, batch: Batch) -> None: ...
 
-    def inputs(self, store: LocalStore, fields: list[str]) -> None: ...
+    def command(self) -> Any: ...  # .kind: run | move | end; .node: the node to run (move: the layout)
+
+    def inputs(self, store: LocalStore, command: Any) -> None: ...  # a run command's inputs into the store
+
+    def received(self, command: Any) -> Batch: ...  # a move command's rows
 
     def outputs(self, store: LocalStore, fields: list[str]) -> None: ...
-
-    def move(self, store: LocalStore, src: Layout, dst: Layout, lengths: list[int], balance: str,
-             tolerance: float) -> None: ...
 
 
 def sequence_lengths(batch: Batch) -> list[int]:
@@ -151,9 +153,30 @@ class Scheduler:
         """Run every node on this worker's store; returns the step's spans."""
         self.step, self.spans, self.state, self.counters = step, [], "local", {}
         if self.relay is not None:
-            self._timed("relay_sources", lambda: self.relay.sources(store.all()))
-        self._run_nodes(ctx, store, self.graph.order, top_level=True)
+            self._run_commanded(ctx, store)
+        else:
+            self._run_nodes(ctx, store, self.graph.order, top_level=True)
         return self.spans
+
+    def _run_commanded(self, ctx: Any, store: LocalStore) -> None:
+        """runtime.mode=centralized: the driver runs the graph, one node at a time; this
+        worker sends it the step's sources and carries out its commands."""
+        self._timed("relay_sources", lambda: self.relay.sources(store.all()))
+        while True:
+            command = self.relay.command()
+            if command.kind == "end":
+                return
+            if command.kind == "move":
+                self._timed(f"reshard_{command.node}", lambda: store.replace(self.relay.received(command)))
+                continue
+            node = self.graph.by_name[command.node]
+            self._timed(f"relay_in_{node.name}", lambda: self.relay.inputs(store, command))
+            if node.stream:  # its chunks, one after another (no pool: no consumers run behind it)
+                self._run_stream(ctx, store, node, [], {})
+            else:
+                self._run_node(ctx, store, node)
+            if node.outputs:
+                self._timed(f"relay_out_{node.name}", lambda: self.relay.outputs(store, node.outputs))
 
     def _run_nodes(self, ctx: Any, store: LocalStore, order: list[str], top_level: bool) -> None:
         futures: dict[str, Future] = {}
@@ -169,10 +192,8 @@ class Scheduler:
                 if _LAYOUT_ORDER[node.layout] > _LAYOUT_ORDER[self.state]:
                     if self.placement.moves(self.state, node.layout):
                         self._wait(futures)  # rows are about to change under them
-                        self._timed(f"reshard_{node.layout}", lambda: self._move(store, node.layout))
+                        self._timed(f"reshard_{node.layout}", lambda: self.placement.move(store, self.state, node.layout))
                     self.state = node.layout
-                if self.relay is not None:  # one node at a time, its data through the driver
-                    self._timed(f"relay_in_{name}", lambda: self.relay.inputs(store, node.inputs))
                 if node.stream:
                     handled |= self._run_stream(ctx, store, node, order, futures)
                 elif node.role == "filter":
@@ -182,19 +203,10 @@ class Scheduler:
                     self._run_node(ctx, store, node)
                 else:
                     futures[name] = self.pool.submit(self._run_node, ctx, store, node)
-                if self.relay is not None and node.outputs:
-                    self._timed(f"relay_out_{name}", lambda: self.relay.outputs(store, node.outputs))
             self._wait(futures)
         except NodeFailed:
             self._wait(futures, quiet=True)
             raise
-
-    def _move(self, store: LocalStore, dst: str) -> None:
-        if self.relay is None:
-            self.placement.move(store, self.state, dst)
-            return
-        source, target, balance = self.placement.layouts(self.state, dst)
-        self.relay.move(store, source, target, sequence_lengths(store.all()), balance, self.placement.tolerance)
 
     @staticmethod
     def _wait(futures: dict[str, Future], quiet: bool = False) -> None:

@@ -1,16 +1,18 @@
-"""`runtime.mode=centralized`: the single-controller baseline's data path.
+"""`runtime.mode=centralized`: the single-controller baseline.
 
-The workers run the same graph with the same engines, micro-batching and seeds, but every
-stage's data goes through the driver (the launcher process), as in verl's
-single-controller design:
+The driver (the launcher process) runs the step's task graph, as verl's trainer does, and
+every stage's data goes through it; the workers keep the same engines, micro-batching
+and seeds and carry out what the driver tells them:
 
 - at the start of a step, each worker's prompts go to the driver, which keeps the step's
   batch (one row per sample);
-- before each node, the driver sends each worker that node's input fields for its rows
-  (verl's dispatch), and after it, the node's outputs come back to the driver (collect);
-- a layout change (rollout rows -> token-balanced training rows) is planned by the
-  driver, with the same planner the Data Coordinator uses, and the driver sends each
-  worker all the fields of its new rows.
+- for each node of the graph, in the graph's order, the driver sends every worker a
+  command to run it, with that node's input fields for the worker's rows (verl's
+  dispatch), and collects the node's outputs from every worker (collect);
+- at a layout change (rollout rows -> token-balanced training rows) the driver plans the
+  new placement, with the same planner the Data Coordinator uses, and sends each worker
+  all the fields of its new rows;
+- when the graph is done, the driver tells every worker that the step has ended.
 
 Nothing goes from worker to worker. Transfers use Ray's object store with numpy buffers
 (zero-copy serialisation, the best the single-controller design can do); only object
@@ -23,15 +25,17 @@ distributed-mode only.
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from distflow.coordinator.layout import Layout
 from distflow.coordinator.planner import plan_reshard
+from distflow.dag.graph import _LAYOUT_ORDER
+from distflow.dag.scheduler import Placement, sequence_lengths
 from distflow.data.batch import LEFT_PADDED, Batch
 
 
@@ -51,99 +55,183 @@ def wire_bytes(wire: dict[str, Any]) -> int:
 
 @dataclass
 class Message:
+    """Worker -> driver: a step's sources or a node's outputs, for the rows `ids`."""
+
     rank: int
-    seq: int
-    kind: str  # sources | outputs | inputs | move
+    kind: str  # sources | outputs
     ids: list[int]
-    payload: list[Any]  # [object ref] for sources/outputs (a list, so Ray does not resolve it)
-    fields: tuple[str, ...] = ()
-    move: tuple[Layout, Layout, str, float, dict[int, int]] | None = None  # src, dst, balance, tolerance, lengths
+    payload: list[Any]  # [object ref] (a list, so Ray does not resolve it)
+
+
+@dataclass
+class Command:
+    """Driver -> worker: run `node` on these inputs, take these rows (a layout change), or
+    the step has ended."""
+
+    kind: str  # run | move | end
+    node: str = ""  # run: the node; move: the target layout
+    payload: list[Any] = field(default_factory=list)  # [object ref]
+
+
+@dataclass
+class NodeSpec:
+    """What the driver needs of a graph node."""
+
+    name: str
+    layout: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
 
 
 class WorkerRelay:
-    """A worker's end: sends to the driver's queue, waits on its own."""
+    """A worker's end: sends to the driver's queue, takes commands from its own."""
 
     def __init__(self, up: Any, down: Any, rank: int, timeout_s: float):
         self.up, self.down, self.rank, self.timeout_s = up, down, rank, timeout_s
-        self.seq = 0
 
-    def _send(self, kind: str, ids: list[int], batch: Batch | None = None, **extra) -> None:
+    def _send(self, kind: str, ids: list[int], batch: Batch) -> None:
         import ray
 
-        payload = [ray.put(to_wire(batch))] if batch is not None else []
-        self.up.put(Message(self.rank, self.seq, kind, ids, payload, **extra), timeout=self.timeout_s)
-        self.seq += 1
-
-    def _receive(self) -> Batch:
-        import ray
-
-        ref = self.down.get(timeout=self.timeout_s)[0]
-        return from_wire(ray.get(ref, timeout=self.timeout_s))
+        self.up.put(Message(self.rank, kind, ids, [ray.put(to_wire(batch))]), timeout=self.timeout_s)
 
     def sources(self, batch: Batch) -> None:
         self._send("sources", list(batch["sample_id"]), batch)
 
     def outputs(self, store, fields: list[str]) -> None:
-        batch = store.all()
-        self._send("outputs", list(batch["sample_id"]), store.get(*fields))
+        self._send("outputs", list(store.all()["sample_id"]), store.get(*fields))
 
-    def inputs(self, store, fields: list[str]) -> None:
-        """The driver's copy of `fields` for this worker's rows replaces the store's. The
-        driver pads 2-D fields to the widest over all workers; the extra columns are
-        padding for these rows, so they are cut back to the worker's own width."""
-        self._send("inputs", list(store.all()["sample_id"]), fields=tuple(fields))
-        received, local = self._receive(), store.all()
+    def command(self) -> Command:
+        return self.down.get(timeout=self.timeout_s)
+
+    def received(self, command: Command) -> Batch:
+        import ray
+
+        return from_wire(ray.get(command.payload[0], timeout=self.timeout_s))
+
+    def inputs(self, store, command: Command) -> None:
+        """The driver's copy of a node's input fields for this worker's rows replaces the
+        store's. The driver pads 2-D fields to the widest over all workers; the extra
+        columns are padding for these rows, so they are cut back to the worker's own width."""
+        received, local = self.received(command), store.all()
         for name, value in received.tensors.items():
             width = local.tensors[name].shape[1] if value.dim() == 2 and name in local.tensors else None
             if width is not None and value.shape[1] > width:
                 received.tensors[name] = value[:, -width:] if name in LEFT_PADDED else value[:, :width]
         local.update(received)
 
-    def move(self, store, src: Layout, dst: Layout, lengths: list[int], balance: str, tolerance: float) -> None:
-        ids = list(store.all()["sample_id"])
-        self._send("move", ids, move=(src, dst, balance, tolerance, dict(zip(ids, lengths))))
-        store.replace(self._receive())
-
 
 class DriverRelay:
-    """The driver's end: holds the step's batch and serves the workers' requests, one
-    exchange at a time (all workers' messages of exchange k before any of k+1)."""
+    """The driver's end: runs the graph of every step (`control`, on a thread of the
+    launcher) and holds the step's batch."""
 
-    def __init__(self, num_workers: int, timeout_s: float):
+    def __init__(self, num_workers: int, timeout_s: float, nodes: list[NodeSpec], placement: Placement):
         from ray.util.queue import Queue
 
         self.num_workers, self.timeout_s = num_workers, timeout_s
+        self.nodes, self.placement = nodes, placement
         self.up = Queue(actor_options={"num_cpus": 0})
         self.down = [Queue(actor_options={"num_cpus": 0}) for _ in range(num_workers)]
-        self.waiting: dict[int, dict[int, Message]] = {}
-        self.next_seq = 0
         self.batch: Batch | None = None
-        self.row: dict[int, int] = {}
+        self.row: dict[int, int] = {}  # sample id -> row of the step's batch
+        self.rows_of: dict[int, list[int]] = {}  # rank -> the sample ids it holds
         self.bytes_in = self.bytes_out = 0
-        self.seconds = 0.0
+        self.seconds = 0.0  # handling data (not waiting for the workers)
+        self.steps = self.node_calls = 0
+        self.error: BaseException | None = None
 
     def endpoint(self, rank: int) -> WorkerRelay:
         return WorkerRelay(self.up, self.down[rank], rank, self.timeout_s)
 
-    def serve(self, wait_s: float) -> None:
-        """Handle what arrives within `wait_s`."""
+    def start(self) -> threading.Thread:
+        self._stop = threading.Event()
+        thread = threading.Thread(target=self._control, name="distflow-driver", daemon=True)
+        thread.start()
+        return thread
+
+    def stop(self, thread: threading.Thread) -> None:
+        self._stop.set()
+        thread.join(timeout=10)
+
+    def _control(self) -> None:
+        try:
+            while self._step():
+                pass
+        except BaseException as e:  # the launcher's loop raises it
+            self.error = e
+
+    def _step(self) -> bool:
+        """One step of the graph; False once the launcher stops the driver."""
+        sources = self._collect("sources")
+        if sources is None:
+            return False
+        start = time.perf_counter()
+        self.batch = Batch.concat([self._get(sources[r]) for r in range(self.num_workers)])
+        self.row = {int(s): i for i, s in enumerate(self.batch["sample_id"])}
+        self.rows_of = {r: sources[r].ids for r in range(self.num_workers)}
+        self.seconds += time.perf_counter() - start
+        state = "local"
+        for node in self.nodes:
+            if _LAYOUT_ORDER[node.layout] > _LAYOUT_ORDER[state]:
+                if self.placement.moves(state, node.layout):
+                    self._move(state, node.layout)
+                state = node.layout
+            start = time.perf_counter()
+            for r in range(self.num_workers):  # only the node's inputs are copied for the worker's rows
+                self._send(r, "run", self._fields(node.inputs).select(self._rows(self.rows_of[r])), node.name)
+                self.node_calls += 1
+            self.seconds += time.perf_counter() - start
+            if node.outputs:
+                outputs = self._collect("outputs")
+                if outputs is None:
+                    return False
+                start = time.perf_counter()
+                ids = [i for r in range(self.num_workers) for i in outputs[r].ids]
+                merged = Batch.concat([self._get(outputs[r]) for r in range(self.num_workers)])
+                self.batch.update(merged.select(sorted(range(len(ids)), key=lambda k: self.row[ids[k]])))
+                self.seconds += time.perf_counter() - start
+        for r in range(self.num_workers):
+            self.down[r].put(Command("end"), timeout=self.timeout_s)
+        self.steps += 1
+        return True
+
+    def _move(self, state: str, layout: str) -> None:
+        """A layout change, planned here: each worker gets all the fields of its new rows."""
+        start = time.perf_counter()
+        src, dst, balance = self.placement.layouts(state, layout)
+        ids = [i for r in range(self.num_workers) for i in self.rows_of[r]]
+        lengths = dict(zip(ids, sequence_lengths(self.batch.select(self._rows(ids)))))
+        plan = plan_reshard(src, dst, self.rows_of, lengths, balance=balance, tolerance=self.placement.tolerance)
+        self.rows_of = {r: plan.samples_for(r) for r in range(self.num_workers)}
+        for r in range(self.num_workers):
+            self._send(r, "move", self.batch.select(self._rows(self.rows_of[r])), layout)
+        self.seconds += time.perf_counter() - start
+
+    def _collect(self, kind: str) -> dict[int, Message] | None:
+        """One message of `kind` from every worker; None once the launcher stops the driver."""
         from ray.util.queue import Empty
 
-        try:
-            message = self.up.get(timeout=wait_s)
-        except Empty:
-            return
-        while True:
-            self.waiting.setdefault(message.seq, {})[message.rank] = message
-            while len(self.waiting.get(self.next_seq, {})) == self.num_workers:
-                start = time.perf_counter()
-                self._handle(self.waiting.pop(self.next_seq))
-                self.seconds += time.perf_counter() - start
-                self.next_seq += 1
+        got: dict[int, Message] = {}
+        waited = 0.0
+        while len(got) < self.num_workers:
+            if self._stop.is_set():
+                return None
             try:
-                message = self.up.get_nowait()
+                message = self.up.get(timeout=0.2)
             except Empty:
-                return
+                waited += 0.2
+                if waited > self.timeout_s:
+                    raise TimeoutError(f"driver: no {kind} from workers {sorted(set(range(self.num_workers)) - set(got))} "
+                                       f"within {self.timeout_s:.0f} s") from None
+                continue
+            if message.kind != kind or message.rank in got:
+                raise RuntimeError(f"driver: expected {kind} from every worker, got {message.kind} "
+                                   f"from worker {message.rank}")
+            got[message.rank] = message
+        return got
+
+    def _fields(self, names: tuple[str, ...]) -> Batch:
+        return Batch({f: self.batch.tensors[f] for f in names if f in self.batch.tensors},
+                     {f: self.batch.meta[f] for f in names if f in self.batch.meta})
 
     def _get(self, message: Message) -> Batch:
         import ray
@@ -152,45 +240,17 @@ class DriverRelay:
         self.bytes_in += wire_bytes(wire)
         return from_wire(wire)
 
-    def _reply(self, rank: int, batch: Batch) -> None:
+    def _send(self, rank: int, kind: str, batch: Batch, node: str = "") -> None:
         import ray
 
         wire = to_wire(batch)
         self.bytes_out += wire_bytes(wire)
-        self.down[rank].put([ray.put(wire)], timeout=self.timeout_s)
+        self.down[rank].put(Command(kind, node, [ray.put(wire)]), timeout=self.timeout_s)
 
     def _rows(self, ids: list[int]) -> list[int]:
         return [self.row[i] for i in ids]
 
-    def _handle(self, messages: dict[int, Message]) -> None:
-        ranks = sorted(messages)
-        kind = messages[ranks[0]].kind
-        if kind == "sources":  # a new step: its batch, in rank order
-            parts = [self._get(messages[r]) for r in ranks]
-            self.batch = Batch.concat(parts)
-            self.row = {int(s): i for i, s in enumerate(self.batch["sample_id"])}
-        elif kind == "outputs":
-            parts = [self._get(messages[r]) for r in ranks]
-            ids = [i for r in ranks for i in messages[r].ids]
-            merged = Batch.concat(parts)
-            order = sorted(range(len(ids)), key=lambda k: self.row[ids[k]])
-            self.batch.update(merged.select(order))
-        elif kind == "inputs":
-            for r in ranks:
-                fields = messages[r].fields  # only these are copied for the worker's rows
-                wanted = Batch({f: self.batch.tensors[f] for f in fields if f in self.batch.tensors},
-                               {f: self.batch.meta[f] for f in fields if f in self.batch.meta})
-                self._reply(r, wanted.select(self._rows(messages[r].ids)))
-        elif kind == "move":
-            src, dst, balance, tolerance, _ = messages[ranks[0]].move
-            lengths = {s: n for r in ranks for s, n in messages[r].move[4].items()}
-            plan = plan_reshard(src, dst, {r: messages[r].ids for r in ranks}, lengths, balance=balance,
-                                tolerance=tolerance)
-            for r in ranks:
-                self._reply(r, self.batch.select(self._rows(plan.samples_for(r))))
-        else:
-            raise ValueError(f"unknown relay message {kind!r}")
-
     def stats(self) -> dict[str, float]:
         return {"driver_payload_bytes_received": self.bytes_in, "driver_payload_bytes_sent": self.bytes_out,
-                "driver_relay_seconds": self.seconds}
+                "driver_relay_seconds": self.seconds, "driver_steps": self.steps,
+                "driver_node_calls": self.node_calls}

@@ -124,22 +124,23 @@ def check_ray_address(address: str, timeout_s: float = 10.0) -> str:
 
 def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, device: str,
                collective_timeout_s: int, threads: int, on_poll: Callable[[], None] | None = None,
-               poll_s: float = 0.5, ray_address: str | None = None, centralized: bool = False) -> list[Any]:
+               poll_s: float = 0.5, ray_address: str | None = None, centralized: list | None = None) -> list[Any]:
     """Run `entry(*args)` on `num_workers` Ray actors in one process group; return their
     results in rank order. A worker that fails fails the launch, naming its rank.
 
     Without `ray_address` Ray starts here on 127.0.0.1. With one, the launcher joins that
     cluster; the workers are spread over its nodes, and rank 0's node address is the
-    process group's master. `centralized`: the driver relays every stage's data
-    (runtime.mode=centralized, `runtime/centralized.py`); it is passed to `entry` as
-    its last argument."""
+    process group's master. `centralized` (runtime.mode=centralized, a list of
+    `centralized.NodeSpec`): the driver runs that graph every step and every stage's
+    data goes through it (`runtime/centralized.py`); each worker's end of it is passed
+    to `entry` as its last argument."""
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     import ray
 
     temp_dir, cleanup = ray_temp_dir(run_dir) if ray_address is None else (None, None)
     received = ReceivedBytes()
     actors: list[Any] = []
-    relay = None
+    relay = driver = None
     try:
         if ray_address is None:
             ray.init(num_cpus=num_workers, include_dashboard=False, _temp_dir=temp_dir,
@@ -158,18 +159,23 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
         actors = [actor_cls.options(name=f"distflow-worker-{r}", **spread).remote() for r in range(num_workers)]
         master, port = ("127.0.0.1", free_port()) if ray_address is None else \
             ray.get(actors[0].rendezvous.remote(), timeout=120)
-        if centralized:
+        if centralized is not None:
+            from distflow.coordinator.layout import Layout
+            from distflow.dag.scheduler import Placement
             from distflow.runtime.centralized import DriverRelay
 
-            relay = DriverRelay(num_workers, collective_timeout_s)
+            # the workers' placement: rollout rows, then data-parallel training (no TP groups here)
+            relay = DriverRelay(num_workers, collective_timeout_s, centralized,
+                                Placement(Layout(num_workers), Layout(num_workers)))
+            driver = relay.start()
         pending = {actors[r].run.remote(entry, args + ((relay.endpoint(r),) if relay else ()), r, num_workers,
                                         master, port, device, collective_timeout_s, threads): r
                    for r in range(num_workers)}
         results: dict[int, Any] = {}
         while pending:
-            if relay is not None:  # the driver's data path: serve it between the checks
-                relay.serve(poll_s / 10)
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=0 if relay is not None else poll_s)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=poll_s)
+            if relay is not None and relay.error is not None:
+                raise WorkerFailed(f"the driver failed: {type(relay.error).__name__}: {relay.error}")
             if on_poll is not None:
                 on_poll()
             for ref in ready:
@@ -180,6 +186,8 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
                     raise WorkerFailed(_root_cause(rank, e, pending, run_dir)) from None
         return [results[r] for r in range(num_workers)]
     finally:
+        if relay is not None and driver is not None:
+            relay.stop(driver)
         for actor in actors:
             try:
                 ray.kill(actor)
@@ -188,7 +196,7 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
         ray.shutdown()
         (run_dir / "launcher.json").write_text(json.dumps(
             {"payload_bytes_received": received.payload, "control_bytes_received": received.control,
-             "mode": "centralized" if centralized else "distributed"} | (relay.stats() if relay else {})))
+             "mode": "centralized" if centralized is not None else "distributed"} | (relay.stats() if relay else {})))
         if cleanup:
             shutil.rmtree(cleanup, ignore_errors=True)
 

@@ -318,8 +318,8 @@ class Trainer:
 
 def run_worker(cfg_dict: dict, run_dir: str, progress: bool = False, relay=None) -> dict:
     """Entry point of every worker (Ray actor or torchrun process); the process group
-    is already initialised by the runtime. `relay`: the driver's data path in
-    runtime.mode=centralized."""
+    is already initialised by the runtime. `relay`: this worker's end of the driver in
+    runtime.mode=centralized (the driver runs each step's graph)."""
     cfg = from_dict(cfg_dict)
     device = torch.device("cpu")
     if torch.cuda.is_available() and cfg.runtime.device != "cpu":

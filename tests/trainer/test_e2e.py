@@ -99,6 +99,14 @@ def test_ray_launcher_run_leaves_summary_plot_checkpoint_and_no_payload(tmp_path
     assert driver["mode"] == "centralized" and driver["payload_bytes_received"] == 0
     # the driver took in every stage's outputs and sent out every stage's inputs
     assert 0 < driver["driver_payload_bytes_received"] < driver["driver_payload_bytes_sent"]
+    # it ran the graph: every node of every step on every worker was its call
+    from distflow.config import load_config
+    from distflow.dag.recipes import build_graph
+
+    graph = build_graph(load_config(None, []))
+    ran = {k.removeprefix("time/relay_in_") for k in _metrics(central)[1] if k.startswith("time/relay_in_")}
+    assert ran == set(graph.order)
+    assert driver["driver_steps"] == 2 and driver["driver_node_calls"] == 2 * 2 * len(graph.order)
 
 
 def test_any_local_model_parquet_data_custom_reward_and_periodic_checkpoints(tmp_path, random_model_dir):
