@@ -192,7 +192,8 @@ class Scheduler:
                 if _LAYOUT_ORDER[node.layout] > _LAYOUT_ORDER[self.state]:
                     if self.placement.moves(self.state, node.layout):
                         self._wait(futures)  # rows are about to change under them
-                        self._timed(f"reshard_{node.layout}", lambda: self.placement.move(store, self.state, node.layout))
+                        self._timed(f"reshard_{node.layout}",
+                                    lambda: self.placement.move(store, self.state, node.layout))
                     self.state = node.layout
                 if node.stream:
                     handled |= self._run_stream(ctx, store, node, order, futures)
