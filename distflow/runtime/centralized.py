@@ -176,8 +176,9 @@ class DriverRelay:
                     self._move(state, node.layout)
                 state = node.layout
             start = time.perf_counter()
+            wanted = self._fields(node.inputs)
             for r in range(self.num_workers):  # only the node's inputs are copied for the worker's rows
-                self._send(r, "run", self._fields(node.inputs).select(self._rows(self.rows_of[r])), node.name)
+                self._send(r, "run", wanted.select(self._rows(self.rows_of[r])), node.name)
                 self.node_calls += 1
             self.seconds += time.perf_counter() - start
             if node.outputs:

@@ -186,7 +186,7 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
                     raise WorkerFailed(_root_cause(rank, e, pending, run_dir)) from None
         return [results[r] for r in range(num_workers)]
     finally:
-        if relay is not None and driver is not None:
+        if driver is not None:
             relay.stop(driver)
         for actor in actors:
             try:
