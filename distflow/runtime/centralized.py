@@ -199,8 +199,8 @@ class DriverRelay:
         """A layout change, planned here: each worker gets all the fields of its new rows."""
         start = time.perf_counter()
         src, dst, balance = self.placement.layouts(state, layout)
-        ids = [i for r in range(self.num_workers) for i in self.rows_of[r]]
-        lengths = dict(zip(ids, sequence_lengths(self.batch.select(self._rows(ids)))))
+        length_of_row = sequence_lengths(self.batch)
+        lengths = {i: length_of_row[self.row[i]] for r in range(self.num_workers) for i in self.rows_of[r]}
         plan = plan_reshard(src, dst, self.rows_of, lengths, balance=balance, tolerance=self.placement.tolerance)
         self.rows_of = {r: plan.samples_for(r) for r in range(self.num_workers)}
         for r in range(self.num_workers):
