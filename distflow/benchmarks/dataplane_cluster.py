@@ -25,8 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from distflow.benchmarks import dataplane
-from distflow.benchmarks.dataplane import MODES, TIMEOUT_S, WARMUP_ROUNDS, Spec
+from distflow.benchmarks.dataplane_centralized import _centralized_rounds
+from distflow.benchmarks.dataplane_common import MODES, TIMEOUT_S, WARMUP_ROUNDS, Spec, _record
 
 
 def _child(mode: str, spec: Spec, address: str, out: str) -> int:
@@ -44,15 +44,15 @@ def _child(mode: str, spec: Spec, address: str, out: str) -> int:
 
             actors = [ray.remote(num_cpus=1)(_Worker).remote() for _ in range(spec.num_workers)]
             master, port = ray.get(actors[0].rendezvous.remote(), timeout=TIMEOUT_S)
-            reports = ray.get([a.run.remote("distflow.benchmarks.dataplane:_coordinator_rounds", (r, spec), r,
-                                            spec.num_workers, master, port, "cpu", TIMEOUT_S, 1)
+            reports = ray.get([a.run.remote("distflow.benchmarks.dataplane_coordinator:_coordinator_rounds",
+                                            (r, spec), r, spec.num_workers, master, port, "cpu", TIMEOUT_S, 1)
                                for r, a in enumerate(actors)], timeout=TIMEOUT_S)
             if reports[0]["rows"] != spec.batch:
                 raise RuntimeError(f"coordinator ended with {reports[0]['rows']} rows, expected {spec.batch}")
-            record = dataplane._record("coordinator", spec, reports[0]["laps"], reports[0]["busiest"], None,
-                                       **reports[0]["raw"])
+            record = _record("coordinator", spec, reports[0]["laps"], reports[0]["busiest"], None,
+                             **reports[0]["raw"])
         else:
-            record = dataplane._centralized_rounds(ray, mode, spec)
+            record = _centralized_rounds(ray, mode, spec)
         Path(out).write_text(json.dumps(record))
         return 0
     finally:

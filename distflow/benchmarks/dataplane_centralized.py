@@ -1,0 +1,195 @@
+"""Modes (b) and (c) of the data-plane benchmark: a single-controller (verl-style) driver
+in the data path.
+
+N Ray actors (`_Holder`) hold the rows; for every transition the driver gathers every
+shard, concatenates, cuts equal-count chunks and sends them out. On one host each
+measurement runs in a fresh driver subprocess (`python -m distflow.benchmarks.dataplane
+--_child MODE`, which calls `_centralized_child`); on the emulated cluster the driver on
+host 0 calls `_centralized_rounds` (see `dataplane_cluster`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from distflow.benchmarks.dataplane_common import TIMEOUT_S, WARMUP_ROUNDS, Spec, _record, make_shard
+from distflow.coordinator.layout import Layout
+from distflow.coordinator.planner import contiguous_split
+
+# Ray's unix sockets live under <temp>/session_*/sockets/ and must fit in 107 bytes.
+_MAX_RAY_TEMP_LEN = 44
+
+
+class _Holder:
+    """A centralized-mode worker (a Ray actor): holds its rows between transitions."""
+
+    def __init__(self, rank: int, spec: dict[str, int], as_numpy: bool) -> None:
+        tensors, ground_truth, _, _ = make_shard(rank, Spec(**spec))
+        shard: dict[str, Any] = {k: v.numpy() for k, v in tensors.items()} if as_numpy else tensors
+        self.initial = {**shard, "ground_truth": ground_truth}
+        self.current = self.initial
+
+    def rows(self) -> int:
+        return len(self.current["ground_truth"])
+
+    def reset(self) -> int:
+        self.current = self.initial
+        return self.rows()
+
+    def shard(self) -> dict[str, Any]:
+        return self.current
+
+    def receive(self, chunk: dict[str, Any]) -> int:
+        self.current = chunk
+        return self.rows()  # a small ack, so the driver can wait for delivery
+
+
+def _shard_bytes(shard: dict[str, Any]) -> int:
+    """Array/tensor bytes plus UTF-8 bytes of the strings: what the driver really handles."""
+    total = 0
+    for value in shard.values():
+        if isinstance(value, np.ndarray):
+            total += value.nbytes
+        elif isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+        else:
+            total += sum(len(s.encode()) for s in value)
+    return total
+
+
+def _concat(parts: list[dict[str, Any]], as_numpy: bool) -> dict[str, Any]:
+    cat = np.concatenate if as_numpy else torch.cat
+    return {k: [s for p in parts for s in p[k]] if k == "ground_truth" else cat([p[k] for p in parts])
+            for k in parts[0]}
+
+
+def _chunks(merged: dict[str, Any], k: int, as_numpy: bool) -> list[dict[str, Any]]:
+    """Equal-count contiguous chunks, as DataProto.chunk cuts them."""
+    out = []
+    for part in contiguous_split([0] * len(merged["ground_truth"]), k):
+        lo, hi = part[0], part[-1] + 1
+        # Pickling a torch view ships its whole storage (the full batch), so tensors are
+        # cloned as verl's DataProto does (consolidate); numpy views pickle only their bytes.
+        out.append({name: v[lo:hi] if as_numpy or name == "ground_truth" else v[lo:hi].clone()
+                    for name, v in merged.items()})
+    return out
+
+
+def _transition(ray: Any, sources: list[Any], dests: list[list[Any]], as_numpy: bool) -> int:
+    """Gather every source shard into the driver, concatenate, cut one chunk per
+    destination group, send it to each member, wait. Returns driver bytes in + out."""
+    parts = ray.get([a.shard.remote() for a in sources], timeout=TIMEOUT_S)
+    received = sum(_shard_bytes(p) for p in parts)
+    chunks = _chunks(_concat(parts, as_numpy), len(dests), as_numpy)
+    del parts  # release the object-store copies before the next stage
+    acks = [a.receive.remote(chunk) for group, chunk in zip(dests, chunks) for a in group]
+    sent = sum(_shard_bytes(chunk) * len(group) for group, chunk in zip(dests, chunks))
+    ray.get(acks, timeout=TIMEOUT_S)
+    return received + sent
+
+
+def _proc_status(key: str) -> int:
+    """A memory line of /proc/self/status (VmRSS, VmHWM) in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _centralized_rounds(ray: Any, mode: str, spec: Spec) -> dict[str, Any]:
+    """Warm-up plus timed rounds of the three driver-mediated transitions."""
+    as_numpy = mode == "centralized-zerocopy"
+    # This module never runs as __main__, so Ray pickles the actor class by reference.
+    remote_cls = ray.remote(num_cpus=1)(_Holder)
+    actors = [remote_cls.remote(r, asdict(spec), as_numpy) for r in range(spec.num_workers)]
+    ray.get([a.rows.remote() for a in actors], timeout=TIMEOUT_S)
+    rss_before = _proc_status("VmRSS")
+    singles = [[a] for a in actors]
+    pairs = [[actors[r] for r in group] for group in Layout(spec.num_workers, tp_size=2).dp_groups()]
+    # Back to DP the driver reads one member per TP pair (verl collects from tp rank 0).
+    steps = [(actors, singles), (actors, pairs), ([g[0] for g in pairs], singles)]
+    laps: list[list[float]] = []
+    moved = 0
+    for rnd in range(WARMUP_ROUNDS + spec.repeats):
+        ray.get([a.reset.remote() for a in actors], timeout=TIMEOUT_S)
+        marks, total = [time.perf_counter()], 0
+        for sources, dests in steps:
+            total += _transition(ray, sources, dests, as_numpy)
+            marks.append(time.perf_counter())
+        rows = sum(ray.get([a.rows.remote() for a in actors], timeout=TIMEOUT_S))
+        if rows != spec.batch:
+            raise RuntimeError(f"{mode} ended with {rows} rows in all, expected {spec.batch}")
+        if rnd >= WARMUP_ROUNDS:
+            laps.append([b - a for a, b in zip(marks, marks[1:])])
+            moved = total
+    return _record(mode, spec, laps, moved, _proc_status("VmHWM"), driver_rss_before_bytes=rss_before)
+
+
+def _centralized_child(mode: str, spec: Spec, ray_temp: str, out_path: str) -> int:
+    """The fresh driver process of one centralized measurement (`--_child`)."""
+    # A SIGTERM from the parent (timeout) unwinds through `finally`, so Ray is shut down.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    from distflow.runtime.process_group import WORKER_ENV
+
+    # "-pickle" means Ray's default tensor path; pin it in case the environment opts in
+    # to Ray's zero-copy torch serializer. The local Ray instance and its workers inherit
+    # this environment (a runtime_env would defeat Ray's prestarted workers: slower start).
+    os.environ.update({**WORKER_ENV, "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "0"})
+    import ray
+
+    try:
+        ray.init(num_cpus=spec.num_workers, include_dashboard=False, _temp_dir=ray_temp,
+                 _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
+        record = _centralized_rounds(ray, mode, spec)
+        Path(out_path).write_text(json.dumps(record))
+        return 0
+    finally:
+        ray.shutdown()
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
+def run_centralized(mode: str, spec: Spec) -> dict[str, Any]:
+    """Modes (b)/(c): one fresh driver subprocess with its own Ray instance."""
+    tmp = tempfile.mkdtemp(prefix="dfray-", dir="/tmp")
+    if len(tmp) > _MAX_RAY_TEMP_LEN:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(f"Ray temp dir {tmp} is longer than {_MAX_RAY_TEMP_LEN} characters")
+    out, log = Path(tmp, "result.json"), Path(tmp, "driver.log")
+    cmd = [sys.executable, "-m", "distflow.benchmarks.dataplane", "--_child", mode,
+           "--workers", str(spec.num_workers), "--batch", str(spec.batch), "--seq-len", str(spec.seq_len),
+           "--repeats", str(spec.repeats), "--_ray-temp", tmp, "--_out", str(out)]
+    proc: subprocess.Popen | None = None
+    try:
+        with open(log, "w") as log_file:
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            code = proc.wait(timeout=TIMEOUT_S)
+        if code != 0 or not out.exists():
+            raise RuntimeError(f"{mode} driver (N={spec.num_workers}) exited with code {code}:\n{_tail(log)}")
+        return json.loads(out.read_text())
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(f"{mode} driver (N={spec.num_workers}) ran past {TIMEOUT_S} s:\n{_tail(log)}") from None
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.terminate()  # our own child, by PID; its finally shuts Ray down
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)

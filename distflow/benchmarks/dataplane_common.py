@@ -1,0 +1,84 @@
+"""What every mode of the data-plane benchmark shares: the measurement's size (`Spec`),
+the constants, the long-tailed batch each worker builds for its own rows, and the JSON
+record of one measurement. The method is in `distflow.benchmarks.dataplane`'s docstring.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from distflow.coordinator.planner import contiguous_split
+
+MODES = ("coordinator", "centralized-pickle", "centralized-zerocopy")
+TRANSITIONS = ("DP->DP", "DP->TP2", "TP2->DP")
+FIELD_DTYPES = {"input_ids": torch.int64, "attention_mask": torch.int64,
+                "old_log_probs": torch.float32, "advantages": torch.float32}
+SEED = 0
+VOCAB = 32_000
+WARMUP_ROUNDS = 1
+IMBALANCE_SAMPLES, IMBALANCE_KS = 1024, (2, 4, 8)
+TIMEOUT_S = 900  # one measurement, generous for N=8 on 2 shared cores
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One measurement's size."""
+
+    num_workers: int
+    batch: int
+    seq_len: int
+    repeats: int
+
+    @property
+    def batch_bytes(self) -> int:
+        """Tensor bytes of the whole batch (strings not counted)."""
+        per_token = sum(torch.empty(0, dtype=d).element_size() for d in FIELD_DTYPES.values())
+        return self.batch * self.seq_len * per_token
+
+
+# ---------------------------------------------------------------------------------
+# The batch
+
+
+def sample_lengths(n: int, seq_len: int, seed: int = SEED) -> np.ndarray:
+    """Long-tailed token counts: lognormal around L/8, clipped to [L/16, L]."""
+    rng = np.random.default_rng(seed)
+    raw = rng.lognormal(mean=np.log(seq_len / 8), sigma=1.0, size=n)
+    return np.clip(np.rint(raw), max(1, seq_len // 16), seq_len).astype(np.int64)
+
+
+def shard_ids(rank: int, spec: Spec) -> list[int]:
+    """Sample ids `rank` holds at the start: a contiguous block, as a rollout leaves them."""
+    return contiguous_split([0] * spec.batch, spec.num_workers)[rank]
+
+
+def make_shard(rank: int, spec: Spec) -> tuple[dict[str, torch.Tensor], list[str], list[int], list[int]]:
+    """This rank's rows, built locally: (tensors, ground truths, sample ids, token lengths)."""
+    ids = shard_ids(rank, spec)
+    lengths = sample_lengths(spec.batch, spec.seq_len)[ids]
+    gen = torch.Generator().manual_seed(SEED * 1009 + rank)
+    n, width = len(ids), spec.seq_len
+    mask = (torch.arange(width)[None, :] < torch.from_numpy(lengths)[:, None]).to(torch.int64)
+    tensors = {"input_ids": torch.randint(VOCAB, (n, width), generator=gen) * mask,
+               "attention_mask": mask,
+               "old_log_probs": -5.0 * torch.rand(n, width, generator=gen) * mask,
+               # GRPO: one advantage per sequence, broadcast over its tokens
+               "advantages": torch.randn(n, 1, generator=gen) * mask}
+    assert {k: v.dtype for k, v in tensors.items()} == FIELD_DTYPES
+    return tensors, [str(s * 37 % 9973) for s in ids], ids, lengths.tolist()
+
+
+def _record(mode: str, spec: Spec, laps: list[list[float]], busiest: int,
+            peak_rss: int | None, **extra: Any) -> dict[str, Any]:
+    """One JSON record; `laps` holds each timed round's per-transition seconds."""
+    return {"mode": mode, "num_workers": spec.num_workers, "batch": spec.batch,
+            "seq_len": spec.seq_len, "seconds": statistics.median(sum(lap) for lap in laps),
+            "busiest_process_bytes": busiest, "driver_peak_rss_bytes": peak_rss,
+            "batch_bytes": spec.batch_bytes, "where": "host", "repeats": spec.repeats,
+            "transition_seconds": dict(zip(TRANSITIONS, (statistics.median(c) for c in zip(*laps)))),
+            **extra}

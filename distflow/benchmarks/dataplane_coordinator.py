@@ -1,0 +1,183 @@
+"""Mode (a) of the data-plane benchmark: the Data Coordinator, no driver in the data path.
+
+N spawned processes form one gloo group on 127.0.0.1, each builds its own rows and calls
+`reshard` for the three transitions. After the timed rounds the same processes time the
+same payload through plain gloo `all_to_all_single` and plain `isend`/`irecv` (the
+raw-transport reference). On the emulated cluster each host's worker runs
+`_coordinator_rounds` (see `dataplane_cluster`).
+"""
+
+from __future__ import annotations
+
+import queue
+import statistics
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from distflow.benchmarks.dataplane_common import TIMEOUT_S, WARMUP_ROUNDS, Spec, _record, make_shard, sample_lengths
+from distflow.coordinator.layout import Layout
+
+# The trainer's value (stages.stage_reshard): keep data in place unless balancing gains
+# more than 2%, so TP2->DP does not reshuffle everything for a negligible gain.
+TOLERANCE = 0.02
+
+
+def _coordinator_rounds(rank: int, spec: Spec) -> dict[str, Any]:
+    """Warm-up plus timed rounds of the three reshards on this rank; maxima over ranks."""
+    import torch.distributed as dist
+
+    from distflow.coordinator.executor import TransferStats, reshard
+    from distflow.data.batch import Batch
+
+    tensors, ground_truth, ids, _ = make_shard(rank, spec)
+    start_batch = Batch(tensors, {"ground_truth": ground_truth})
+    length_of = sample_lengths(spec.batch, spec.seq_len).tolist()
+    dp, tp = Layout(spec.num_workers), Layout(spec.num_workers, tp_size=2)
+    steps = [(dp, dp, "none"), (dp, tp, "kk"), (tp, dp, "kk")]
+    laps: list[list[float]] = []
+    moved, rows = 0, 0
+    row_bytes = spec.batch_bytes // spec.batch
+    sizes: list[list[int]] = []  # per transition: payload bytes this rank sent to each peer
+    for rnd in range(WARMUP_ROUNDS + spec.repeats):
+        stats = TransferStats()
+        batch, batch_ids, marks, sizes = start_batch, ids, [], []
+        dist.barrier()
+        start = time.perf_counter()
+        for src, dst, balance in steps:
+            batch, batch_ids, plan = reshard(batch, batch_ids, [length_of[s] for s in batch_ids], src, dst,
+                                             balance=balance, tolerance=TOLERANCE, stats=stats)
+            marks.append(time.perf_counter())
+            sizes.append([row_bytes * sum(m.dst == p for m in plan.sends(rank)) for p in range(spec.num_workers)])
+        if rnd >= WARMUP_ROUNDS:
+            laps.append([b - a for a, b in zip([start] + marks, marks)])
+            moved = stats.payload_sent + stats.payload_received + stats.meta_sent + stats.meta_received
+            rows = len(batch_ids)
+    raw = _raw_transport_seconds(sizes, spec)
+    # Max over ranks: the slowest rank sets the stage time, the busiest sets the bytes.
+    totals = torch.tensor([[sum(lap)] + lap for lap in laps], dtype=torch.float64)
+    dist.all_reduce(totals, op=dist.ReduceOp.MAX)
+    busiest = torch.tensor([moved], dtype=torch.int64)
+    dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
+    held = torch.tensor([rows], dtype=torch.int64)
+    dist.all_reduce(held)  # every sample must end on exactly one rank
+    return {"laps": totals[:, 1:].tolist(), "busiest": int(busiest), "rows": int(held), "raw": raw}
+
+
+def _raw_transport_seconds(sizes: list[list[int]], spec: Spec) -> dict[str, float]:
+    """The transport's own time for the coordinator's payload: the same bytes per peer
+    pair (rows times their tensor bytes; no planning, packing, headers or copies), three
+    transitions per round, the same rounds as the coordinator, two ways: one plain gloo
+    `all_to_all_single` per transition, and plain `isend`/`irecv` to every peer at once
+    (what the coordinator's wire path does). Median of the timed rounds, max over ranks."""
+    import torch.distributed as dist
+
+    world = spec.num_workers
+    recv_sizes = torch.empty(len(sizes), world, dtype=torch.int64)
+    dist.all_to_all_single(recv_sizes.view(-1), torch.tensor(sizes, dtype=torch.int64).t().contiguous().view(-1))
+    recv_sizes = recv_sizes.view(world, len(sizes)).t().tolist()
+    moving = torch.tensor([sum(out) for out in sizes], dtype=torch.int64)
+    dist.all_reduce(moving)  # a transition in which no rank sends anything has no exchange
+    send = [torch.ones(sum(out), dtype=torch.uint8) for out in sizes]
+    recv = [torch.empty(sum(inn), dtype=torch.uint8) for inn in recv_sizes]
+    rank = dist.get_rank()
+
+    def alltoall(out, inn, sb, rb) -> None:
+        dist.all_to_all_single(rb, sb, inn, out)
+
+    def p2p(out, inn, sb, rb) -> None:
+        works = [dist.irecv(chunk, src=p) for p, chunk in enumerate(rb.split(inn)) if inn[p] and p != rank]
+        works += [dist.isend(chunk, dst=p) for p, chunk in enumerate(sb.split(out)) if out[p] and p != rank]
+        for work in works:
+            work.wait()
+
+    took = []
+    for exchange in (alltoall, p2p):
+        rounds = []
+        for rnd in range(WARMUP_ROUNDS + spec.repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            for out, inn, sb, rb, active in zip(sizes, recv_sizes, send, recv, moving.tolist()):
+                if active:
+                    exchange(out, inn, sb, rb)
+            if rnd >= WARMUP_ROUNDS:
+                rounds.append(time.perf_counter() - start)
+        took.append(statistics.median(rounds))
+    took = torch.tensor(took, dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return {"raw_alltoall_seconds": float(took[0]), "raw_p2p_seconds": float(took[1])}
+
+
+def _coordinator_entry(rank: int, spec: Spec, port: int, results: Any) -> None:
+    """A spawned coordinator process: join the gloo group, measure, report, leave."""
+    import torch.distributed as dist
+
+    from distflow.runtime.process_group import init_process_group
+
+    try:
+        init_process_group(rank, spec.num_workers, "127.0.0.1", port, "cpu", TIMEOUT_S, threads=1)
+        results.put((rank, _coordinator_rounds(rank, spec), None))
+    except BaseException:
+        results.put((rank, None, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _collect_ranks(results: Any, procs: list[Any]) -> dict[int, Any]:
+    """Every rank's report; fails fast when a rank dies or reports an error."""
+    deadline = time.monotonic() + TIMEOUT_S
+    got: dict[int, Any] = {}
+    while len(got) < len(procs):
+        try:
+            rank, value, error = results.get(timeout=1.0)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"coordinator rank {dead[0]} exited with code "
+                                   f"{procs[dead[0]].exitcode} before reporting") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"coordinator ranks {sorted(set(range(len(procs))) - set(got))} "
+                                   f"did not report within {TIMEOUT_S} s") from None
+            continue
+        if error:
+            raise RuntimeError(f"coordinator rank {rank} failed:\n{error}")
+        got[rank] = value
+    return got
+
+
+def _stop_processes(procs: list[Any], grace_s: float = 10.0) -> None:
+    """Join our own children; kill (by their PID) any still alive after the grace time."""
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        if p.pid is not None:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.pid is not None and p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+def run_coordinator(spec: Spec) -> dict[str, Any]:
+    """Mode (a) on `spec.num_workers` fresh processes."""
+    import torch.multiprocessing as mp
+
+    from distflow.runtime.process_group import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_coordinator_entry, args=(r, spec, port, results), daemon=True)
+             for r in range(spec.num_workers)]
+    try:
+        for p in procs:
+            p.start()
+        report = _collect_ranks(results, procs)[0]
+    finally:
+        _stop_processes(procs)
+        results.close()
+    if report["rows"] != spec.batch:
+        raise RuntimeError(f"coordinator ended with {report['rows']} rows in all, expected {spec.batch}")
+    return _record("coordinator", spec, report["laps"], report["busiest"], None, **report["raw"])

@@ -1,0 +1,167 @@
+"""The data-plane benchmark's report: the text and markdown tables, the machine it ran on,
+the caveats, and the RESULTS markdown file (`--results-md`).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from distflow.benchmarks.dataplane_common import IMBALANCE_SAMPLES, SEED, WARMUP_ROUNDS, Spec
+
+MAIN_HEADERS = ["N", "mode", "seconds", "x coordinator", "s per transition (DP->DP / DP->TP2 / TP2->DP)",
+                "busiest process MiB", "busiest / batch", "driver peak RSS MiB", "plain all_to_all s",
+                "plain isend/irecv s"]
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def main_rows(records: list[dict[str, Any]]) -> list[list[str]]:
+    """One row per measurement; centralized seconds also as a ratio over the coordinator's."""
+    coordinator = {r["num_workers"]: r["seconds"] for r in records if r["mode"] == "coordinator"}
+    rows = []
+    for r in records:
+        base = coordinator.get(r["num_workers"])
+        rss = r["driver_peak_rss_bytes"]
+        rows.append([str(r["num_workers"]), r["mode"], f"{r['seconds']:.4f}",
+                     f"{r['seconds'] / base:.2f}" if base else "-",
+                     " / ".join(f"{s:.4f}" for s in r["transition_seconds"].values()),
+                     _mib(r["busiest_process_bytes"]), f"{r['busiest_process_bytes'] / r['batch_bytes']:.2f}",
+                     "-" if rss is None else _mib(rss),
+                     *(f"{r[k]:.4f}" if r.get(k) is not None else "-"
+                       for k in ("raw_alltoall_seconds", "raw_p2p_seconds"))])
+    return rows
+
+
+def imbalance_rows(records: list[dict[str, Any]]) -> list[list[str]]:
+    by_k: dict[int, dict[str, float]] = {}
+    for r in records:
+        by_k.setdefault(r["num_workers"], {})[r["mode"]] = r["imbalance"]
+    return [[str(k), f"{v['imbalance-kk']:.4f}", f"{v['imbalance-contiguous']:.4f}"] for k, v in by_k.items()]
+
+
+IMBALANCE_HEADERS = ["k", "Karmarkar-Karp max/mean", "contiguous max/mean"]
+
+
+def text_table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [headers, *rows])
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def machine_info() -> dict[str, str]:
+    """What the numbers were measured on."""
+    import ray
+
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
+                  if line.startswith("model name")), platform.processor() or "unknown")
+    return {"nproc": str(len(os.sched_getaffinity(0))), "cpu model": model,
+            "memory": f"{_proc_meminfo_gib():.1f} GiB", "python": platform.python_version(),
+            "torch": torch.__version__, "ray": ray.__version__, "numpy": np.__version__,
+            "os": platform.platform(), "niceness": str(os.nice(0))}
+
+
+def _proc_meminfo_gib() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+CAVEATS = """\
+- **Single host.** Both data paths use shared memory here: Ray's object store for the
+  centralized modes, and the coordinator's same-host transport (`/dev/shm` files, only
+  sizes through gloo). The coordinator's real advantage is that no process carries the
+  whole batch: on a cluster the driver's network link carries `busiest / batch` times
+  the batch per step. That link is measured on an emulated cluster in a later issue;
+  here only bytes, driver memory and single-host time are.
+- **Few cores.** All N workers (and, for the centralized modes, the driver and Ray's own
+  processes) share the cores listed below, so larger N adds CPU contention to both
+  modes; the load average shows what else was running. With more ranks than cores the
+  coordinator's rank 0 plans alone and broadcasts the plan; with a core per rank every
+  rank runs the same pure planner itself.
+- **Plain all_to_all, plain isend/irecv.** On the coordinator's row: the same payload
+  bytes per rank pair through one plain gloo `all_to_all_single` per transition, and
+  through plain `isend`/`irecv` to every peer at once (the coordinator's own wire path),
+  in the same processes after the timed rounds (no planning, packing, headers or copies;
+  127.0.0.1 sockets, not shared memory): what the bytes alone cost through the
+  collective backend.
+- **Bytes.** Coordinator: the busiest rank's payload plus metadata (lengths all-gather,
+  size exchange, JSON headers with the ground-truth strings), sent plus received, over
+  the three transitions. Centralized: tensor/array bytes plus UTF-8 string bytes the
+  driver received and sent (Ray's framing not counted). `batch` is the tensor bytes of
+  the whole batch.
+- **Placement.** The coordinator balances tokens (Karmarkar-Karp, 2% tolerance) while the
+  centralized path cuts equal-count chunks, so the two end with different placements."""
+
+
+def results_markdown(records: list[dict[str, Any]], imbalance_recs: list[dict[str, Any]],
+                     command: str, run: dict[str, Any]) -> str:
+    """The RESULTS file: what was measured, the tables, the command, the machine."""
+    spec = Spec(1, run["batch"], run["seq_len"], run["repeats"])
+    machine = "\n".join(f"- {k}: {v}" for k, v in machine_info().items())
+    return f"""# Data-plane benchmark: Data Coordinator vs single-controller driver
+
+Generated by `distflow.benchmarks.dataplane`; its module docstring has the method.
+
+## What was measured
+
+- **Batch:** {spec.batch} sequences x {spec.seq_len} tokens, {_mib(spec.batch_bytes)} MiB of tensors
+  (`input_ids`, `attention_mask` int64; `old_log_probs`, `advantages` float32; full width,
+  as padded batches are) plus one `ground_truth` string per sample. Token lengths are
+  long-tailed (lognormal around L/8, clipped to [L/16, L], seed {SEED}) and drive the planner.
+- **Three stage transitions on N workers:** DP(N) -> DP(N), DP(N) -> TP pairs
+  (`Layout(N, tp_size=2)`), and back to DP(N).
+- **coordinator:** N processes in one gloo group on 127.0.0.1, each building its own B/N
+  rows; `balance="none"` for the same-layout step (local cache: no payload), Karmarkar-Karp
+  with the trainer's 2% tolerance for the other two. Time = the three `reshard` calls
+  after a barrier, max over ranks.
+- **centralized-pickle / -zerocopy:** N Ray actors hold the rows; per transition the Ray
+  driver gathers every shard, concatenates, splits and dispatches (verl's
+  DP_COMPUTE_PROTO path), shards as torch tensors (pickled) or numpy arrays (zero-copy).
+  Time = the three transitions in the driver, a fresh driver process per measurement,
+  whose peak RSS (VmHWM) is `driver peak RSS`.
+- `seconds`: median over {spec.repeats} timed round(s), after {WARMUP_ROUNDS} untimed warm-up round.
+  `x coordinator`: seconds over the coordinator's at the same N (above 1: the
+  coordinator is faster). `busiest / batch`: the busiest process's bytes over the batch's.
+
+## Command
+
+```
+{command}
+```
+
+- settings: workers {run['workers']}, batch {spec.batch}, seq-len {spec.seq_len}, repeats {spec.repeats}
+- modes: {', '.join(run['modes'])}
+- whole run: {run['wall_s']:.0f} s; load average (1 min) at start / end: {run['load'][0]:.2f} / {run['load'][1]:.2f}
+
+## Results
+
+{markdown_table(MAIN_HEADERS, main_rows(records))}
+
+## Token imbalance ({IMBALANCE_SAMPLES} long-tailed lengths, L={spec.seq_len})
+
+Largest rank's tokens over the mean (1.0 is perfect balance).
+
+{markdown_table(IMBALANCE_HEADERS, imbalance_rows(imbalance_recs))}
+
+## Machine
+
+{machine}
+
+## Caveats
+
+{CAVEATS}
+"""
