@@ -6,13 +6,18 @@ The reward function contract is verl's `compute_score`:
 
 The default dispatches on the data source and the answer style: code datasets (APPS,
 CodeContests, TACO ...: test cases as JSON) run the response's program in the sandbox
-(`engines/sandbox.py`); otherwise GSM8K's `#### <answer>` when the response has one,
-else `math_verify` on `\\boxed{...}` answers. A custom function is named
-as `package.module:function` or `path/to/file.py:function`.
+(`engines/sandbox.py`); GSM8K-style data (a `####` in the response, a `gsm8k` or
+`distflow/arith` data source) is scored by the GSM8K rule; anything else goes through
+math-verify (`\\boxed{...}` answers), configured as verl's default scorer. The GSM8K rule
+reads the number the way a grader would (the last `####`, currency, units, markup,
+thousands separators, fractions) and has verl's two modes, strict and flexible; the
+choices for ambiguous forms are in docs/REWARDS.md. A custom function is named as
+`package.module:function` or `path/to/file.py:function`.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -21,11 +26,35 @@ import subprocess
 import sys
 import threading
 import traceback
+from fractions import Fraction
 from typing import Any, Protocol
 
 from distflow.plugins import load_callable
 
-_HASH_ANSWER = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
+GSM8K_MODES = ("strict", "flexible")
+
+# One number, read at a given position. Signs: ASCII '-'/'+', U+2212 (minus) and U+2013
+# (en dash, captured only so that it can be refused: it is as often a dash as a minus).
+# Thousands groups need exactly 3 digits after each separator (',', or a no-break or thin
+# space: U+00A0, U+2009, U+202F), one separator kind per number; a decimal part is '.'
+# only; a fraction is integer/integer.
+_SIGN = "[-+\u2212\u2013]"
+_SEPS = ",\u00a0\u2009\u202f"
+_NUMBER = re.compile(
+    rf"(?P<sign1>{_SIGN})?(?:\\?[$€£]\s?)?(?P<sign2>{_SIGN})?"
+    rf"(?P<int>\d{{1,3}}(?P<sep>[{_SEPS}])\d{{3}}(?:(?P=sep)\d{{3}})*|\d+)?"
+    r"(?:\.(?P<dec>\d+)|/(?P<den>\d+))?"
+    # ... and nothing right after it that would make it a different number: another digit,
+    # a separator or a point before a digit ('7,2', '1,23', '1,2345', '1.2.3', '3/4/5'), a
+    # power ('2^10'), a plain space before a group of 3 ('1 234', SI style). Such a form is
+    # no answer at all rather than a guess at one part of it.
+    rf"(?![.^/{_SEPS}]?\d| \d{{3}}(?!\d))")
+_MARKUP = re.compile(r"[\s*`_]*")  # before the number: spaces, **bold**, `code`, _italics_
+# A candidate number anywhere in a text (flexible mode): not glued to a word ('H2O',
+# 'x-5' is a difference, not -5) and greedy over digits and separators, so that '7,2' or
+# '1 234' is one candidate (then refused) rather than a '2' or '234' to fall back on.
+_CANDIDATE = re.compile(
+    rf"(?<![\w.])(?:{_SIGN}?\\?[$€£]\s?)?{_SIGN}?\.?\d(?:[\d.,/^{_SEPS}]| (?=\d{{3}}(?!\d)))*")
 
 
 class RewardFn(Protocol):
@@ -33,49 +62,105 @@ class RewardFn(Protocol):
                  extra_info: dict[str, Any] | None = None) -> float: ...
 
 
-def extract_hash_answer(text: str) -> str | None:
-    """The number after the first `####`, commas removed; None if there is none."""
-    m = _HASH_ANSWER.search(text)
-    return m.group(1).replace(",", "") if m else None
+def check_gsm8k_mode(mode: str) -> str:
+    if mode not in GSM8K_MODES:
+        raise ValueError(f"reward.gsm8k_mode={mode!r}: expected one of {', '.join(GSM8K_MODES)}")
+    return mode
 
 
-def _same_number(a: str, b: str) -> bool:
+def read_number(text: str) -> str | None:
+    """The number at the start of `text` (after spaces and markup), as plain text:
+    '-1234.5', '3/4'; currency, separators and what follows (units, '%', a period)
+    dropped. None if there is no number there or its form is ambiguous."""
+    m = _NUMBER.match(text, _MARKUP.match(text).end())
+    if m is None or (m["int"] is None and m["dec"] is None) or (m["int"] is None and m["den"]):
+        return None  # no digits ('$', '-'), or a fraction without a numerator ('/4')
+    if m["sign1"] and m["sign2"]:
+        return None  # '-$-5'
+    sign = m["sign1"] or m["sign2"] or ""
+    if sign == "\u2013":
+        return None  # an en dash: a minus to some writers, a dash to others
+    digits = re.sub(f"[{_SEPS}]", "", m["int"] or "0")
+    tail = f".{m['dec']}" if m["dec"] else f"/{m['den']}" if m["den"] else ""
+    return ("-" if sign in ("-", "\u2212") else "") + digits + tail
+
+
+def number_value(number: str | None) -> Fraction | None:
+    """Exact value of `read_number`'s text: 72.0 == 72, 3/4 == 0.75, and 0.3 == 0.30 with
+    no float rounding; None for None or a zero denominator."""
     try:
-        return float(a) == float(b)
-    except ValueError:
-        return a.strip() == b.strip()
+        return None if number is None else Fraction(number)
+    except (ValueError, ZeroDivisionError):
+        return None
 
 
-def gsm8k_score(solution_str: str, ground_truth: str) -> float:
-    answer = extract_hash_answer(solution_str)
-    return 1.0 if answer is not None and _same_number(answer, ground_truth) else 0.0
+def extract_hash_answer(text: str) -> str | None:
+    """The number after the *last* `####` (a response that corrects itself is graded on
+    its final answer); None if there is no `####` or no readable number right after it."""
+    at = text.rfind("####")
+    return None if at < 0 else read_number(text[at + 4:])
+
+
+def extract_last_number(text: str) -> str | None:
+    """The last number anywhere in `text` (verl's flexible mode); None if there is none or
+    the last one is ambiguous (no falling back to an earlier number)."""
+    last = None
+    for last in _CANDIDATE.finditer(text):
+        pass
+    return None if last is None else read_number(last.group())
+
+
+def extract_gsm8k_answer(text: str, mode: str = "strict") -> str | None:
+    """strict: the number right after the last `####`, as verl's strict mode. flexible: the
+    same, and failing that the last number after the last `####` (the whole response when
+    it has none), as verl's flexible mode reads the last number."""
+    check_gsm8k_mode(mode)
+    answer = extract_hash_answer(text)
+    if answer is None and mode == "flexible":
+        answer = extract_last_number(text[text.rfind("####") + 4:] if "####" in text else text)
+    return answer
+
+
+def gsm8k_score(solution_str: str, ground_truth: str, mode: str = "strict") -> float:
+    answer = number_value(extract_gsm8k_answer(solution_str, mode))
+    truth = number_value(read_number(str(ground_truth)))
+    return 1.0 if answer is not None and answer == truth else 0.0
 
 
 def math_verify_score(solution_str: str, ground_truth: str) -> float:
-    from math_verify import parse, verify
+    """As verl's default scorer (reward_score/math_verify.py): the ground truth is read as
+    `\\boxed{<ground truth>}` with LaTeX extraction, the response with expression and LaTeX
+    extraction. A percent on either side equals both the number and the number / 100
+    (math-verify's own rule: `\\boxed{25\\%}` matches 25 and 0.25)."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     # math_verify's own timeouts use SIGALRM, which only works on the main thread (reward
     # nodes run on the scheduler's threads); RewardRunner's per-call timeout replaces them.
-    gold = parse(ground_truth if "\\boxed" in ground_truth or "$" in ground_truth else f"${ground_truth}$",
-                 parsing_timeout=None)
-    pred = parse(solution_str, parsing_timeout=None)
+    gold = parse("\\boxed{" + str(ground_truth) + "}", (LatexExtractionConfig(),), parsing_timeout=None)
+    pred = parse(solution_str, (ExprExtractionConfig(), LatexExtractionConfig()), parsing_timeout=None)
     return 1.0 if gold and pred and verify(gold, pred, timeout_seconds=None) else 0.0
 
 
 def default_compute_score(data_source: str, solution_str: str, ground_truth: str,
-                          extra_info: dict[str, Any] | None = None) -> float:
+                          extra_info: dict[str, Any] | None = None, *, gsm8k_mode: str = "strict") -> float:
     from distflow.engines import sandbox
 
     if data_source.lower().split("/")[-1] in sandbox.CODE_SOURCES:  # e.g. "codecontests", "likaixin/TACO"
         return sandbox.code_score(data_source, solution_str, ground_truth, extra_info)
     if "####" in solution_str or "gsm8k" in data_source or data_source.startswith("distflow/arith"):
-        return gsm8k_score(solution_str, ground_truth)
+        return gsm8k_score(solution_str, ground_truth, gsm8k_mode)
     return math_verify_score(solution_str, ground_truth)
 
 
-def load_reward_fn(spec: str | None) -> RewardFn:
-    """`None` -> the default; `module:function` or `file.py:function` -> that function."""
-    return default_compute_score if spec is None else load_callable(spec, "reward.custom_fn")
+def load_reward_fn(spec: str | None, gsm8k_mode: str = "strict") -> RewardFn:
+    """`None` -> the default in that GSM8K mode; `module:function` or `file.py:function` ->
+    that function (the mode is the default reward's: a custom function ignores it)."""
+    check_gsm8k_mode(gsm8k_mode)
+    if spec is not None:
+        return load_callable(spec, "reward.custom_fn")
+    if gsm8k_mode == "strict":
+        return default_compute_score  # itself, so that it stays verl's plain signature
+    return functools.partial(default_compute_score, gsm8k_mode=gsm8k_mode)
 
 
 # ---------------------------------------------------------------------------- running rewards safely
@@ -88,13 +173,14 @@ replies = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)
 sys.stdout = sys.stderr
 from distflow.engines.reward import serve
-serve(json.loads(sys.argv[1]), sys.stdin, replies)
+spec, gsm8k_mode = json.loads(sys.argv[1])
+serve(spec, sys.stdin, replies, gsm8k_mode)
 """
 
 
-def serve(spec: str | None, requests, replies) -> None:
+def serve(spec: str | None, requests, replies, gsm8k_mode: str = "strict") -> None:
     """The reward child process's loop: JSON lines in, JSON lines out, one call at a time."""
-    fn = load_reward_fn(spec)
+    fn = load_reward_fn(spec, gsm8k_mode)
     replies.write(json.dumps(["ready", None]) + "\n")  # start-up does not count against a call's limit
     replies.flush()
     for line in requests:
@@ -112,11 +198,13 @@ class RewardRunner:
     An exception, or a value that is not a finite number, scores 0 with status FAILED;
     the first traceback is printed once per worker. With `timeout_s > 0` the function
     runs in a child process: a call that exceeds the limit scores 0 with status
-    TIMED_OUT, and the child is killed and restarted. Thread-safe (one call at a time)."""
+    TIMED_OUT, and the child is killed and restarted. Thread-safe (one call at a time).
+    `gsm8k_mode` (strict|flexible, config `reward.gsm8k_mode`) is the default reward's GSM8K
+    mode, in this process and in the child alike."""
 
-    def __init__(self, spec: str | None, timeout_s: float):
-        self.spec, self.timeout_s = spec, timeout_s
-        self.fn = load_reward_fn(spec)  # also in this process: a bad name fails at start-up
+    def __init__(self, spec: str | None, timeout_s: float, gsm8k_mode: str = "strict"):
+        self.spec, self.timeout_s, self.gsm8k_mode = spec, timeout_s, check_gsm8k_mode(gsm8k_mode)
+        self.fn = load_reward_fn(spec, gsm8k_mode)  # also in this process: a bad name fails at start-up
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._reported = False
@@ -165,8 +253,8 @@ class RewardRunner:
     def _start(self) -> None:
         # a fresh interpreter (not a fork of this threaded, torch-loaded one) that imports
         # only the reward module; its stdout is the reply channel, its prints go to stderr
-        self._proc = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(self.spec)], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, text=True, bufsize=1)
+        argv = [sys.executable, "-c", _CHILD, json.dumps([self.spec, self.gsm8k_mode])]
+        self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         line = self._readline(START_TIMEOUT_S)
         if not line or json.loads(line) != ["ready", None]:
             self._stop()

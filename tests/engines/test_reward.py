@@ -1,13 +1,18 @@
 import pytest
 
-from distflow.engines.reward import (default_compute_score, extract_hash_answer, gsm8k_score, load_reward_fn,
-                                     math_verify_score)
+import functools
+from pathlib import Path
+
+from distflow.engines.reward import (default_compute_score, extract_gsm8k_answer, extract_hash_answer, gsm8k_score,
+                                     load_reward_fn, math_verify_score)
 
 
 def test_hash_answer_extraction():
     assert extract_hash_answer("3+4=7\n#### 7") == "7"
     assert extract_hash_answer("#### -1,234") == "-1234"
-    assert extract_hash_answer("#### 2.5 and #### 9") == "2.5"
+    # the last `####` is the answer (this asserted "2.5", the first one, before: the bug the
+    # issue reports, a response that corrects itself must be scored on its final answer)
+    assert extract_hash_answer("#### 2.5 and #### 9") == "9"
     assert extract_hash_answer("the answer is 7") is None
 
 
@@ -115,3 +120,170 @@ def test_math_verify_works_off_the_main_thread():
 
     with ThreadPoolExecutor(1) as pool:
         assert pool.submit(math_verify_score, "so the answer is \\boxed{\\frac{1}{2}}", "0.5").result() == 1.0
+
+
+# ---------------------------------------------------------------------------- reading answers as a grader does
+
+# Each answer form: (form, response, ground truth, strict, flexible, math-verify). These rows
+# are the table in docs/REWARDS.md (test_docs_table_matches_the_functions checks that the
+# table there is this one); strict/flexible are (what gsm8k_score read, its score).
+ANSWER_FORMS = [
+    ("plain", "#### 72", "72", ("72", 1), ("72", 1), 1),
+    ("corrected answer: the last `####` counts", "#### 72 ... no, wait. #### 73", "73", ("73", 1), ("73", 1), 1),
+    ("corrected answer, ground truth the first one", "#### 72 ... no, wait. #### 73", "72", ("73", 0), ("73", 0), 0),
+    ("dollar sign", "#### $72", "72", ("72", 1), ("72", 1), 1),
+    ("euro sign", "#### €72", "72", ("72", 1), ("72", 1), 1),
+    ("pound sign, minus before it", "#### -£5", "-5", ("-5", 1), ("-5", 1), 0),
+    ("unit word", "#### 72 dollars", "72", ("72", 1), ("72", 1), 1),
+    ("unit word", "#### 72 apples", "72", ("72", 1), ("72", 1), 1),
+    ("percent, ground truth the number", "#### 25%", "25", ("25", 1), ("25", 1), 1),
+    ("percent, ground truth the fraction", "#### 25%", "0.25", ("25", 0), ("25", 0), 1),
+    ("bold", "#### **72**", "72", ("72", 1), ("72", 1), 1),
+    ("backticks", "#### `72`", "72", ("72", 1), ("72", 1), 0),
+    ("Unicode minus U+2212", "#### \u22125", "-5", ("-5", 1), ("-5", 1), 0),
+    ("en dash U+2013 as a minus", "#### \u20135", "-5", (None, 0), (None, 0), 0),
+    ("thousands comma", "#### 1,234", "1234", ("1234", 1), ("1234", 1), 1),
+    ("thousands commas", "#### 1,234,567", "1234567", ("1234567", 1), ("1234567", 1), 1),
+    ("thousands thin space U+2009", "#### 1\u2009234", "1234", ("1234", 1), ("1234", 1), 0),
+    ("thousands narrow no-break space U+202F", "#### 1\u202f234", "1234", ("1234", 1), ("1234", 1), 0),
+    ("plain space before 3 digits", "#### 1 234", "1234", (None, 0), (None, 0), 1),
+    ("trailing period", "#### 72.", "72", ("72", 1), ("72", 1), 1),
+    ("decimal equal to an integer", "#### 72.0", "72", ("72.0", 1), ("72.0", 1), 1),
+    ("decimal, compared exactly", "#### 0.30", "0.3", ("0.30", 1), ("0.30", 1), 1),
+    ("fraction", "#### 3/4", "0.75", ("3/4", 1), ("3/4", 1), 1),
+    ("ambiguous comma: decimal comma?", "#### 7,2", "7.2", (None, 0), (None, 0), 1),
+    ("ambiguous comma, read as grouping?", "#### 7,2", "72", (None, 0), (None, 0), 0),
+    ("ambiguous comma", "#### 72,5", "72.5", (None, 0), (None, 0), 1),
+    ("comma before 2 digits", "#### 1,23", "1.23", (None, 0), (None, 0), 1),
+    ("a power", "#### 2^10", "1024", (None, 0), (None, 0), 1),
+    ("words after `####`", "#### The answer is 72", "72", (None, 0), ("72", 1), 1),
+    ("no `####`, last number", "So she has 72 apples.", "72", (None, 0), ("72", 1), 1),
+    ("no `####`, last number ambiguous", "So the answer is 7,2.", "7.2", (None, 0), (None, 0), 1),
+    ("boxed", "$\\boxed{72}$", "72", (None, 0), ("72", 1), 1),
+    ("boxed LaTeX fraction", "$\\boxed{\\frac{1}{2}}$", "0.5", (None, 0), ("2", 0), 1),
+    ("boxed percent, ground truth the number", "$\\boxed{25\\%}$", "25", (None, 0), ("25", 1), 1),
+    ("boxed percent, ground truth the fraction", "$\\boxed{25\\%}$", "0.25", (None, 0), ("25", 0), 1),
+]
+
+
+@pytest.mark.parametrize("form, response, truth, strict, flexible, verified", ANSWER_FORMS,
+                         ids=[f"{i}-{row[0]}" for i, row in enumerate(ANSWER_FORMS)])
+def test_answer_forms(form, response, truth, strict, flexible, verified):
+    assert (extract_gsm8k_answer(response, "strict"), gsm8k_score(response, truth, "strict")) == strict
+    assert (extract_gsm8k_answer(response, "flexible"), gsm8k_score(response, truth, "flexible")) == flexible
+    assert math_verify_score(response, truth) == verified
+
+
+def _cell(read_and_score) -> str:
+    read, score = read_and_score
+    return f"{score} (read {read})" if read is not None else f"{score} (no answer)"
+
+
+def _code(text: str) -> str:
+    return f"`` {text} ``" if "`" in text else f"`{text}`"
+
+
+def answer_form_rows() -> list[str]:
+    """The markdown rows of docs/REWARDS.md's table, from ANSWER_FORMS."""
+    return [f"| {form} | {_code(response)} | {_code(truth)} | {_cell(strict)} | {_cell(flexible)} | {verified} |"
+            for form, response, truth, strict, flexible, verified in ANSWER_FORMS]
+
+
+def test_docs_table_matches_the_functions():
+    doc = (Path(__file__).parents[2] / "docs" / "REWARDS.md").read_text(encoding="utf-8")
+    table = [line for line in doc.splitlines() if line.startswith("| ") and "`" in line]
+    assert table == answer_form_rows()
+
+
+@pytest.mark.parametrize("response, truth, mode, score", [
+    ("#### 73 wait no #### 72", "72", "strict", 1.0),  # the correction is the answer
+    ("#### 73 wait no #### 72", "73", "strict", 0.0),
+    ("#### 72 wait, #### seventy-three", "72", "strict", 0.0),  # the last `####` has no number: no answer
+    ("#### 72 wait, #### seventy-three", "72", "flexible", 0.0),  # ... and no number after it either
+    ("#### $72", "73", "strict", 0.0),
+    ("#### $ 72.50", "72.5", "strict", 1.0),
+    ("#### \\$72", "72", "strict", 1.0),
+    ("#### $-5", "-5", "strict", 1.0),
+    ("#### -$-5", "5", "strict", 0.0),
+    ("#### \u2212$5", "-5", "strict", 1.0),
+    ("#### 72 %", "72", "strict", 1.0),
+    ("#### __72__", "72", "strict", 1.0),
+    ("#### `1,234`.", "1234", "strict", 1.0),
+    ("#### 1,234.5", "1234.5", "strict", 1.0),
+    ("#### 1,2345", "12345", "strict", 0.0),  # a group of 4: no answer, not 1 or 12345
+    ("#### 1234,567", "1234567", "strict", 0.0),  # a first group of 4
+    ("#### 1,234\u2009567", "1234567", "strict", 0.0),  # two kinds of separator in one number
+    ("#### 1\u00a0234", "1234", "strict", 1.0),  # a no-break space groups like a thin space
+    ("#### 1\u200923", "123", "strict", 0.0),
+    ("#### 1.2.3", "1.2", "strict", 0.0),
+    ("#### 3/4/5", "0.75", "strict", 0.0),
+    ("#### 3/0", "0", "strict", 0.0),  # no value
+    ("#### 6/8", "3/4", "strict", 1.0),  # a ground truth may be a fraction too
+    ("#### 0.1", "1/10", "strict", 1.0),
+    ("#### 72\n\nQuestion 2: 100 apples", "72", "strict", 1.0),  # what follows on another line is not the answer
+    ("#### 72 (that is 3 boxes)", "72", "flexible", 1.0),  # the number right after `####` wins
+    ("So she has 72 apples and 3 pears.", "3", "flexible", 1.0),  # the last number, as verl's flexible
+    ("x-5", "5", "flexible", 1.0),  # a difference, not -5
+    ("it is -5", "-5", "flexible", 1.0),
+    ("it is \u22125", "-5", "flexible", 1.0),
+    ("it is \u20135", "-5", "flexible", 0.0),
+    ("it is 1 234", "234", "flexible", 0.0),  # no falling back to the last group of an SI-style number
+    ("it is 7,2 or 8", "8", "flexible", 1.0),  # only the last number counts, ambiguous or not
+    ("no number here", "0", "flexible", 0.0),
+    ("#### 72", "abc", "strict", 0.0),  # a ground truth that is no number matches nothing
+])
+def test_gsm8k_cases(response, truth, mode, score):
+    assert gsm8k_score(response, truth, mode) == score
+
+
+def test_exact_comparison_has_no_float_surprises():
+    assert 0.1 + 0.2 != 0.3  # the float trap exact comparison avoids
+    assert gsm8k_score("#### 0.3", "0.30000000000000004") == 0.0
+    assert gsm8k_score("#### 0.30", "0.3") == 1.0
+    assert gsm8k_score("#### 1/3", "0.333333") == 0.0  # no rounding tolerance either
+
+
+def test_gsm8k_mode_reaches_the_default_reward():
+    assert default_compute_score("openai/gsm8k", "So 72.", "72") == 0.0  # strict by default
+    assert default_compute_score("openai/gsm8k", "So 72.", "72", None, gsm8k_mode="flexible") == 1.0
+    flexible = load_reward_fn(None, gsm8k_mode="flexible")
+    assert isinstance(flexible, functools.partial) and flexible("openai/gsm8k", "So 72.", "72", {}) == 1.0
+    assert load_reward_fn(None, gsm8k_mode="strict") is default_compute_score
+    # a non-GSM8K source without `####` still goes to math-verify, in either mode
+    assert flexible("lighteval/MATH", "so \\boxed{\\frac{1}{2}}", "0.5") == 1.0
+
+
+@pytest.mark.parametrize("call", [
+    lambda: gsm8k_score("#### 72", "72", mode="lenient"),
+    lambda: load_reward_fn(None, gsm8k_mode="lenient"),
+    lambda: load_reward_fn("distflow.engines.reward:gsm8k_score", gsm8k_mode="lenient"),
+    lambda: default_compute_score("openai/gsm8k", "#### 72", "72", gsm8k_mode="lenient"),
+])
+def test_bad_gsm8k_mode_is_refused(call):
+    with pytest.raises(ValueError, match=r"^reward\.gsm8k_mode='lenient': expected one of strict, flexible$"):
+        call()
+
+
+def test_reward_runner_refuses_a_bad_gsm8k_mode():
+    from distflow.engines.reward import RewardRunner
+
+    with pytest.raises(ValueError) as e:
+        RewardRunner(None, 5.0, gsm8k_mode="Flexible")
+    assert "reward.gsm8k_mode" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("timeout_s", [0.0, 30.0])
+def test_reward_runner_passes_the_gsm8k_mode(timeout_s):
+    """In this process (timeout_s=0) and through the child's argv (timeout_s>0)."""
+    from distflow.engines.reward import OK, RewardRunner
+
+    runners = {mode: RewardRunner(None, timeout_s, gsm8k_mode=mode) for mode in ("strict", "flexible")}
+    try:
+        for mode, runner in runners.items():
+            assert runner("openai/gsm8k", "She has 72 apples.", "72") == ((1.0 if mode == "flexible" else 0.0), OK)
+            assert runner("openai/gsm8k", "#### 72 no, #### 73", "73") == (1.0, OK)
+            if timeout_s > 0:
+                assert runner._proc is not None and runner._proc.poll() is None  # it was the child's answer
+    finally:
+        for runner in runners.values():
+            runner.close()
