@@ -9,7 +9,8 @@
     distflow bench project [--records benchmarks/e2e.jsonl] [--plot FILE]
     distflow bench soak [--steps 200] [--workers 4] [--json FILE]
     distflow cluster up|down|status [--hosts 5] [--rate-mbit 400] [--delay-ms 0]
-    distflow dag show [ALGORITHM] [--out PATH] [--config FILE] [section.key=value ...]
+    distflow dag show [RECIPE] [--out PATH] [--config FILE] [section.key=value ...]
+    distflow dag recipes
 
 A config or input error prints one line and exits with code 2; a failed worker exits 1.
 """
@@ -40,7 +41,7 @@ def new_run_dir(cfg: Config) -> Path:
     if cfg.trainer.output_dir:
         path = Path(cfg.trainer.output_dir).expanduser()
     else:
-        path = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.algorithm.name}"
+        path = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{Path(cfg.algorithm.name).stem}"
     path.mkdir(parents=True, exist_ok=True)
     return path.resolve()
 
@@ -97,7 +98,7 @@ class LauncherProgress:
 
 def _graph(cfg: Config):
     """The run's task graph, validated and its callables imported: fails before any worker starts."""
-    from distflow.dag.recipes import build_graph
+    from distflow.trainer.recipes import build_graph
 
     graph = build_graph(cfg)
     graph.resolve()
@@ -250,9 +251,13 @@ def cmd_dag_show(args: argparse.Namespace) -> int:
         graph = _graph(cfg)
     except ValueError as e:
         return _fail(str(e))
-    title = cfg.algorithm.name + (f" + {cfg.algorithm.graph}" if cfg.algorithm.graph else "")
-    print(f"{title}: {len(graph.nodes)} nodes, in the order every worker runs them\n{graph.describe()}")
-    out = Path(args.out or f"dag-{cfg.algorithm.name}")
+    from distflow.trainer.recipes import describe_recipe
+
+    name = Path(cfg.algorithm.name).stem
+    title = name + (f" + {cfg.algorithm.graph}" if cfg.algorithm.graph else "")
+    print(describe_recipe(cfg.algorithm.name))
+    print(f"\n{title}: {len(graph.nodes)} nodes, in the order every worker runs them\n{graph.describe()}")
+    out = Path(args.out or f"dag-{name}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".dot").write_text(graph.to_dot(title))
     out.with_suffix(".mmd").write_text(graph.to_mermaid())
@@ -265,6 +270,13 @@ def cmd_dag_show(args: argparse.Namespace) -> int:
     else:  # no Graphviz here: a PNG drawn with matplotlib
         written.append(draw_png(graph, out.with_suffix(".png"), title))
     print("wrote " + ", ".join(map(str, written)))
+    return 0
+
+
+def cmd_dag_recipes(args: argparse.Namespace) -> int:
+    from distflow.trainer.recipes import recipe_table
+
+    print(recipe_table(), end="")
     return 0
 
 
@@ -307,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--config", help="YAML config (e.g. with algorithm.graph)")
     show.add_argument("overrides", nargs="*", help="section.key=value")
     show.set_defaults(fn=cmd_dag_show)
+    table = dag_sub.add_parser("recipes", help="the built-in recipes as a markdown table (made from their files)")
+    table.set_defaults(fn=cmd_dag_recipes)
     return parser
 
 

@@ -10,11 +10,13 @@ value and what is allowed; the CLI prints it and exits with code 2.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import yaml
@@ -31,16 +33,10 @@ def _spec(default: Any, *, min: float | None = None, max: float | None = None,
 
 
 BUILTIN_MODEL = "builtin:tiny-arith"
-ALGORITHMS = ("grpo", "dr_grpo", "ppo", "dapo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-              "rloo", "gspo")
-# What choosing a recipe changes, unless the user sets the key explicitly.
-RECIPE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "dr_grpo": {"algorithm.loss_agg_mode": "seq-mean-token-sum-norm"},
-    "dapo": {"algorithm.clip_ratio_high": 0.28, "algorithm.loss_agg_mode": "token-mean",
-             "algorithm.use_kl_loss": False, "algorithm.overlong_buffer_len": 8},
-    "gspo": {"algorithm.clip_ratio_low": 3e-4, "algorithm.clip_ratio_high": 4e-4,
-             "algorithm.loss_agg_mode": "seq-mean-token-mean"},
-}
+KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs", "k1+", "k3+", "low_var_kl+")  # distflow.algos.kl
+# The built-in recipes: one YAML file each (distflow/recipes/NAME.yaml).
+RECIPES_DIR = Path(__file__).parent / "recipes"
+ALGORITHMS = tuple(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
 
 
 @dataclass(kw_only=True)
@@ -68,27 +64,43 @@ class RolloutConfig:
     top_p: float = _spec(1.0, min=1e-4, max=1.0)
     max_new_tokens: int = _spec(32, min=1)
     micro_batch_size: int = _spec(128, min=1, doc="sequences generated per generate() call")
-    tensor_parallel_size: int = _spec(1, min=1, doc="ranks per rollout replica (a TP group)")
+    replica_size: int = _spec(1, min=1, doc="ranks that share one rollout replica: each generates every k-th of "
+                                           "its sequences and all of them then hold its output (the layout a "
+                                           "tensor-parallel engine leaves; the HF engine splits no tensor)")
 
 
 @dataclass(kw_only=True)
 class AlgorithmConfig:
-    name: str = _spec("grpo", choices=ALGORITHMS, doc="the recipe: a built-in task graph (distflow dag show NAME)")
+    name: str = _spec("grpo", doc="the recipe: a built-in name (distflow dag show NAME) or a recipe YAML file; "
+                                  "it sets the keys below that you do not set yourself")
     graph: str | None = _spec(None, doc="YAML graph file: nodes added to (or replacing) the recipe's")
+    estimator: str = _spec("grpo", doc="advantage estimator: a registered name (distflow.algos.estimators) "
+                                       "or module:function / file.py:function")
+    policy_loss: str = _spec("vanilla", doc="policy loss: a registered name (distflow.algos.core)")
     group_size: int = _spec(8, min=1, doc="responses per prompt (n)")
     clip_ratio_low: float = _spec(0.2, min=0.0, max=1.0)
     clip_ratio_high: float = _spec(0.2, min=0.0)
     clip_ratio_c: float = _spec(3.0, min=1.0001, doc="dual-clip bound for negative advantages")
     loss_agg_mode: str = _spec("token-mean", choices=(
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
-    use_kl_loss: bool = _spec(True)
+        "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
+    use_kl_loss: bool = _spec(True, doc="add kl_coef * KL(policy || reference) to the actor's loss")
     kl_coef: float = _spec(0.001, min=0.0)
-    kl_type: str = _spec("low_var_kl", choices=("k1", "k2", "k3", "low_var_kl", "abs"))
+    kl_type: str = _spec("low_var_kl", choices=KL_KINDS)
+    use_kl_in_reward: bool = _spec(False, doc="subtract beta * KL(sampler || reference) from each token's reward "
+                                              "before the advantage estimator (verl's use_kl_in_reward)")
+    reward_kl_coef: float = _spec(0.001, min=0.0, doc="beta, the initial KL-in-reward coefficient")
+    reward_kl_type: str = _spec("k1", choices=KL_KINDS, doc="KL estimator of the reward penalty")
+    reward_kl_ctrl: str = _spec("fixed", choices=("fixed", "adaptive"),
+                                doc="adaptive: beta follows reward_kl_target (Ziegler et al.'s controller)")
+    reward_kl_target: float = _spec(0.1, min=1e-12, doc="the adaptive controller's target KL per token")
+    reward_kl_horizon: int = _spec(10000, min=1, doc="the adaptive controller's horizon, in samples")
+    dynamic_sampling: bool = _spec(False, doc="DAPO: drop groups whose rewards are all equal and generate more "
+                                              "prompts until the batch is full")
     entropy_coef: float = _spec(0.0, min=0.0)
     gamma: float = _spec(1.0, min=0.0, max=1.0, doc="discount (PPO's GAE, REINFORCE++)")
     lam: float = _spec(1.0, min=0.0, max=1.0, doc="GAE lambda")
-    max_refill_rounds: int = _spec(3, min=0, doc="DAPO dynamic sampling: extra generation rounds per step")
-    overlong_buffer_len: int = _spec(0, min=0, doc="DAPO overlong shaping: tokens before the limit where the penalty ramps; 0 = off")
+    max_refill_rounds: int = _spec(3, min=0, doc="dynamic sampling: extra generation rounds per step")
+    overlong_buffer_len: int = _spec(0, min=0, doc="overlong shaping (DAPO): tokens before the limit where the penalty ramps; 0 = off")
     overlong_penalty_factor: float = _spec(1.0, min=0.0)
 
 
@@ -124,6 +136,9 @@ class SchedulerConfig:
 class RewardConfig:
     custom_fn: str | None = _spec(None, doc="module:function or path.py:function")
     timeout_s: float = _spec(30.0, min=0.0, doc="per-sample limit; the function runs in a child process (0 = in-process, no limit)")
+    gsm8k_mode: str = _spec("strict", choices=("strict", "flexible"),
+                            doc="the default reward's #### rule: strict needs '#### N'; flexible reads the last "
+                                "number when there is no #### (verl's modes); accuracy stays strict")
 
 
 @dataclass(kw_only=True)
@@ -148,7 +163,6 @@ class RuntimeConfig:
     device: str = _spec("auto", choices=("auto", "cpu", "cuda"))
     threads_per_worker: int = _spec(1, min=1, doc="torch intra-op threads per CPU worker")
     collective_timeout_s: int = _spec(300, min=1)
-    start_timeout_s: int = _spec(120, min=1)
     mode: str = _spec("distributed", choices=("distributed", "centralized"),
                       doc="centralized: the single-controller baseline; every stage's data passes through the "
                           "driver (benchmarks)")
@@ -225,6 +239,11 @@ def _section_fields(section: str) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}
 
 
+# Keys whose old name promised more than the code does.
+RENAMED = {"rollout.tensor_parallel_size": "rollout.replica_size: ranks that share one rollout replica's "
+                                          "sequences (no tensor is split by the HF engine)"}
+
+
 def _set(cfg: Config, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     if parts[0] not in SECTIONS:
@@ -233,6 +252,8 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
         raise ConfigError(f"unknown config key '{dotted}': use section.key, e.g. {parts[0]}.<key>")
     section, name = parts
     fields = _section_fields(section)
+    if dotted in RENAMED:
+        raise ConfigError(f"config key '{dotted}' is now {RENAMED[dotted]}")
     if name not in fields:
         raise ConfigError(
             f"unknown config key '{dotted}': keys in {section} are {', '.join(sorted(fields))}")
@@ -243,37 +264,42 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
 def validate(cfg: Config) -> Config:
     """Check every field's bounds and choices, then cross-field rules."""
     for section in SECTIONS:
-        obj = getattr(cfg, section)
-        for f in dataclasses.fields(obj):
-            value, meta, key = getattr(obj, f.name), f.metadata, f"{section}.{f.name}"
-            if value is None:
-                continue
-            if meta.get("choices") and value not in meta["choices"]:
-                raise ConfigError(f"{key}={value!r}: allowed values are {', '.join(map(str, meta['choices']))}")
-            if meta.get("min") is not None and value < meta["min"]:
-                raise ConfigError(f"{key}={value!r}: must be >= {meta['min']}")
-            if meta.get("max") is not None and value > meta["max"]:
-                raise ConfigError(f"{key}={value!r}: must be <= {meta['max']}")
+        for f in dataclasses.fields(getattr(cfg, section)):
+            _check_field(cfg, f"{section}.{f.name}")
     _validate_cross(cfg)
     return cfg
 
 
+def _check_field(cfg: Config, key: str) -> None:
+    """A field's bounds and choices (from its `_spec`)."""
+    section, name = key.split(".")
+    value, meta = getattr(getattr(cfg, section), name), _section_fields(section)[name].metadata
+    if value is None:
+        return
+    if meta.get("choices") and value not in meta["choices"]:
+        raise ConfigError(f"{key}={value!r}: allowed values are {', '.join(map(str, meta['choices']))}")
+    if meta.get("min") is not None and value < meta["min"]:
+        raise ConfigError(f"{key}={value!r}: must be >= {meta['min']}")
+    if meta.get("max") is not None and value > meta["max"]:
+        raise ConfigError(f"{key}={value!r}: must be <= {meta['max']}")
+
+
 def _validate_cross(cfg: Config) -> None:
     n_workers, batch = cfg.runtime.num_workers, cfg.data.train_batch_size
-    tp = cfg.rollout.tensor_parallel_size
-    if n_workers % tp:
-        raise ConfigError(f"rollout.tensor_parallel_size={tp}: must divide runtime.num_workers={n_workers}")
-    if batch % (n_workers // tp):
+    size = cfg.rollout.replica_size
+    if n_workers % size:
+        raise ConfigError(f"rollout.replica_size={size}: must divide runtime.num_workers={n_workers}")
+    if batch % (n_workers // size):
         raise ConfigError(f"data.train_batch_size={batch}: must be divisible by the number of rollout "
-                          f"replicas, runtime.num_workers / rollout.tensor_parallel_size = {n_workers // tp}")
+                          f"replicas, runtime.num_workers / rollout.replica_size = {n_workers // size}")
     mini = cfg.actor.ppo_mini_batch_size
     if batch % mini:
         raise ConfigError(f"actor.ppo_mini_batch_size={mini}: must divide data.train_batch_size={batch}")
     if cfg.runtime.mode == "centralized":
         if cfg.runtime.launcher != "ray":
             raise ConfigError("runtime.mode='centralized': needs runtime.launcher=ray (the driver is Ray's)")
-        if cfg.rollout.tensor_parallel_size != 1:
-            raise ConfigError("runtime.mode='centralized': needs rollout.tensor_parallel_size=1")
+        if cfg.rollout.replica_size != 1:
+            raise ConfigError("runtime.mode='centralized': needs rollout.replica_size=1")
         if cfg.scheduler.overlap is True:
             raise ConfigError("runtime.mode='centralized': runs one node at a time; use scheduler.overlap=auto or false")
     if cfg.runtime.ray_address is not None:
@@ -291,6 +317,7 @@ def _validate_cross(cfg: Config) -> None:
         if not any(name.endswith(".safetensors") for name in os.listdir(path)):
             raise ConfigError(f"model.path={cfg.model.path!r}: no .safetensors weights there (pickled .bin "
                               f"weights are never loaded; re-save with save_pretrained(safe_serialization=True))")
+    validate_recipe_name(cfg.algorithm.name)
     if cfg.algorithm.graph is not None and not os.path.isfile(os.path.expanduser(cfg.algorithm.graph)):
         raise ConfigError(f"algorithm.graph={cfg.algorithm.graph!r}: no such file")
     buffer = cfg.algorithm.overlong_buffer_len
@@ -326,29 +353,104 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def _read_yaml(path: str | Path, what: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"{what}: no such file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{what}: top level must be a mapping")
+    return tree
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """An algorithm as data: what it is, and the config values it stands for (its
+    estimator, policy loss, aggregation, optional nodes and tuned defaults)."""
+
+    name: str
+    description: str
+    paper: str
+    settings: tuple[tuple[str, Any], ...]  # (section.key, value), applied where the user set nothing
+
+    def setting(self, key: str) -> Any:
+        """The recipe's value for `key`, else the config's default."""
+        return dict(self.settings).get(key, _default(key))
+
+
+def _default(dotted: str) -> Any:
+    section, name = dotted.split(".")
+    return getattr(getattr(Config(), section), name)
+
+
+def _beside(value: Any, folder: Path) -> Any:
+    """`file.py:function` in a recipe file means the file beside the recipe."""
+    if isinstance(value, str) and ".py:" in value:
+        target, _, fn = value.rpartition(":")
+        if not Path(target).expanduser().is_absolute():
+            return f"{(folder / target).resolve()}:{fn}"
+    return value
+
+
+def load_recipe(name: str) -> Recipe:
+    """A built-in recipe by name, or a recipe YAML file (`description`, `paper`, and
+    config sections such as `algorithm:`). Every key is checked like a config key."""
+    builtin = name in ALGORITHMS
+    path = RECIPES_DIR / f"{name}.yaml" if builtin else Path(os.path.expanduser(name))
+    what = f"recipe {name}" if builtin else f"algorithm.name={name}"
+    tree = _read_yaml(path, what)
+    unknown = sorted(set(tree) - {"description", "paper"} - set(SECTIONS))
+    if unknown:
+        raise ConfigError(f"{what}: unknown key(s) {unknown} (keys: description, paper, {', '.join(SECTIONS)})")
+    settings = [(k, _beside(v, path.parent)) for k, v in _flatten({k: v for k, v in tree.items() if k in SECTIONS})]
+    probe = Config()
+    for key, value in settings:
+        if key == "algorithm.name":
+            raise ConfigError(f"{what}: a recipe cannot set algorithm.name")
+        try:
+            _set(probe, key, value)
+            _check_field(probe, key)
+        except ConfigError as e:
+            raise ConfigError(f"{what}: {e}") from None
+    return Recipe(path.stem, str(tree.get("description", "")), str(tree.get("paper", "")), tuple(settings))
+
+
+def with_recipe(cfg: Config, name: str) -> Config:
+    """A copy of `cfg` with every setting of recipe `name` applied (a YAML graph's `base:`)."""
+    if name == cfg.algorithm.name:
+        return cfg
+    validate_recipe_name(name)
+    out = copy.deepcopy(cfg)
+    out.algorithm.name = name
+    for key, value in load_recipe(name).settings:
+        _set(out, key, value)
+    return out
+
+
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     cfg, given = Config(), set()
     if path is not None:
-        if not os.path.isfile(path):
-            raise ConfigError(f"--config {path}: no such file")
-        try:
-            with open(path, encoding="utf-8") as f:
-                tree = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"--config {path}: top level must be a mapping of sections")
-        for key, value in _flatten(tree):
+        for key, value in _flatten(_read_yaml(path, f"--config {path}")):
             _set(cfg, key, value)
             given.add(key)
     for text in overrides:
         key, value = parse_override(text)
         _set(cfg, key, value)
         given.add(key)
-    for key, value in RECIPE_DEFAULTS.get(cfg.algorithm.name, {}).items():
+    validate_recipe_name(cfg.algorithm.name)
+    for key, value in load_recipe(cfg.algorithm.name).settings:
         if key not in given:
             _set(cfg, key, value)
     return validate(cfg)
+
+
+def validate_recipe_name(name: str) -> None:
+    if name not in ALGORITHMS and not name.endswith((".yaml", ".yml")):
+        raise ConfigError(f"algorithm.name={name!r}: allowed values are {', '.join(ALGORITHMS)} "
+                          "or a recipe .yaml file")
 
 
 def from_dict(tree: dict[str, dict[str, Any]]) -> Config:

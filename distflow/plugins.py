@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
 from typing import Callable
 
 
@@ -25,12 +26,7 @@ def load_callable(spec: str, what: str) -> Callable:
         path = os.path.abspath(os.path.expanduser(target))
         if not os.path.isfile(path):
             raise PluginError(f"{what}={spec!r}: no such file {path}")
-        module_spec = importlib.util.spec_from_file_location(f"distflow_user_{abs(hash(path))}", path)
-        module = importlib.util.module_from_spec(module_spec)
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as e:  # the user's file fails to import: say which and why, in one line
-            raise PluginError(f"{what}={spec!r}: importing {path} failed: {type(e).__name__}: {e}") from None
+        module = _load_file(path, spec, what)
     else:
         try:
             module = importlib.import_module(target)
@@ -40,3 +36,19 @@ def load_callable(spec: str, what: str) -> Callable:
     if not callable(fn):
         raise PluginError(f"{what}={spec!r}: {target} has no function {name}")
     return fn
+
+
+def _load_file(path: str, spec: str, what: str):
+    """A user's .py file as a module, executed once per process: a second load returns
+    the same module, so its registrations (e.g. `@register_adv_est`) run once."""
+    name = f"distflow_user_{abs(hash(path))}"
+    if name in sys.modules:
+        return sys.modules[name]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # the user's file fails to import: say which and why, in one line
+        raise PluginError(f"{what}={spec!r}: importing {path} failed: {type(e).__name__}: {e}") from None
+    sys.modules[name] = module
+    return module

@@ -37,7 +37,7 @@ def test_yaml_file_then_overrides(tmp_path):
     ("trainer.save_final=3", "trainer.save_final=3: expected bool"),
     ("model.path=/does/not/exist", "model.path='/does/not/exist': not a local HuggingFace model folder"),
     ("data.train_batch_size=15", "data.train_batch_size=15: must be divisible by the number of rollout replicas"),
-    ("rollout.tensor_parallel_size=3", "rollout.tensor_parallel_size=3: must divide runtime.num_workers=2"),
+    ("rollout.replica_size=3", "rollout.replica_size=3: must divide runtime.num_workers=2"),
     ("actor.ppo_mini_batch_size=5", "actor.ppo_mini_batch_size=5: must divide"),
     ("runtime.mode=central", "runtime.mode='central': allowed values are"),
     ("runtime.ray_address=1.2.3.4:6379 runtime.launcher=torchrun", "needs runtime.launcher=ray"),

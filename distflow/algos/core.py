@@ -14,11 +14,12 @@ Shape conventions (B = batch of responses, T = response length, V = vocab):
 * ``group_ids``: int ``(B,)``; responses sharing an id are the n samples of one
   prompt. Ids need not be sorted or contiguous.
 
-Advantage estimators and policy losses live in registries so that a config
-string (``"grpo"``, ``"gspo"``, ...) selects the implementation. Estimators
-are called with keyword arguments and each returns ``(advantages, returns)``,
-both ``(B, T)`` and zero on masked positions. Policy losses share the
-signature of :func:`policy_loss_vanilla` and return a :class:`PolicyLossOutput`.
+The ``compute_*_advantage`` functions are the estimators' math, each with the
+arguments it needs; ``estimators.py`` calls every one of them through one
+registry signature. Policy losses share the signature of
+:func:`policy_loss_vanilla` and return a :class:`PolicyLossOutput`; KL
+estimators share ``(log_probs, ref_log_probs) -> (B, T)``. Both are selected
+by name through registries.
 """
 
 from __future__ import annotations
@@ -29,29 +30,27 @@ from typing import Callable
 import torch
 
 __all__ = [
-    "ADV_ESTIMATORS",
     "POLICY_LOSSES",
     "AGG_LOSS_MODES",
-    "KL_PENALTY_KINDS",
     "PolicyLossOutput",
-    "register_adv_est",
-    "get_adv_estimator",
     "register_policy_loss",
     "get_policy_loss",
     "masked_sum",
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "batch_whiten",
     "compute_grpo_advantage",
     "compute_dr_grpo_advantage",
     "compute_rloo_advantage",
     "compute_reinforce_plus_plus_advantage",
     "compute_reinforce_plus_plus_baseline_advantage",
     "compute_gae_advantage",
+    "compute_remax_advantage",
+    "discounted_returns",
     "agg_loss",
     "policy_loss_vanilla",
     "policy_loss_gspo",
-    "kl_penalty",
     "entropy_from_logits",
     "log_probs_from_logits",
     "value_loss_clipped",
@@ -70,11 +69,10 @@ _WHITEN_EPS = 1e-8
 # Registries
 # --------------------------------------------------------------------------
 
-ADV_ESTIMATORS: dict[str, Callable] = {}
 POLICY_LOSSES: dict[str, Callable] = {}
 
 
-def _register(registry: dict[str, Callable], kind: str, name: str) -> Callable:
+def register(registry: dict[str, Callable], kind: str, name: str) -> Callable:
     def decorator(fn: Callable) -> Callable:
         existing = registry.get(name)
         # Silently replacing an entry would make a config string mean two
@@ -87,30 +85,20 @@ def _register(registry: dict[str, Callable], kind: str, name: str) -> Callable:
     return decorator
 
 
-def _lookup(registry: dict[str, Callable], kind: str, name: str) -> Callable:
+def lookup(registry: dict[str, Callable], kind: str, name: str) -> Callable:
     if name not in registry:
         raise ValueError(f"Unknown {kind} {name!r}; allowed: {sorted(registry)}")
     return registry[name]
 
 
-def register_adv_est(name: str) -> Callable[[Callable], Callable]:
-    """Decorator registering an advantage estimator under ``name``."""
-    return _register(ADV_ESTIMATORS, "advantage estimator", name)
-
-
-def get_adv_estimator(name: str) -> Callable:
-    """Return the advantage estimator registered as ``name`` (ValueError if none)."""
-    return _lookup(ADV_ESTIMATORS, "advantage estimator", name)
-
-
 def register_policy_loss(name: str) -> Callable[[Callable], Callable]:
     """Decorator registering a policy loss under ``name``."""
-    return _register(POLICY_LOSSES, "policy loss", name)
+    return register(POLICY_LOSSES, "policy loss", name)
 
 
 def get_policy_loss(name: str) -> Callable:
     """Return the policy loss registered as ``name`` (ValueError if none)."""
-    return _lookup(POLICY_LOSSES, "policy loss", name)
+    return lookup(POLICY_LOSSES, "policy loss", name)
 
 
 # --------------------------------------------------------------------------
@@ -162,6 +150,29 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
     return whitened if shift_mean else whitened + mean
 
 
+def local_sums(*values: float) -> list[float]:
+    """The identity reduction: the statistics of this process's data alone."""
+    return list(values)
+
+
+def batch_whiten(
+    x: torch.Tensor, mask: torch.Tensor, sum_fn: Callable[..., list[float]] = local_sums
+) -> torch.Tensor:
+    """Whiten ``x`` over the valid tokens of the whole batch; 0 on masked positions.
+
+    The batch may be spread over processes: ``sum_fn`` reduces (sum x, sum x^2,
+    count) over all of them (an all-reduce in a distributed run, injected by the
+    caller so that this module stays free of collectives). One pass of moments,
+    so every process computes the same mean and unbiased variance from three
+    numbers; a batch with one valid token has variance 0 and whitens to 0.
+    """
+    m = mask.float()
+    total, total_sq, count = sum_fn(float((x * m).sum()), float((x * x * m).sum()), float(m.sum()))
+    mean = total / max(count, 1.0)
+    var = (total_sq - count * mean * mean) / max(count - 1.0, 1.0)
+    return (x - mean) * torch.rsqrt(torch.tensor(max(var, 0.0) + _WHITEN_EPS)) * m
+
+
 # --------------------------------------------------------------------------
 # Advantage estimators
 # --------------------------------------------------------------------------
@@ -190,7 +201,6 @@ def _group_stats(
     return count[inverse], total[inverse], mean[inverse], std[inverse]
 
 
-@register_adv_est("grpo")
 def compute_grpo_advantage(
     rewards: torch.Tensor,
     mask: torch.Tensor,
@@ -221,7 +231,6 @@ def compute_grpo_advantage(
     return adv, adv
 
 
-@register_adv_est("dr_grpo")
 def compute_dr_grpo_advantage(
     rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,7 +242,6 @@ def compute_dr_grpo_advantage(
     return compute_grpo_advantage(rewards, mask, group_ids, norm_by_std=False)
 
 
-@register_adv_est("rloo")
 def compute_rloo_advantage(
     rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,7 +260,7 @@ def compute_rloo_advantage(
     return adv, adv
 
 
-def _discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """Return-to-go over valid tokens only; masked tokens are transparent.
 
     A masked token (e.g. a tool observation inside a multi-turn response) adds no
@@ -269,7 +277,6 @@ def _discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: 
     return returns
 
 
-@register_adv_est("reinforce_plus_plus")
 def compute_reinforce_plus_plus_advantage(
     token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,12 +286,11 @@ def compute_reinforce_plus_plus_advantage(
     (advantages (B, T), returns (B, T))``; ``returns`` is the un-whitened
     return-to-go. Rewards on masked positions are ignored.
     """
-    returns = _discounted_returns(_as_float(token_rewards), mask, gamma)  # (B, T)
+    returns = discounted_returns(_as_float(token_rewards), mask, gamma)  # (B, T)
     adv = masked_whiten(returns, mask) * mask.to(returns.dtype)
     return adv, returns
 
 
-@register_adv_est("reinforce_plus_plus_baseline")
 def compute_reinforce_plus_plus_baseline_advantage(
     rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,7 +306,6 @@ def compute_reinforce_plus_plus_baseline_advantage(
     return adv, adv
 
 
-@register_adv_est("gae")
 def compute_gae_advantage(
     token_rewards: torch.Tensor,
     values: torch.Tensor,
@@ -333,11 +338,27 @@ def compute_gae_advantage(
     return adv, returns
 
 
+def compute_remax_advantage(
+    token_rewards: torch.Tensor, baseline: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (Li et al. 2023): return-to-go minus the reward of a greedy response.
+
+    Signature: ``(token_rewards (B, T), baseline (B,), mask (B, T)) ->
+    (advantages (B, T), returns (B, T))``; returns == advantages. ``baseline``
+    is the reward the greedy decode of the sample's prompt earned, so a sample
+    is credited only for beating the policy's own mode. As verl: undiscounted
+    return-to-go (gamma 1), no whitening.
+    """
+    returns = discounted_returns(_as_float(token_rewards), mask, 1.0)  # (B, T)
+    adv = (returns - _as_float(baseline).unsqueeze(-1)) * mask.to(returns.dtype)
+    return adv, adv
+
+
 # --------------------------------------------------------------------------
 # Loss aggregation
 # --------------------------------------------------------------------------
 
-AGG_LOSS_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_LOSS_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def _denominator(local: torch.Tensor, global_count: float | None, what: str) -> torch.Tensor | float:
@@ -363,6 +384,8 @@ def agg_loss(
     Modes:
 
     * ``token-mean``: ``sum(loss * mask) / num_tokens``.
+    * ``token-sum``: ``sum(loss * mask)``, no normaliser: the step size grows
+      with the number of tokens (verl's ``token-sum``; pair it with a smaller lr).
     * ``seq-mean-token-sum``: ``sum_i (sum_t loss_it) / num_seqs``.
     * ``seq-mean-token-mean``: ``sum_i (mean_t loss_it) / num_seqs``.
     * ``seq-mean-token-sum-norm``: ``sum(loss * mask) / (num_seqs * norm_len)``;
@@ -378,6 +401,8 @@ def agg_loss(
     m = mask.to(loss_mat.dtype)
     if mode == "token-mean":
         return masked_sum(loss_mat, mask) / _denominator(m.sum(), global_num_tokens, "global_num_tokens")
+    if mode == "token-sum":  # shards' sums add up to the full batch's sum as they are
+        return masked_sum(loss_mat, mask)
     if mode not in AGG_LOSS_MODES:
         raise ValueError(f"Unknown loss_agg_mode {mode!r}; allowed: {list(AGG_LOSS_MODES)}")
     tokens_per_seq = m.sum(-1)  # (B,)
@@ -504,30 +529,6 @@ def policy_loss_gspo(
 # --------------------------------------------------------------------------
 # KL, entropy, log-probs
 # --------------------------------------------------------------------------
-
-KL_PENALTY_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs")
-
-
-def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL estimate between the policy and the reference ``(B, T)``.
-
-    ``k1``: ``logp - ref``; ``k2``: ``0.5 (logp - ref)^2``; ``abs``:
-    ``|logp - ref|``; ``k3`` / ``low_var_kl`` (Schulman's estimator):
-    ``exp(ref - logp) - (ref - logp) - 1``, clamped to [-10, 10] as verl does
-    because its tail is exponential.
-    """
-    diff = log_probs - ref_log_probs
-    if kind == "k1":
-        return diff
-    if kind == "k2":
-        return 0.5 * diff.square()
-    if kind == "abs":
-        return diff.abs()
-    if kind in ("k3", "low_var_kl"):
-        log_r = (-diff).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-        return (torch.exp(log_r) - log_r - 1).clamp(-10.0, 10.0)
-    raise ValueError(f"Unknown kl penalty kind {kind!r}; allowed: {list(KL_PENALTY_KINDS)}")
-
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of ``softmax(logits)`` ``(B, T, V) -> (B, T)``.

@@ -1,10 +1,9 @@
-"""Asynchronous double buffering: item i+1 is produced (transferred, prefetched) on a
-background thread while the caller computes on item i.
+"""Asynchronous double buffering: item i+1 is produced (the next step's prompts read
+and tokenised) on a background thread while the caller computes on item i.
 
-A producer that runs collectives must use its own process group (`background_group`):
-collectives on one group are ordered per rank, so a background transfer on the default
-group could interleave with the main thread's (FSDP's) collectives in a different order
-on different ranks and deadlock.
+A producer must not run collectives on the default process group: collectives on one
+group are ordered per rank, so a background one could interleave with the main
+thread's (FSDP's) in a different order on different ranks and deadlock.
 
 Every produce and compute span is recorded in an `EventLog`, so overlap is shown from
 events (transfer i+1 finished before compute i did), not inferred from timings.
@@ -20,7 +19,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-import torch.distributed as dist
 
 T = TypeVar("T")
 
@@ -54,17 +52,6 @@ class EventLog:
         """Did producing item index+1 finish while item index was still computing?"""
         nxt, cur = self.get("produce", index + 1), self.get("compute", index)
         return nxt.start < cur.end and nxt.end <= cur.end
-
-
-_BACKGROUND_GROUP = None
-
-
-def background_group():
-    """A second gloo group for background transfers (created once, collectively)."""
-    global _BACKGROUND_GROUP
-    if _BACKGROUND_GROUP is None and dist.is_initialized():
-        _BACKGROUND_GROUP = dist.new_group(backend="gloo")
-    return _BACKGROUND_GROUP
 
 
 class DoubleBuffer(Generic[T]):

@@ -17,6 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# A step's rows are laid out per stage as `local` (as the rollout made them), `groups`
+# (whole prompt groups per rollout replica) or `train` (data-parallel, token-balanced);
+# they move only in this order (coordinator/placement.py).
+LAYOUTS = ("local", "groups", "train")
+LAYOUT_ORDER = {name: i for i, name in enumerate(LAYOUTS)}
+
 
 @dataclass(frozen=True)
 class Layout:

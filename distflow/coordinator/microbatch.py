@@ -16,18 +16,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import torch
-import torch.distributed as dist
-
+from distflow.collectives import all_reduce_max
 from distflow.coordinator.planner import karmarkar_karp
-
-
-def _agree_max(value: int, group=None) -> int:
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t)
 
 
 def _count_for_budget(lengths: Sequence[int], max_tokens: int) -> int:
@@ -56,7 +46,7 @@ def plan_micro_batches(lengths: Sequence[int], *, micro_batch_size: int | None =
                        max_tokens: int | None = None, group=None) -> list[list[int]]:
     """Row indices of each micro-batch; the same number of micro-batches on every rank."""
     parts = local_micro_batches(lengths, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
-    k = _agree_max(max(len(parts), 1), group)
+    k = all_reduce_max(max(len(parts), 1), group)
     if max_tokens is not None and parts and len(parts) < k:  # more, smaller parts balance better
         parts = [sorted(p) for p in karmarkar_karp(list(lengths), k)]
     return parts + [[] for _ in range(k - len(parts))]

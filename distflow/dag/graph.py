@@ -5,7 +5,7 @@ output fields (every field has exactly one producer). Edges follow from the fiel
 optional explicit `deps` for pure ordering. The graph is validated before any model
 loads; every problem is a `GraphError` whose message is one line naming the node.
 
-    Node("reward", "reward", "distflow.trainer.nodes:reward",
+    Node("reward", "reward", my_nodes.reward,
          inputs=["responses", "response_mask", "ground_truth"], outputs=["rewards"])
 
 A node's callable is `fn(ctx, batch) -> Batch`: `batch` holds exactly its inputs for the
@@ -32,15 +32,15 @@ from typing import Any, Callable, Iterable
 
 import yaml
 
+from distflow.coordinator.layout import LAYOUT_ORDER, LAYOUTS
 from distflow.plugins import PluginError, load_callable
 
-ROLES = ("rollout", "reward", "reference", "actor_forward", "critic_forward", "advantage",
+ROLES = ("rollout", "rollout_forward", "reward", "reference", "actor_forward", "critic_forward", "advantage",
          "actor_train", "critic_train", "filter", "custom")
-LAYOUTS = ("local", "groups", "train")
-_LAYOUT_ORDER = {name: i for i, name in enumerate(LAYOUTS)}
 # defaults by role: (layout, collective, chunked)
 _ROLE_DEFAULTS = {
     "rollout": ("local", False, False),
+    "rollout_forward": ("local", False, True),  # scoring with the rollout engine's own weights
     "reward": ("local", False, True),
     "reference": ("local", False, True),
     "actor_forward": ("train", True, False),
@@ -137,7 +137,7 @@ class Graph:
         self.order = self._order()
         for node in self.nodes:
             for parent in self.ancestors(node.name):
-                if _LAYOUT_ORDER[self.by_name[parent].layout] > _LAYOUT_ORDER[node.layout]:
+                if LAYOUT_ORDER[self.by_name[parent].layout] > LAYOUT_ORDER[node.layout]:
                     raise GraphError(f"node '{node.name}': layout '{node.layout}' cannot follow node "
                                      f"'{parent}' in layout '{self.by_name[parent].layout}' "
                                      "(layouts only move local -> groups -> train)")
@@ -161,7 +161,7 @@ class Graph:
             if not ready:
                 cycle = self._cycle_path(remaining)
                 raise GraphError(f"node '{cycle[0]}': is part of a cycle ({' -> '.join(cycle)})")
-            best = min(ready, key=lambda n: (_LAYOUT_ORDER[self.by_name[n].layout], position[n]))
+            best = min(ready, key=lambda n: (LAYOUT_ORDER[self.by_name[n].layout], position[n]))
             done.append(best)
             del remaining[best]
         return done

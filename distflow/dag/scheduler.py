@@ -9,6 +9,10 @@ Every other node runs on a small thread pool as soon as its inputs exist
 behind a streaming rollout. With `overlap=False` the nodes run one after another in the
 same order (the comparison point, and the simplest thing to debug).
 
+`begin`, `run_node`, `run_stream` and `timed` are also what another execution strategy
+drives: the centralized baseline (`runtime/centralized.py`) runs one node at a time on
+the driver's command with them.
+
 Each node run is recorded as a span; `chrome_trace` turns a step's spans into a trace
 that chrome://tracing or Perfetto shows, one row per thread.
 """
@@ -18,16 +22,17 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
 
-from distflow.coordinator.executor import TransferStats, reshard
-from distflow.coordinator.layout import Layout
+from distflow.collectives import all_gather_objects, all_reduce_int
+from distflow.coordinator.layout import LAYOUT_ORDER
+from distflow.coordinator.placement import Placement
 from distflow.coordinator.store import LocalStore
-from distflow.dag.graph import _LAYOUT_ORDER, Graph, Node
+from distflow.dag.graph import Graph, Node
 from distflow.data.batch import Batch
 
 
@@ -68,70 +73,10 @@ class Span:
     chunk: int | None = None
 
 
-@dataclass
-class Placement:
-    """The store's layouts: `local` (rows as the rollout made them: unique per worker),
-    `groups` (whole prompt groups on each worker: the rollout TP group's replica) and
-    `train` (data-parallel over all workers, balanced by tokens). Moves are reshards."""
-
-    rollout: Layout
-    train: Layout
-    stats: TransferStats = field(default_factory=TransferStats)
-    balance: str = "kk"
-    tolerance: float = 0.02
-
-    def moves(self, src: str, dst: str) -> bool:
-        if src == dst:
-            return False
-        if dst == "groups":
-            return self.rollout.tp_size > 1  # with TP=1 every worker already holds whole groups
-        return self.train.world_size > 1
-
-    def layouts(self, src: str, dst: str) -> tuple[Layout, Layout, str]:
-        """(source layout, target layout, balance) of a move."""
-        if dst == "groups":  # gather the replica's shares on every member of its TP group
-            return self.train, self.rollout, "none"
-        return self.rollout if src == "groups" else self.train, self.train, self.balance
-
-    def move(self, store: LocalStore, src: str, dst: str) -> None:
-        batch = store.all()
-        source, target, balance = self.layouts(src, dst)
-        new, _, _ = reshard(batch, batch["sample_id"], sequence_lengths(batch), source, target,
-                            balance=balance, tolerance=self.tolerance, stats=self.stats)
-        store.replace(new)
-
-
-class Relay(Protocol):
-    """runtime.mode=centralized: a single controller runs the graph. The scheduler sends
-    it the step's sources, then carries out its commands (`runtime/centralized.py`): run
-    a node on the inputs it sends, take the rows it sends (a layout change), or end the
-    step; each node's outputs go back to it."""
-
-    def sources(self, batch: Batch) -> None: ...
-
-    def command(self) -> Any: ...  # .kind: run | move | end; .node: the node to run (move: the layout)
-
-    def inputs(self, store: LocalStore, command: Any) -> None: ...  # a run command's inputs into the store
-
-    def received(self, command: Any) -> Batch: ...  # a move command's rows
-
-    def outputs(self, store: LocalStore, fields: list[str]) -> None: ...
-
-
-def sequence_lengths(batch: Batch) -> list[int]:
-    length = batch["prompt_mask"].sum(-1)
-    if "response_mask" in batch:
-        length = length + batch["response_mask"].sum(-1)
-    return length.tolist()
-
-
 class Scheduler:
     def __init__(self, graph: Graph, *, placement: Placement, overlap: bool = True, threads: int = 2,
-                 refill: RefillSource | None = None, on_node: Callable[[str], None] | None = None,
-                 relay: Relay | None = None):
-        self.graph, self.placement, self.relay = graph, placement, relay
-        if relay is not None and (overlap or refill is not None or any(n.role == "filter" for n in graph.nodes)):
-            raise ValueError("a relayed (centralized) run executes one node at a time and has no filters")
+                 refill: RefillSource | None = None, on_node: Callable[[str], None] | None = None):
+        self.graph, self.placement = graph, placement
         self.fns = graph.resolve()
         self.refill, self.on_node = refill, on_node
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -151,32 +96,13 @@ class Scheduler:
 
     def run(self, ctx: Any, store: LocalStore, step: int) -> list[Span]:
         """Run every node on this worker's store; returns the step's spans."""
-        self.step, self.spans, self.state, self.counters = step, [], "local", {}
-        if self.relay is not None:
-            self._run_commanded(ctx, store)
-        else:
-            self._run_nodes(ctx, store, self.graph.order, top_level=True)
+        self.begin(step)
+        self._run_nodes(ctx, store, self.graph.order, top_level=True)
         return self.spans
 
-    def _run_commanded(self, ctx: Any, store: LocalStore) -> None:
-        """runtime.mode=centralized: the driver runs the graph, one node at a time; this
-        worker sends it the step's sources and carries out its commands."""
-        self._timed("relay_sources", lambda: self.relay.sources(store.all()))
-        while True:
-            command = self.relay.command()
-            if command.kind == "end":
-                return
-            if command.kind == "move":
-                self._timed(f"reshard_{command.node}", lambda: store.replace(self.relay.received(command)))
-                continue
-            node = self.graph.by_name[command.node]
-            self._timed(f"relay_in_{node.name}", lambda: self.relay.inputs(store, command))
-            if node.stream:  # its chunks, one after another (no pool: no consumers run behind it)
-                self._run_stream(ctx, store, node, [], {})
-            else:
-                self._run_node(ctx, store, node)
-            if node.outputs:
-                self._timed(f"relay_out_{node.name}", lambda: self.relay.outputs(store, node.outputs))
+    def begin(self, step: int) -> None:
+        """A new step: spans, counters and the store's layout start afresh."""
+        self.step, self.spans, self.state, self.counters = step, [], "local", {}
 
     def _run_nodes(self, ctx: Any, store: LocalStore, order: list[str], top_level: bool) -> None:
         futures: dict[str, Future] = {}
@@ -189,21 +115,21 @@ class Scheduler:
                 for parent in self.graph.parents[name]:
                     if parent in futures:
                         futures[parent].result()
-                if _LAYOUT_ORDER[node.layout] > _LAYOUT_ORDER[self.state]:
+                if LAYOUT_ORDER[node.layout] > LAYOUT_ORDER[self.state]:
                     if self.placement.moves(self.state, node.layout):
                         self._wait(futures)  # rows are about to change under them
-                        self._timed(f"reshard_{node.layout}",
+                        self.timed(f"reshard_{node.layout}",
                                     lambda: self.placement.move(store, self.state, node.layout))
                     self.state = node.layout
                 if node.stream:
-                    handled |= self._run_stream(ctx, store, node, order, futures)
+                    handled |= self.run_stream(ctx, store, node, order, futures)
                 elif node.role == "filter":
                     self._wait(futures)
                     self._run_filter(ctx, store, node, top_level)
                 elif node.collective or self.pool is None:
-                    self._run_node(ctx, store, node)
+                    self.run_node(ctx, store, node)
                 else:
-                    futures[name] = self.pool.submit(self._run_node, ctx, store, node)
+                    futures[name] = self.pool.submit(self.run_node, ctx, store, node)
             self._wait(futures)
         except NodeFailed:
             self._wait(futures, quiet=True)
@@ -241,7 +167,7 @@ class Scheduler:
         with self._lock:
             self.spans.append(Span(name, threading.current_thread().name, start, time.perf_counter(), chunk))
 
-    def _timed(self, name: str, fn: Callable[[], None]) -> None:
+    def timed(self, name: str, fn: Callable[[], None]) -> None:
         if self.on_node is not None:
             self.on_node(name)
         start = time.perf_counter()
@@ -269,7 +195,7 @@ class Scheduler:
             raise NodeFailed(f"node '{node.name}' returned {len(out)} rows for {rows} input rows")
         return out
 
-    def _run_node(self, ctx: Any, store: LocalStore, node: Node) -> None:
+    def run_node(self, ctx: Any, store: LocalStore, node: Node) -> None:
         batch = self._inputs(store, node)
         out = self._check(node, self._call(ctx, node, batch), len(store))
         if node.outputs:
@@ -292,7 +218,7 @@ class Scheduler:
                 out.append(c)
         return out
 
-    def _run_stream(self, ctx: Any, store: LocalStore, node: Node, order: list[str],
+    def run_stream(self, ctx: Any, store: LocalStore, node: Node, order: list[str],
                     futures: dict[str, Future]) -> set[str]:
         consumers = self._stream_consumers(node, order) if self.pool is not None else []
         pieces: list[Batch] = []
@@ -371,7 +297,7 @@ class Scheduler:
         store.put(keep)
         if node.refill and self.refill is not None:
             if top_level:  # inside a refill round the rows stay, flagged, for the final choice
-                self._timed(f"{node.name}_refill", lambda: self._refill(ctx, store, node))
+                self.timed(f"{node.name}_refill", lambda: self._refill(ctx, store, node))
             return
         store.replace(store.all().select(keep[node.outputs[0]].bool().nonzero().flatten()))
 
@@ -386,7 +312,7 @@ class Scheduler:
         def passed(batch: Batch) -> set[int]:
             return {k for k, ok in zip(src.group_keys(batch), batch[flag].tolist()) if ok}
 
-        while (_all_reduce_int(sum(len(passed(b)) for b in batches)) < src.target_groups
+        while (all_reduce_int(sum(len(passed(b)) for b in batches)) < src.target_groups
                and rounds < src.max_rounds):
             rounds += 1
             more, state = LocalStore(), self.state
@@ -402,23 +328,7 @@ class Scheduler:
         chosen_set = set(chosen)
         store.replace(src.renumber(batch.select([i for i, k in enumerate(keys) if k in chosen_set]), chosen))
         self.counters[f"{node.name}/refill_rounds"] = float(rounds)
-        self.counters[f"{node.name}/passed_groups"] = float(_all_reduce_int(len(good)))
-
-
-def _all_reduce_int(value: int) -> int:
-    t = torch.tensor([value], dtype=torch.int64)
-    if dist.is_initialized():
-        dist.all_reduce(t)
-    return int(t)
-
-
-def all_gather_objects(obj: Any) -> list[Any]:
-    """Every rank's `obj` (small metadata only), in rank order; [obj] without a process group."""
-    if not dist.is_initialized():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+        self.counters[f"{node.name}/passed_groups"] = float(all_reduce_int(len(good)))
 
 
 def chrome_trace(spans: list[Span], rank: int, t0: float | None = None) -> dict:

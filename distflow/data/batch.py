@@ -74,3 +74,12 @@ class Batch:
 
     def to_device(self, device: torch.device | str) -> "Batch":
         return Batch({k: v.to(device) for k, v in self.tensors.items()}, dict(self.meta))
+
+
+def sequence_lengths(batch: Batch) -> list[int]:
+    """Tokens per sample (prompt, plus response once there is one): what the coordinator
+    balances and micro-batches are budgeted by."""
+    length = batch["prompt_mask"].sum(-1)
+    if "response_mask" in batch:
+        length = length + batch["response_mask"].sum(-1)
+    return length.tolist()

@@ -152,6 +152,12 @@ class ReferenceModel:
         for p in self.model.parameters():
             p.requires_grad_(False)
 
-    @torch.no_grad()
     def compute_log_probs(self, batch: Batch, micro_batches: MicroBatches) -> torch.Tensor:
-        return _gather_rows(batch.to_device(self.device), self.model, micro_batches, policy_forward)
+        return frozen_log_probs(self.model, batch, micro_batches, self.device)
+
+
+@torch.no_grad()
+def frozen_log_probs(model, batch: Batch, micro_batches: MicroBatches, device: torch.device) -> torch.Tensor:
+    """Per-token log-probs of `batch`'s responses under an unsharded model that is not
+    being trained (the reference, or the rollout engine's copy of the policy)."""
+    return _gather_rows(batch.to_device(device), model, micro_batches, policy_forward)

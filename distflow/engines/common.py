@@ -4,13 +4,12 @@ and the one forward pass that turns (prompt, response) pairs into per-token log-
 from __future__ import annotations
 
 import os
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from distflow.algos.core import entropy_from_logits, log_probs_from_logits
-
-BUILTIN_MODEL = "builtin:tiny-arith"
+from distflow.config import BUILTIN_MODEL
 
 
 def resolve_model_path(path: str) -> str:
@@ -55,6 +54,7 @@ def render_prompt(tokenizer, messages: list[dict[str, str]]) -> str:
     return "\n".join(m["content"] for m in messages) + "\n"
 
 
+@runtime_checkable
 class LogProbModel(Protocol):
     """What the trainer needs from anything that scores responses (actor, reference)."""
 

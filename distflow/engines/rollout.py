@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from distflow.data.batch import Batch
+from distflow.engines.actor import frozen_log_probs
 
 
 def sample_seed(*parts: int) -> int:
@@ -56,10 +57,15 @@ class PerSequenceSampler:
         return scores + gumbel.to(scores.device)
 
 
+@runtime_checkable
 class RolloutEngine(Protocol):
+    """What the trainer needs from a rollout engine."""
+
     def generate(self, prompts: list[list[int]], seeds: list[int] | None, params: SamplingParams) -> Batch: ...
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None: ...
+
+    def compute_log_probs(self, batch: Batch, micro_batches: list[list[int]]) -> torch.Tensor: ...
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,6 +95,11 @@ class HFRolloutEngine:
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state_dict, strict=False)
+
+    def compute_log_probs(self, batch: Batch, micro_batches: list[list[int]]) -> torch.Tensor:
+        """Log-probs of `batch`'s responses under this engine's weights: the sampler's
+        (behaviour policy's) own probabilities, e.g. for KL in the reward."""
+        return frozen_log_probs(self.model, batch, micro_batches, next(self.model.parameters()).device)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seeds: list[int] | None, params: SamplingParams) -> Batch:

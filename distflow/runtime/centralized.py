@@ -33,10 +33,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from distflow.coordinator.layout import LAYOUT_ORDER
+from distflow.coordinator.placement import Placement
 from distflow.coordinator.planner import plan_reshard
-from distflow.dag.graph import _LAYOUT_ORDER
-from distflow.dag.scheduler import Placement, sequence_lengths
-from distflow.data.batch import LEFT_PADDED, Batch
+from distflow.coordinator.store import LocalStore
+from distflow.dag.scheduler import Scheduler, Span
+from distflow.data.batch import LEFT_PADDED, Batch, sequence_lengths
 
 
 def to_wire(batch: Batch) -> dict[str, Any]:
@@ -120,6 +122,30 @@ class WorkerRelay:
         local.update(received)
 
 
+def run_commanded_step(scheduler: Scheduler, ctx: Any, store: LocalStore, step: int,
+                       relay: WorkerRelay) -> list[Span]:
+    """A worker's step in centralized mode: send the driver the step's sources, then
+    carry out its commands (run a node on the inputs it sent, take the rows it sent, or
+    end the step) with the scheduler's single-node primitives; returns the step's spans."""
+    scheduler.begin(step)
+    scheduler.timed("relay_sources", lambda: relay.sources(store.all()))
+    while True:
+        command = relay.command()
+        if command.kind == "end":
+            return scheduler.spans
+        if command.kind == "move":
+            scheduler.timed(f"reshard_{command.node}", lambda: store.replace(relay.received(command)))
+            continue
+        node = scheduler.graph.by_name[command.node]
+        scheduler.timed(f"relay_in_{node.name}", lambda: relay.inputs(store, command))
+        if node.stream:  # its chunks, one after another (no pool: no consumers run behind it)
+            scheduler.run_stream(ctx, store, node, [], {})
+        else:
+            scheduler.run_node(ctx, store, node)
+        if node.outputs:
+            scheduler.timed(f"relay_out_{node.name}", lambda: relay.outputs(store, node.outputs))
+
+
 class DriverRelay:
     """The driver's end: runs the graph of every step (`_control`, on a thread of the
     launcher) and holds the step's batch."""
@@ -171,7 +197,7 @@ class DriverRelay:
         self.seconds += time.perf_counter() - start
         state = "local"
         for node in self.nodes:
-            if _LAYOUT_ORDER[node.layout] > _LAYOUT_ORDER[state]:
+            if LAYOUT_ORDER[node.layout] > LAYOUT_ORDER[state]:
                 if self.placement.moves(state, node.layout):
                     self._move(state, node.layout)
                 state = node.layout

@@ -161,7 +161,7 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
             ray.get(actors[0].rendezvous.remote(), timeout=120)
         if centralized is not None:
             from distflow.coordinator.layout import Layout
-            from distflow.dag.scheduler import Placement
+            from distflow.coordinator.placement import Placement
             from distflow.runtime.centralized import DriverRelay
 
             # the workers' placement: rollout rows, then data-parallel training (no TP groups here)

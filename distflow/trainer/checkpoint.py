@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from distflow.dag.scheduler import all_gather_objects
+from distflow.collectives import all_gather_objects
 
 STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -67,8 +67,10 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any])
 
 
 def save(path: Path, *, hf_model, tokenizer, actor, critic, step: int, loader_state: dict[str, int],
-         metrics_file: Path | None, keep_last: int) -> None:
-    """Collective: every rank calls it with its own engines; rank 0 writes `path`."""
+         metrics_file: Path | None, keep_last: int, algorithm_state: dict[str, float] | None = None) -> None:
+    """Collective: every rank calls it with its own engines; rank 0 writes `path`.
+    `algorithm_state`: numbers the algorithm carries across steps (the adaptive KL
+    coefficient), the same on every rank."""
     actor_sd, actor_osd = _full_state(actor.model, actor.optimizer)
     critic_state = _full_state(critic.model, critic.optimizer) if critic is not None else None
     rngs = all_gather_objects(torch.get_rng_state().tolist())  # a few KB between our own workers
@@ -92,7 +94,7 @@ def save(path: Path, *, hf_model, tokenizer, actor, critic, step: int, loader_st
             shutil.copyfile(metrics_file, tmp / "metrics.jsonl")
         _fault_point(f"checkpoint:{step}")
         (tmp / STATE_FILE).write_text(json.dumps({"format": FORMAT_VERSION, "step": step, "dataloader": loader_state,
-                                                  "world_size": len(rngs)}))
+                                                  "world_size": len(rngs), "algorithm": algorithm_state or {}}))
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)  # complete: from now on it is the latest checkpoint

@@ -1,8 +1,10 @@
 """The worker program. Every worker runs `run_worker` (SPMD): it loads the engines,
 takes its own prompts, and runs the step loop; workers meet only in collectives.
 
-`Trainer.step` runs the algorithm's task graph (distflow/dag/recipes.py) with the
-per-worker scheduler; the nodes' code is in nodes.py."""
+`Trainer.step` runs the algorithm's task graph (built from the recipe by recipes.py)
+with the per-worker scheduler; the nodes' code is in nodes.py. In runtime.mode=centralized
+the same scheduler runs each node on the driver's command instead
+(runtime/centralized.py)."""
 
 from __future__ import annotations
 
@@ -20,10 +22,11 @@ import torch.distributed as dist
 from distflow.config import Config, from_dict
 from distflow.coordinator.double_buffer import DoubleBuffer
 from distflow.coordinator.executor import TransferStats
+from distflow.algos.kl import make_kl_controller
 from distflow.coordinator.layout import Layout
+from distflow.coordinator.placement import Placement
 from distflow.coordinator.store import LocalStore
-from distflow.dag.recipes import build_graph
-from distflow.dag.scheduler import Placement, Scheduler, chrome_trace, node_seconds
+from distflow.dag.scheduler import Scheduler, chrome_trace, node_seconds
 from distflow.data.batch import Batch
 from distflow.data.dataset import PromptReader, ShardedDataset
 from distflow.data.loader import ShardedSampler
@@ -33,7 +36,9 @@ from distflow.engines.critic import FSDPCritic
 from distflow.engines.reward import RewardRunner
 from distflow.engines.rollout import HFRolloutEngine, SamplingParams
 from distflow.runtime import netns
+from distflow.runtime.centralized import run_commanded_step
 from distflow.trainer import checkpoint, nodes
+from distflow.trainer.recipes import build_graph
 from distflow.trainer.metrics import MeanAccumulator, MetricsWriter, StageTimer
 from distflow.trainer.report import write_plot
 
@@ -100,12 +105,12 @@ class Trainer:
                                    ).take(val_indices, partial(nodes.encode_prompt, self.tokenizer), replace=False)
         self.row_counts: dict[int, Counter] = defaultdict(Counter)  # step -> skipped rows, truncated prompts
         # Layouts: rollout replicas are TP groups; training is data-parallel over all ranks.
-        self.rollout_layout = Layout(self.world, tp_size=cfg.rollout.tensor_parallel_size)
+        self.rollout_layout = Layout(self.world, tp_size=cfg.rollout.replica_size)
         self.train_layout = Layout.data_parallel(self.world)
         self.sampler = ShardedSampler(len(self.train_rows), cfg.data.train_batch_size,
                                       self.rollout_layout.dp_rank(self.rank), self.rollout_layout.dp_size,
                                       cfg.trainer.seed)
-        roles = {n.role for n in self.graph.nodes}
+        roles = {n.role for n in self.graph.nodes}  # which engines this graph needs
         torch.manual_seed(cfg.trainer.seed)
         # resuming: the policy comes from the checkpoint (a HF folder), the reference from model.path
         self.resume_from = checkpoint.resolve(cfg.trainer.resume, run_dir)
@@ -120,18 +125,23 @@ class Trainer:
         critic = (FSDPCritic(load_causal_lm(cfg.model.path, cfg.model.dtype),
                              OptimConfig(lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip), device)
                   if roles & {"critic_forward", "critic_train"} else None)
-        reward_fn = RewardRunner(cfg.reward.custom_fn, cfg.reward.timeout_s)
-        accuracy_fn = reward_fn if cfg.reward.custom_fn is None else RewardRunner(None, cfg.reward.timeout_s)
+        reward_fn = RewardRunner(cfg.reward.custom_fn, cfg.reward.timeout_s, gsm8k_mode=cfg.reward.gsm8k_mode)
+        accuracy_fn = (reward_fn if cfg.reward.custom_fn is None and cfg.reward.gsm8k_mode == "strict"
+                       else RewardRunner(None, cfg.reward.timeout_s))
+        a = cfg.algorithm
+        reward_kl = (make_kl_controller(a.reward_kl_ctrl, a.reward_kl_coef, a.reward_kl_target, a.reward_kl_horizon)
+                     if a.use_kl_in_reward else None)
+        overlap = resolve_overlap(cfg, device) and relay is None  # a single controller: one node at a time
         self.ctx = nodes.WorkerContext(cfg=cfg, tokenizer=self.tokenizer, rollout=rollout, actor=actor, ref=ref,
-                                       critic=critic, reward_fn=reward_fn, accuracy_fn=accuracy_fn)
-        self.rollout, self.actor = rollout, actor
+                                       critic=critic, reward_fn=reward_fn, accuracy_fn=accuracy_fn, overlap=overlap,
+                                       reward_kl=reward_kl)
+        self.rollout, self.actor, self.relay = rollout, actor, relay
         self.placement = Placement(self.rollout_layout, self.train_layout)
-        cfg.scheduler.overlap = resolve_overlap(cfg, device) and relay is None  # a single controller: one node at a time
         self._status_lock = threading.Lock()
-        self.scheduler = Scheduler(self.graph, placement=self.placement, overlap=cfg.scheduler.overlap,
+        self.scheduler = Scheduler(self.graph, placement=self.placement, overlap=overlap,
                                    threads=cfg.scheduler.threads,
                                    refill=RefillPrompts(self) if any(n.refill for n in self.graph.nodes) else None,
-                                   on_node=lambda name: self._status(self.ctx.step, name), relay=relay)
+                                   on_node=lambda name: self._status(self.ctx.step, name))
         self.trace_steps = {int(s) for s in str(cfg.trainer.trace_steps).replace(" ", "").split(",") if s}
         self.store = LocalStore()
         self.writer = MetricsWriter(run_dir / "metrics.jsonl") if self.rank == 0 else None
@@ -144,6 +154,8 @@ class Trainer:
         """Optimizer, critic, RNG, dataloader position and the metrics so far."""
         state = checkpoint.restore(path, actor=self.actor, critic=self.ctx.critic)
         self.start_step = state["step"]
+        if self.ctx.reward_kl is not None and "reward_kl_coef" in state.get("algorithm", {}):
+            self.ctx.reward_kl.value = state["algorithm"]["reward_kl_coef"]
         if self.sampler.next_step(state["dataloader"]) != self.start_step + 1:
             raise checkpoint.CheckpointError(f"checkpoint {path}: dataloader position {state['dataloader']} "
                                              f"does not match step {self.start_step}")
@@ -175,7 +187,8 @@ class Trainer:
         self.placement.stats = TransferStats()
         store.clear()
         store.put(sources)
-        spans = self.scheduler.run(self.ctx, store, step)
+        spans = (self.scheduler.run(self.ctx, store, step) if self.relay is None
+                 else run_commanded_step(self.scheduler, self.ctx, store, step, self.relay))
         timer = StageTimer(step, self._status)
         with timer("weight_sync"):  # the rollout copy gets the updated policy
             self.rollout.load_weights(self.actor.full_state_dict())
@@ -306,7 +319,9 @@ class Trainer:
                             actor=self.actor, critic=self.ctx.critic, step=step,
                             loader_state=self.sampler.state_dict(step),
                             metrics_file=self.writer.path if self.writer is not None else None,
-                            keep_last=self.cfg.trainer.keep_last)
+                            keep_last=self.cfg.trainer.keep_last,
+                            algorithm_state={"reward_kl_coef": self.ctx.reward_kl.value}
+                            if self.ctx.reward_kl is not None else None)
 
     def _progress_bar(self, total: int):
         if not self.progress:

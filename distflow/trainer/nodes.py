@@ -1,4 +1,4 @@
-"""The callables behind the built-in recipes' nodes (see distflow/dag/recipes.py).
+"""The node library: the callables the recipe graphs name (distflow/trainer/recipes.py).
 
 Each is `fn(ctx, batch) -> Batch`: `batch` holds the node's declared inputs for the
 samples on this worker, the result its declared outputs. `ctx` is the worker's
@@ -13,26 +13,35 @@ Fields (one row per response, n rows per prompt):
   prompts, prompt_mask                         (N, P) left-padded
   responses, response_mask                     (N, R) right-padded
   scores, accuracy                             (N,) reward, and the strict correctness metric
+  baseline_scores                              (N,) ReMax: the reward of the prompt's greedy response
   ref_log_probs, old_log_probs, values         (N, R)
+  rollout_log_probs                            (N, R) the sampler's own log-probs (KL in the reward)
+  token_rewards                                (N, R) scores on the last token minus the KL penalty
   advantages, returns                          (N, R)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 
-from distflow.algos import core
+from distflow.algos import core, kl
+from distflow.algos.estimators import ADV_ESTIMATORS, ESTIMATOR_INFO, AdvantageInputs, Estimator, EstimatorInfo
+from distflow.algos.estimators import estimator_info, get_adv_estimator
+from distflow.collectives import all_reduce_sum
 from distflow.config import Config
 from distflow.coordinator.microbatch import local_micro_batches, plan_micro_batches
-from distflow.dag.scheduler import sequence_lengths
-from distflow.data.batch import Batch
+from distflow.data.batch import Batch, sequence_lengths
 from distflow.data.dataset import PromptRow
+from distflow.engines.actor import FSDPActor
+from distflow.engines.common import LogProbModel
+from distflow.engines.critic import FSDPCritic
 from distflow.engines.reward import FAILED, TIMED_OUT, RewardRunner
-from distflow.engines.rollout import SamplingParams, left_pad, sample_seed
+from distflow.engines.rollout import RolloutEngine, SamplingParams, left_pad, sample_seed
+from distflow.plugins import load_callable
 from distflow.trainer.metrics import MeanAccumulator
 
 
@@ -42,21 +51,16 @@ class WorkerContext:
 
     cfg: Config
     tokenizer: Any
-    rollout: Any  # HFRolloutEngine
-    actor: Any  # FSDPActor
-    ref: Any = None  # ReferenceModel
-    critic: Any = None  # FSDPCritic
+    rollout: RolloutEngine
+    actor: FSDPActor
+    ref: LogProbModel | None = None
+    critic: FSDPCritic | None = None
     reward_fn: RewardRunner | None = None  # the configured reward, run safely
     accuracy_fn: RewardRunner | None = None  # the default (strict) reward: the accuracy metric
+    overlap: bool = False  # scheduler.overlap as resolved for this worker: stream the rollout in chunks
+    reward_kl: Any = None  # KL-in-reward coefficient controller (algos.kl), state kept across steps
     step: int = 0
     acc: MeanAccumulator = field(default_factory=MeanAccumulator)  # main-thread (collective) nodes only
-
-
-def _all_reduce_sum(*values: float) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(t)
-    return t.tolist()
 
 
 # ---------------------------------------------------------------------------- prompts
@@ -102,7 +106,7 @@ def rollout(ctx: WorkerContext, batch: Batch) -> Iterator[tuple[range, Batch]]:
     seeds = [sample_seed(cfg.trainer.seed, ctx.step, uid, k) for uid, k in zip(batch["uid"], batch["sample_k"])]
     params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                             max_new_tokens=cfg.rollout.max_new_tokens)
-    size = cfg.scheduler.stream_chunk_size if cfg.scheduler.overlap else max(len(prompts), 1)
+    size = cfg.scheduler.stream_chunk_size if ctx.overlap else max(len(prompts), 1)
     for start in range(0, len(prompts), size):
         rows = range(start, min(start + size, len(prompts)))
         out = ctx.rollout.generate(prompts[rows.start:rows.stop], seeds[rows.start:rows.stop], params)
@@ -132,7 +136,7 @@ def reward(ctx: WorkerContext, batch: Batch) -> Batch:
 
 
 def overlong_penalty(ctx: WorkerContext, batch: Batch) -> Batch:
-    """DAPO's soft overlong punishment, added to the score."""
+    """DAPO's soft overlong punishment, added to the score (algorithm.overlong_buffer_len > 0)."""
     a = ctx.cfg.algorithm
     penalty = core.overlong_reward_penalty(batch["response_mask"].sum(-1), ctx.cfg.rollout.max_new_tokens,
                                            a.overlong_buffer_len, a.overlong_penalty_factor)
@@ -140,13 +144,29 @@ def overlong_penalty(ctx: WorkerContext, batch: Batch) -> Batch:
 
 
 def dynamic_sampling(ctx: WorkerContext, batch: Batch) -> Batch:
-    """DAPO: keep only groups whose rewards differ (an all-equal group has no signal)."""
+    """algorithm.dynamic_sampling (DAPO): keep only groups whose rewards differ (an
+    all-equal group has no signal)."""
     scores, groups = batch[ctx.params["reward_field"]], batch["group"]
     keep = torch.zeros(len(groups), dtype=torch.bool)
     for g in groups.unique():
         rows = groups == g
         keep[rows] = bool(scores[rows].max() > scores[rows].min())
     return Batch({"kept": keep})
+
+
+def greedy_baseline(ctx: WorkerContext, batch: Batch) -> Batch:
+    """ReMax's baseline: one greedy response per prompt group on this worker, scored by
+    the run's reward function; every sample of the group gets that score."""
+    groups = batch["group"].tolist()
+    first = {g: i for i, g in reversed(list(enumerate(groups)))}  # a row of each group
+    rows = [first[g] for g in dict.fromkeys(groups)]
+    prompts = unpad_prompts(batch.select(rows))
+    out = ctx.rollout.generate(prompts, None, SamplingParams(max_new_tokens=ctx.cfg.rollout.max_new_tokens,
+                                                             greedy=True))
+    out.meta.update({k: [batch[k][i] for i in rows] for k in ("ground_truth", "data_source", "extra_info")})
+    scores, _, _ = score_responses(ctx.tokenizer, out, ctx.reward_fn, ctx.reward_fn)
+    by_group = dict(zip(dict.fromkeys(groups), scores.tolist()))
+    return Batch({"baseline_scores": torch.tensor([by_group[g] for g in groups], dtype=torch.float32)})
 
 
 # ---------------------------------------------------------------------------- forwards
@@ -169,6 +189,12 @@ def ref_log_prob(ctx: WorkerContext, batch: Batch) -> Batch:
     return Batch({"ref_log_probs": ctx.ref.compute_log_probs(batch, micro)})
 
 
+def rollout_log_prob(ctx: WorkerContext, batch: Batch) -> Batch:
+    """The sampler's own log-probs (the rollout engine's weights: the behaviour policy)."""
+    micro = local_micro_batches(sequence_lengths(batch), **_micro_policy(ctx.cfg))
+    return Batch({"rollout_log_probs": ctx.rollout.compute_log_probs(batch, micro)})
+
+
 def old_log_prob(ctx: WorkerContext, batch: Batch) -> Batch:
     return Batch({"old_log_probs": ctx.actor.compute_log_probs(batch, micro_batches(batch, ctx.cfg))})
 
@@ -180,31 +206,48 @@ def critic_values(ctx: WorkerContext, batch: Batch) -> Batch:
 # ---------------------------------------------------------------------------- advantage
 
 
-def _global_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Whitening over the valid tokens of the whole step's batch, on every worker."""
-    m = mask.float()
-    total, total_sq, count = _all_reduce_sum(float((x * m).sum()), float((x * x * m).sum()), float(m.sum()))
-    mean = total / max(count, 1.0)
-    var = (total_sq - count * mean * mean) / max(count - 1.0, 1.0)
-    return (x - mean) * torch.rsqrt(torch.tensor(max(var, 0.0) + 1e-8)) * m
+def kl_in_reward(ctx: WorkerContext, batch: Batch) -> Batch:
+    """algorithm.use_kl_in_reward: token rewards = the score on the last token minus
+    beta * KL(sampler || reference) on every token, with beta from the controller; the
+    controller then sees the batch's mean KL over all workers (a collective)."""
+    a, mask = ctx.cfg.algorithm, batch["response_mask"].float()
+    scores = core.token_level_rewards(batch[ctx.params["reward_field"]], mask)  # (B, R)
+    beta = ctx.reward_kl.value
+    rewards, per_token = kl.kl_penalized_rewards(scores, batch["rollout_log_probs"], batch["ref_log_probs"], mask,
+                                                 beta, a.reward_kl_type)
+    seq_kl = kl.sequence_mean_kl(per_token, mask)  # (B,)
+    total, count = all_reduce_sum(float(seq_kl.sum()), float(len(seq_kl)))
+    current_kl = total / max(count, 1.0)
+    ctx.reward_kl.update(current_kl, int(count))
+    ctx.acc.add("reward_kl/penalty", float(seq_kl.sum()), len(seq_kl))
+    ctx.acc.add("reward_kl/coef", beta, 1.0)
+    return Batch({"token_rewards": rewards})
+
+
+def resolve_estimator(spec: str) -> tuple[Estimator, EstimatorInfo]:
+    """A registered name, or `module:function` / `file.py:function` (importing it runs its
+    `@register_adv_est`, which says what it needs; an unregistered function needs nothing)."""
+    if ":" not in spec:
+        return get_adv_estimator(spec), estimator_info(spec)
+    fn = load_callable(spec, "algorithm.estimator")
+    name = next((n for n, f in ADV_ESTIMATORS.items() if f is fn), None)
+    return fn, ESTIMATOR_INFO[name] if name else EstimatorInfo((), False)
 
 
 def advantage(ctx: WorkerContext, batch: Batch) -> Batch:
-    a, name = ctx.cfg.algorithm, ctx.params["estimator"]
+    """The configured estimator through the one registry signature; whitening is over
+    the whole step's batch (all-reduced), so 1 and N workers agree."""
+    a = ctx.cfg.algorithm
+    estimator, info = resolve_estimator(ctx.params["estimator"])
     rewards, mask = batch[ctx.params["reward_field"]], batch["response_mask"].float()
-    if name == "gae":
-        _, returns = core.compute_gae_advantage(core.token_level_rewards(rewards, mask), batch["values"], mask,
-                                                gamma=a.gamma, lam=a.lam)
-        return Batch({"advantages": _global_whiten(returns - batch["values"] * mask, mask), "returns": returns})
-    if name == "reinforce_plus_plus":
-        _, returns = core.compute_reinforce_plus_plus_advantage(core.token_level_rewards(rewards, mask), mask,
-                                                                gamma=a.gamma)
-        return Batch({"advantages": _global_whiten(returns, mask)})
-    if name == "reinforce_plus_plus_baseline":
-        centred, _ = core.compute_grpo_advantage(rewards, mask, batch["group"], norm_by_std=False)
-        return Batch({"advantages": _global_whiten(centred, mask)})
-    advantages, _ = core.get_adv_estimator(name)(rewards=rewards, mask=mask, group_ids=batch["group"])
-    return Batch({"advantages": advantages})
+    token_rewards = rewards if rewards.dim() == 2 else core.token_level_rewards(rewards, mask)  # (B, R)
+    inputs = AdvantageInputs(token_rewards=token_rewards, mask=mask, group_ids=batch["group"],
+                             values=batch["values"] if "values" in info.needs else None,
+                             baseline=batch["baseline_scores"] if "baseline" in info.needs else None,
+                             gamma=a.gamma, lam=a.lam, whiten=partial(core.batch_whiten, sum_fn=all_reduce_sum))
+    advantages, returns = estimator(inputs)
+    return Batch({"advantages": advantages, "returns": returns} if "values" in info.needs
+                 else {"advantages": advantages})
 
 
 # ---------------------------------------------------------------------------- updates
@@ -228,9 +271,9 @@ def make_policy_loss(cfg: Config, num_tokens: float, num_seqs: float, policy_los
         metrics = {"pg_loss": float(pg.loss.detach()), "clip_frac": clip,
                    "entropy": float((entropy.detach() * mask).sum()), "tokens": tokens}
         if a.use_kl_loss:
-            kl = core.kl_penalty(log_probs, micro["ref_log_probs"], a.kl_type)
-            loss = loss + a.kl_coef * core.agg_loss(kl, mask, a.loss_agg_mode, **counts)
-            metrics["kl"] = float((kl.detach() * mask).sum())
+            kl_loss = kl.kl_penalty(log_probs, micro["ref_log_probs"], a.kl_type)
+            loss = loss + a.kl_coef * core.agg_loss(kl_loss, mask, a.loss_agg_mode, **counts)
+            metrics["kl"] = float((kl_loss.detach() * mask).sum())
         if a.entropy_coef:
             loss = loss - a.entropy_coef * core.agg_loss(entropy, mask, a.loss_agg_mode, **counts)
         return loss, metrics
@@ -261,7 +304,7 @@ def _mini_batches(ctx: WorkerContext, batch: Batch, engine, make_loss, prefix: s
     for _ in range(cfg.actor.ppo_epochs):
         for index in range(num_minibatches):
             mini = batch.select((batch["mini_batch"] == index).nonzero().flatten())
-            num_tokens, num_seqs = _all_reduce_sum(float(mini["response_mask"].sum()), float(len(mini)))
+            num_tokens, num_seqs = all_reduce_sum(float(mini["response_mask"].sum()), float(len(mini)))
             if not num_tokens:  # nothing to learn from anywhere (every response empty)
                 continue
             if not len(mini):  # none of this mini-batch's samples live here: run in lockstep on a masked row

@@ -14,7 +14,6 @@ import torch
 
 from distflow.algos import core
 from distflow.algos.core import (
-    ADV_ESTIMATORS,
     POLICY_LOSSES,
     agg_loss,
     compute_dr_grpo_advantage,
@@ -24,9 +23,7 @@ from distflow.algos.core import (
     compute_reinforce_plus_plus_baseline_advantage,
     compute_rloo_advantage,
     entropy_from_logits,
-    get_adv_estimator,
     get_policy_loss,
-    kl_penalty,
     log_probs_from_logits,
     masked_mean,
     masked_sum,
@@ -35,11 +32,11 @@ from distflow.algos.core import (
     overlong_reward_penalty,
     policy_loss_gspo,
     policy_loss_vanilla,
-    register_adv_est,
     register_policy_loss,
     token_level_rewards,
     value_loss_clipped,
 )
+from distflow.algos.kl import kl_penalty
 
 F64 = torch.float64
 SHAPES = [(2, 1), (3, 5), (6, 7), (11, 16)]
@@ -178,63 +175,29 @@ def naive_vanilla(old, new, adv, mask, low, high, c) -> tuple[list[list[float]],
 # ---------------------------------------------------------------- registries
 
 
-def test_registries_hold_the_documented_names():
-    assert set(ADV_ESTIMATORS) == {"grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"}
+def test_policy_loss_registry_holds_the_documented_names():
     assert set(POLICY_LOSSES) == {"vanilla", "gspo"}
-    assert get_adv_estimator("grpo") is compute_grpo_advantage
-    assert get_adv_estimator("dr_grpo") is compute_dr_grpo_advantage
-    assert get_adv_estimator("gae") is compute_gae_advantage
     assert get_policy_loss("vanilla") is policy_loss_vanilla
     assert get_policy_loss("gspo") is policy_loss_gspo
-
-
-def test_unknown_names_raise_value_error_listing_allowed():
-    with pytest.raises(ValueError, match=r"'ppo_magic'.*'gae'.*'grpo'.*'rloo'"):
-        get_adv_estimator("ppo_magic")
     with pytest.raises(ValueError, match=r"'cispo'.*'gspo'.*'vanilla'"):
         get_policy_loss("cispo")
 
 
-def test_register_new_and_reject_conflicting_duplicate():
-    def my_est(rewards, mask):
-        return rewards, rewards
+def test_register_policy_loss_rejects_a_conflicting_duplicate():
+    def mine(*args, **kwargs):
+        return None
 
-    def other(rewards, mask):
-        return rewards, rewards
+    def other(*args, **kwargs):
+        return None
 
     try:
-        assert register_adv_est("tmp_est")(my_est) is my_est
-        assert get_adv_estimator("tmp_est") is my_est
-        register_adv_est("tmp_est")(my_est)  # same function again is harmless
-        with pytest.raises(ValueError, match="tmp_est"):
-            register_adv_est("tmp_est")(other)
-        assert get_adv_estimator("tmp_est") is my_est
-        register_policy_loss("tmp_loss")(other)
-        assert get_policy_loss("tmp_loss") is other
+        assert register_policy_loss("tmp_loss")(mine) is mine
+        register_policy_loss("tmp_loss")(mine)  # same function again is harmless
+        with pytest.raises(ValueError, match="tmp_loss"):
+            register_policy_loss("tmp_loss")(other)
+        assert get_policy_loss("tmp_loss") is mine
     finally:
-        ADV_ESTIMATORS.pop("tmp_est", None)
         POLICY_LOSSES.pop("tmp_loss", None)
-
-
-def test_every_estimator_is_keyword_callable():
-    gen = make_gen(0)
-    mask = rand_mask(4, 3, gen)
-    rewards = torch.tensor([4.5, 45.0, 450.0, 4500.0], dtype=F64)
-    token_r = torch.randn(4, 3, generator=gen, dtype=F64)
-    gids = torch.tensor([1, 1, 2, 2])
-    kwargs = {
-        "grpo": dict(rewards=rewards, mask=mask, group_ids=gids, norm_by_std=True, eps=1e-6),
-        "dr_grpo": dict(rewards=rewards, mask=mask, group_ids=gids),
-        "rloo": dict(rewards=rewards, mask=mask, group_ids=gids),
-        "reinforce_plus_plus": dict(token_rewards=token_r, mask=mask, gamma=0.9),
-        "reinforce_plus_plus_baseline": dict(rewards=rewards, mask=mask, group_ids=gids),
-        "gae": dict(token_rewards=token_r, values=token_r * 0.5, mask=mask, gamma=0.9, lam=0.8),
-    }
-    assert set(kwargs) == set(ADV_ESTIMATORS)
-    for name, kw in kwargs.items():
-        adv, ret = get_adv_estimator(name)(**kw)
-        assert adv.shape == ret.shape == (4, 3), name
-        assert torch.all(adv[~mask] == 0), name
 
 
 # ---------------------------------------------------------------- masked helpers
@@ -295,7 +258,7 @@ def test_grpo_hand_values(mask_dtype):
 def test_dr_grpo_hand_values():
     adv, _ = compute_dr_grpo_advantage(HAND_REWARDS, HAND_MASK, HAND_GIDS)
     close(adv[:, 0], [-2.0, -5.0, -1.0, 5.0, 3.0, 450.0])
-    adv2, _ = get_adv_estimator("grpo")(rewards=HAND_REWARDS, mask=HAND_MASK, group_ids=HAND_GIDS, norm_by_std=False)
+    adv2, _ = compute_grpo_advantage(rewards=HAND_REWARDS, mask=HAND_MASK, group_ids=HAND_GIDS, norm_by_std=False)
     assert torch.equal(adv, adv2)
 
 
@@ -783,3 +746,11 @@ def test_token_level_rewards_matches_naive(B, T):
 def test_module_has_no_other_distflow_imports():
     src = open(core.__file__).read()
     assert "import distflow" not in src and "from distflow" not in src
+
+
+def test_token_sum_adds_every_valid_token_and_shards_add_up():
+    loss = torch.tensor([[4.5, 2.0], [45.0, 450.0]], dtype=F64)
+    mask = torch.tensor([[1, 0], [1, 1]])
+    close(agg_loss(loss, mask, "token-sum"), 499.5)
+    # two shards' losses add up to the whole batch's, with no normaliser to agree on
+    close(agg_loss(loss[:1], mask[:1], "token-sum") + agg_loss(loss[1:], mask[1:], "token-sum"), 499.5)

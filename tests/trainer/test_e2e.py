@@ -101,7 +101,7 @@ def test_ray_launcher_run_leaves_summary_plot_checkpoint_and_no_payload(tmp_path
     assert 0 < driver["driver_payload_bytes_received"] < driver["driver_payload_bytes_sent"]
     # it ran the graph: every node of every step on every worker was its call
     from distflow.config import load_config
-    from distflow.dag.recipes import build_graph
+    from distflow.trainer.recipes import build_graph
 
     graph = build_graph(load_config(None, []))
     ran = {k.removeprefix("time/relay_in_") for k in _metrics(central)[1] if k.startswith("time/relay_in_")}
@@ -136,7 +136,7 @@ def test_tensor_parallel_rollout_layout_trains_like_plain_data_parallel(tmp_path
     run the same math as 2 plain data-parallel workers: same samples, same updates."""
     runs = {}
     for name, extra in {"dp2": ["runtime.num_workers=2"],
-                        "tp2": ["runtime.num_workers=4", "rollout.tensor_parallel_size=2"]}.items():
+                        "tp2": ["runtime.num_workers=4", "rollout.replica_size=2"]}.items():
         out = tmp_path / name
         _distflow([*SMALL, "runtime.launcher=torchrun", "trainer.total_steps=1", "trainer.save_final=false",
                    "actor.ppo_mini_batch_size=2", "actor.micro_batch_size=3", *extra,

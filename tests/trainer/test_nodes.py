@@ -68,3 +68,60 @@ def test_overlong_penalty_ramps_over_the_buffer():
     mask = torch.tensor([[1] * 4 + [0] * 4, [1] * 6 + [0] * 2, [1] * 8])
     out = nodes.overlong_penalty(ctx, Batch({"scores": torch.ones(3), "response_mask": mask}))
     assert out["shaped_scores"].tolist() == [1.0, 0.5, 0.0]  # penalties 0, -0.5, -1
+
+
+class StepCtx:
+    """A node's context with the parts the KL-in-reward and ReMax nodes use."""
+
+    def __init__(self, params, *overrides, **parts):
+        from distflow.trainer.metrics import MeanAccumulator
+
+        self.cfg, self.params, self.acc = load_config(None, list(overrides)), params, MeanAccumulator()
+        self.__dict__.update(parts)
+
+
+def test_kl_in_reward_node_subtracts_beta_kl_and_feeds_the_controller():
+    from distflow.algos.kl import make_kl_controller
+
+    ctrl = make_kl_controller("adaptive", 0.1, target=0.05, horizon=100)
+    ctx = StepCtx({"reward_field": "scores"}, "algorithm.reward_kl_type=k1", reward_kl=ctrl)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    out = nodes.kl_in_reward(ctx, Batch({"scores": torch.tensor([1.0, 45.0]), "response_mask": mask,
+                                         "rollout_log_probs": torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -0.2, -9.0]]),
+                                         "ref_log_probs": torch.tensor([[-1.5, -2.0, -0.25], [-0.6, -0.2, 0.0]])}))
+    # k1 = (0.5, 0, -0.25) | (0.5, 0, masked); beta 0.1 before the update
+    torch.testing.assert_close(out["token_rewards"], torch.tensor([[-0.05, 0.0, 1.025], [-0.05, 45.0, 0.0]]))
+    # mean per-sequence KL (0.25/3 + 0.25) / 2 = 1/6: error clipped to +0.2, 2 samples: beta *= 1 + 0.2 * 2 / 100
+    assert ctrl.value == pytest.approx(0.1 * 1.004)
+    metrics = ctx.acc.reduce()
+    assert metrics["reward_kl/coef"] == pytest.approx(0.1) and metrics["reward_kl/penalty"] == pytest.approx(1 / 6)
+
+
+def test_greedy_baseline_scores_one_greedy_response_per_group():
+    class Engine:  # records what it was asked; answers each prompt with its own last token
+        def __init__(self):
+            self.calls = []
+
+        def generate(self, prompts, seeds, params):
+            self.calls.append((prompts, seeds, params.greedy))
+            responses = torch.tensor([[p[-1]] for p in prompts])
+            return Batch({"responses": responses, "response_mask": torch.ones_like(responses)})
+
+    class Tokenizer:
+        pad_token_id = 0
+
+        def batch_decode(self, ids, skip_special_tokens):
+            return [f"#### {int(row[0])}" for row in ids]
+
+    def reward_fn(src, text, gt, extra):
+        return float(text == f"#### {gt}"), 0
+
+    engine = Engine()
+    ctx = StepCtx({}, rollout=engine, tokenizer=Tokenizer(), reward_fn=reward_fn)
+    prompts = torch.tensor([[0, 5, 7], [0, 5, 7], [4, 5, 9], [4, 5, 9]])
+    out = nodes.greedy_baseline(ctx, Batch({"prompts": prompts, "prompt_mask": (prompts > 0).long(),
+                                            "group": torch.tensor([3, 3, 8, 8])},
+                                           {"ground_truth": ["7", "7", "1", "1"], "data_source": ["a"] * 4,
+                                            "extra_info": [{}] * 4}))
+    assert engine.calls == [([[5, 7], [4, 5, 9]], None, True)]  # one greedy prompt per group, padding removed
+    assert out["baseline_scores"].tolist() == [1.0, 1.0, 0.0, 0.0]  # group 3 answers 7 (right), group 8 answers 9

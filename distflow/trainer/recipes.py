@@ -1,0 +1,159 @@
+"""One builder turns any recipe into a task graph.
+
+A recipe is data (distflow/recipes/NAME.yaml, or your own file): config values for
+the estimator, the policy loss, the loss aggregation and the optional parts. By the time
+the builder runs they are in the config, so the graph follows from the config alone:
+
+    rollout ─┬─ reward ─(dynamic_sampling)─(overlong_penalty)─(greedy_baseline)─┐
+             ├─ ref_log_prob ─(rollout_log_prob ─ kl_in_reward)──────────────────┤
+             │                                                                   advantage ─┐
+             └─ (critic_values) (old_log_prob) ────────────────────────────── actor_update (critic_update)
+
+  ref_log_prob        with KL in the loss or in the reward
+  rollout_log_prob,   algorithm.use_kl_in_reward: the penalty goes into the token rewards
+  kl_in_reward          before the estimator
+  dynamic_sampling    algorithm.dynamic_sampling: a refilling filter; later nodes wait for it
+  overlong_penalty    algorithm.overlong_buffer_len > 0
+  greedy_baseline     an estimator that needs a "baseline" (ReMax)
+  critic_values,      an estimator that needs "values" (GAE): PPO's critic
+  critic_update
+  old_log_prob        off-policy updates (ppo_epochs > 1 or several mini-batches)
+
+The node implementations are the library in nodes.py; a user's YAML graph
+(`algorithm.graph`) adds to or replaces them (dag/graph.py's load_graph_file).
+"""
+
+from __future__ import annotations
+
+from distflow.algos.core import get_policy_loss
+from distflow.config import ALGORITHMS, Config, Recipe, load_recipe, with_recipe
+from distflow.dag.graph import Graph, GraphError, Node, load_graph_file
+from distflow.trainer import nodes
+
+# Fields the trainer puts in the store before the first node (one row per response).
+SOURCES = ("prompts", "prompt_mask", "group", "mini_batch", "sample_id", "sample_k", "uid",
+           "ground_truth", "data_source", "extra_info")
+SCORING = ("prompts", "prompt_mask", "responses", "response_mask")
+
+
+def on_policy(cfg: Config) -> bool:
+    """One optimizer step per rollout: the old log-probs equal the current ones (detached)."""
+    return cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
+
+
+def _node(name: str, role: str, inputs, outputs, **kw) -> Node:
+    return Node(name=name, role=role, fn=getattr(nodes, name), inputs=tuple(inputs), outputs=tuple(outputs), **kw)
+
+
+def _checked(cfg: Config):
+    """The estimator (and what it needs) and the policy loss, or one line naming the key."""
+    a = cfg.algorithm
+    try:
+        _, info = nodes.resolve_estimator(a.estimator)
+    except ValueError as e:
+        raise GraphError(f"algorithm.estimator={a.estimator!r}: {e}") from None
+    try:
+        get_policy_loss(a.policy_loss)
+    except ValueError as e:
+        raise GraphError(f"algorithm.policy_loss={a.policy_loss!r}: {e}") from None
+    return info
+
+
+def recipe_graph(cfg: Config) -> Graph:
+    a, info = cfg.algorithm, _checked(cfg)
+    built = [
+        _node("rollout", "rollout", ("prompts", "prompt_mask", "uid", "sample_k"), ("responses", "response_mask"),
+              stream=True),
+        _node("reward", "reward", ("responses", "response_mask", "ground_truth", "data_source", "extra_info"),
+              ("scores", "accuracy", "reward_status")),
+    ]
+    reward_field = "scores"
+    gate: tuple[str, ...] = ()  # with dynamic sampling, everything after the filter sees only the kept groups
+    gated = {}  # ... and runs in the filter's (groups) layout or later
+    if a.dynamic_sampling:
+        # on the task's score before shaping, as verl's filter_groups on "score"/"acc"
+        built.append(_node("dynamic_sampling", "filter", ("scores", "group"), ("kept",), refill=True,
+                           params={"reward_field": "scores"}))
+        gate, gated = ("dynamic_sampling",), {"layout": "groups"}
+    if a.overlong_buffer_len:
+        built.append(_node("overlong_penalty", "reward", ("scores", "response_mask"), ("shaped_scores",),
+                           layout="groups", deps=gate))
+        reward_field = "shaped_scores"
+    if "baseline" in info.needs:
+        built.append(_node("greedy_baseline", "rollout", ("prompts", "prompt_mask", "group", "ground_truth",
+                                                          "data_source", "extra_info"), ("baseline_scores",),
+                           deps=gate, **gated))
+    if a.use_kl_loss or a.use_kl_in_reward:
+        built.append(_node("ref_log_prob", "reference", SCORING, ("ref_log_probs",), deps=gate, **gated))
+    if a.use_kl_in_reward:
+        built.append(_node("rollout_log_prob", "rollout_forward", SCORING, ("rollout_log_probs",), deps=gate,
+                           **gated))
+        # a collective (the controller sees the KL of the whole batch), after any group-layout shaping
+        built.append(_node("kl_in_reward", "reward", (reward_field, "response_mask", "ref_log_probs",
+                                                      "rollout_log_probs"), ("token_rewards",), layout="groups",
+                           collective=True, chunked=False, params={"reward_field": reward_field}))
+        reward_field = "token_rewards"
+    if not on_policy(cfg):
+        built.append(_node("old_log_prob", "actor_forward", SCORING, ("old_log_probs",), deps=gate))
+    critic = "values" in info.needs
+    adv_inputs = [reward_field, "response_mask", "group"] + (["values"] if critic else []) \
+        + (["baseline_scores"] if "baseline" in info.needs else [])
+    built.append(_node("advantage", "advantage", adv_inputs, ("advantages", "returns") if critic else ("advantages",),
+                       params={"estimator": a.estimator, "reward_field": reward_field},
+                       collective=info.batch_whitened, layout="train" if critic else None, deps=gate))
+    train_inputs = [*SCORING, "advantages", "mini_batch"]
+    train_inputs += ["ref_log_probs"] if a.use_kl_loss else []
+    train_inputs += [] if on_policy(cfg) else ["old_log_probs"]
+    if critic:
+        built.append(_node("critic_values", "critic_forward", SCORING, ("values",)))
+        built.append(_node("critic_update", "critic_train", [*SCORING, "values", "returns", "mini_batch"], ()))
+    built.append(_node("actor_update", "actor_train", train_inputs, (), params={"policy_loss": a.policy_loss}))
+    return Graph(built, SOURCES)
+
+
+def build_graph(cfg: Config) -> Graph:
+    """The run's graph: the recipe's, plus the user's YAML nodes (`algorithm.graph`)."""
+    if cfg.algorithm.graph is None:
+        return recipe_graph(cfg)
+    return load_graph_file(cfg.algorithm.graph, lambda name: recipe_graph(with_recipe(cfg, name)))
+
+
+# ---------------------------------------------------------------------------- documentation
+
+_SHOWN = ("algorithm.estimator", "algorithm.policy_loss", "algorithm.loss_agg_mode", "algorithm.use_kl_loss",
+          "algorithm.use_kl_in_reward", "algorithm.dynamic_sampling", "algorithm.overlong_buffer_len")
+
+
+def _kl_where(recipe: Recipe) -> str:
+    where = [f"loss ({recipe.setting('algorithm.kl_type')})" if recipe.setting("algorithm.use_kl_loss") else "",
+             f"reward ({recipe.setting('algorithm.reward_kl_type')})"
+             if recipe.setting("algorithm.use_kl_in_reward") else ""]
+    return " + ".join(w for w in where if w) or "-"
+
+
+def recipe_row(recipe: Recipe) -> list[str]:
+    estimator = recipe.setting("algorithm.estimator")
+    needs = nodes.resolve_estimator(estimator)[1].needs
+    extra = ", ".join(f"`{k.split('.', 1)[1]}={v}`" for k, v in recipe.settings if k not in _SHOWN)
+    buffer = recipe.setting("algorithm.overlong_buffer_len")
+    return [f"`{recipe.name}`", f"`{estimator}`", f"`{recipe.setting('algorithm.policy_loss')}`",
+            f"`{recipe.setting('algorithm.loss_agg_mode')}`", "yes" if "values" in needs else "-",
+            _kl_where(recipe), "yes" if recipe.setting("algorithm.dynamic_sampling") else "-",
+            f"{buffer} tokens" if buffer else "-", extra or "-", recipe.description]
+
+
+def recipe_table() -> str:
+    """The built-in recipes as a markdown table, made from their files (README and docs
+    carry this text; a test keeps them equal)."""
+    head = ["recipe", "estimator", "policy loss", "loss aggregation", "critic", "KL in", "dynamic sampling",
+            "overlong shaping", "other settings", "what it is"]
+    rows = [head, ["---"] * len(head)] + [recipe_row(load_recipe(name)) for name in ALGORITHMS]
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows) + "\n"
+
+
+def describe_recipe(name: str) -> str:
+    """What `distflow dag show NAME` prints above the graph."""
+    recipe = load_recipe(name)
+    lines = [f"{recipe.name}: {recipe.description}"] + ([f"  paper: {recipe.paper}"] if recipe.paper else [])
+    lines += [f"  {key} = {value}" for key, value in recipe.settings]
+    return "\n".join(lines)

@@ -1,0 +1,191 @@
+"""Every built-in recipe as a graph, YAML graphs on top of a recipe, pictures, and
+the CLI's checks before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from distflow.config import ALGORITHMS, load_config, with_recipe
+from distflow.dag.graph import GraphError, load_graph_file
+from distflow.trainer.recipes import SOURCES, build_graph, recipe_graph
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_every_recipe_is_valid_and_resolves(name):
+    cfg = load_config(None, [f"algorithm.name={name}"])
+    g = recipe_graph(cfg)
+    g.resolve()
+    assert g.order[0] == "rollout" and "actor_update" in g.order
+    assert set(g.sources) == set(SOURCES)
+    roles = {n.role for n in g.nodes}
+    assert ("critic_train" in roles) == (name == "ppo")
+    assert any(n.refill for n in g.nodes) == (name == "dapo")
+    assert ("reference" in roles) == (cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+
+
+def test_recipe_defaults_apply_unless_the_user_sets_the_key():
+    dapo = load_config(None, ["algorithm.name=dapo"])
+    assert dapo.algorithm.clip_ratio_high == 0.28 and not dapo.algorithm.use_kl_loss
+    assert load_config(None, ["algorithm.name=dapo", "algorithm.clip_ratio_high=0.3"]).algorithm.clip_ratio_high == 0.3
+    assert load_config(None, ["algorithm.name=dr_grpo"]).algorithm.loss_agg_mode == "seq-mean-token-sum-norm"
+    assert load_config(None, []).algorithm.loss_agg_mode == "token-mean"
+
+
+def test_off_policy_adds_old_log_prob():
+    cfg = load_config(None, ["actor.ppo_mini_batch_size=8"])
+    assert "old_log_prob" in recipe_graph(cfg).by_name
+    assert "old_log_prob" not in recipe_graph(load_config(None, [])).by_name
+
+
+def test_yaml_graph_adds_replaces_and_removes(tmp_path):
+    path = tmp_path / "graph.yaml"
+    path.write_text("""
+base: grpo
+remove: [ref_log_prob]
+nodes:
+  - name: short_only
+    role: filter
+    fn: distflow.plugins:load_callable
+    inputs: [response_mask]
+    outputs: [short]
+""")
+    with pytest.raises(GraphError, match="node 'actor_update': input 'ref_log_probs' is produced by no node"):
+        build_graph(load_config(None, [f"algorithm.graph={path}"]))
+    path.write_text(path.read_text().replace("remove: [ref_log_prob]", "remove: [advantage]") + """
+  - name: advantage
+    role: advantage
+    fn: distflow.trainer.nodes:advantage
+    inputs: [scores, response_mask, group]
+    outputs: [advantages]
+    params: {estimator: rloo, reward_field: scores}
+""")
+    g = build_graph(load_config(None, [f"algorithm.graph={path}"]))
+    assert "short_only" in g.by_name and g.by_name["advantage"].params["estimator"] == "rloo"
+    assert g.order.index("short_only") < g.order.index("actor_update")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("nodes: [{name: a, role: custom, fn: 'x:y', outputs: [o], colour: red}]", r"node 'a' in .*unknown key\(s\) \['colour'\]"),
+    ("nodes: [{name: a, role: custom, outputs: [o]}]", "node 'a' in .*: missing 'fn'"),
+    ("base: grpo\nremove: [nope]", r"remove names unknown node\(s\) \['nope'\]"),
+    ("nodes: {a: 1}", "expected a mapping with a 'nodes' list"),
+    ("stages: []", r"unknown key\(s\) \['stages'\]"),
+    ("nodes: [\n", "graph file .*ScannerError|graph file .*ParserError"),
+])
+def test_bad_yaml_graphs(tmp_path, text, message):
+    path = tmp_path / "g.yaml"
+    path.write_text(text)
+    cfg = load_config(None, [])
+    with pytest.raises(GraphError, match=message) as info:
+        load_graph_file(path, lambda name: recipe_graph(with_recipe(cfg, name)))
+    assert "\n" not in str(info.value)
+
+
+def test_pictures_name_every_node():
+    g = recipe_graph(load_config(None, ["algorithm.name=ppo"]))
+    dot, mermaid = g.to_dot("ppo"), g.to_mermaid()
+    for name in g.order:
+        assert f"  {name} [" in dot and f"  {name}[" in mermaid
+    assert "critic_values -> advantage" in dot and "rollout --> reward" in mermaid
+    assert "critic_update" in g.describe()
+
+
+@pytest.mark.parametrize("graph_text, fragment", [
+    ("base: grpo\nnodes:\n  - {name: x, role: custom, fn: 'nodes.py:f', inputs: [nothing], outputs: [y]}",
+     "node 'x': input 'nothing' is produced by no node"),
+    ("base: grpo\nnodes:\n  - {name: x, role: custom, fn: 'missing.py:f', outputs: [y]}",
+     "node 'x' fn="),
+])
+def test_cli_rejects_a_bad_graph_before_anything_starts(tmp_path, graph_text, fragment):
+    import subprocess
+    import sys
+
+    (tmp_path / "g.yaml").write_text(graph_text)
+    proc = subprocess.run([sys.executable, "-m", "distflow.cli", "train", f"algorithm.graph={tmp_path / 'g.yaml'}"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0] and lines[0].startswith("distflow: error:"), lines
+    assert not (tmp_path / "runs").exists(), "no run folder, no worker, no model"
+
+
+def test_dag_show_writes_pictures(tmp_path):
+    from distflow.cli import main
+
+    assert main(["dag", "show", "dapo", "--out", str(tmp_path / "d")]) == 0
+    assert "dynamic_sampling" in (tmp_path / "d.dot").read_text()
+    assert (tmp_path / "d.mmd").read_text().startswith("flowchart LR")
+    assert (tmp_path / "d.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["dag", "show", "nope", "--out", str(tmp_path / "e")]) == 2
+
+
+def test_a_new_recipe_is_data_alone(tmp_path):
+    path = tmp_path / "rloo_sum.yaml"
+    path.write_text("description: RLOO with a summed loss and a straight-through KL\n"
+                    "algorithm: {estimator: rloo, loss_agg_mode: token-sum, kl_type: k3+, clip_ratio_high: 0.3}\n")
+    cfg = load_config(None, [f"algorithm.name={path}", "algorithm.clip_ratio_high=0.25"])
+    assert (cfg.algorithm.estimator, cfg.algorithm.loss_agg_mode, cfg.algorithm.kl_type) == ("rloo", "token-sum", "k3+")
+    assert cfg.algorithm.clip_ratio_high == 0.25  # the user's value wins over the recipe's
+    g = build_graph(cfg)
+    assert g.by_name["advantage"].params["estimator"] == "rloo" and "ref_log_prob" in g.by_name
+
+
+def test_the_worked_example_recipe_names_an_estimator_file_beside_it():
+    cfg = load_config(None, ["algorithm.name=examples/new_estimator/recipe.yaml"])
+    assert cfg.algorithm.estimator.endswith("examples/new_estimator/estimator.py:sign_baseline")
+    g = build_graph(cfg)
+    g.resolve()
+    from distflow.algos.estimators import estimator_info
+
+    assert estimator_info("sign_baseline").needs == ()  # registered when the file was loaded, once
+    build_graph(cfg)  # loading it again does not register it twice
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("algorithm: {estimator: grpo, colour: red}", "rec.yaml: unknown config key 'algorithm.colour'"),
+    ("algorithm: {loss_agg_mode: token-max}", "rec.yaml: algorithm.loss_agg_mode='token-max': allowed values"),
+    ("trainer: {total_steps: many}", "rec.yaml: trainer.total_steps='many': expected int"),
+    ("algorithm: {name: grpo}", "rec.yaml: a recipe cannot set algorithm.name"),
+    ("stages: []", r"rec.yaml: unknown key(s) ['stages']"),
+])
+def test_a_bad_recipe_file_is_one_line_naming_the_file(tmp_path, text, fragment):
+    from distflow.config import ConfigError
+
+    (tmp_path / "rec.yaml").write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"algorithm.name={tmp_path / 'rec.yaml'}"])
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_unknown_estimator_or_policy_loss_is_one_line():
+    with pytest.raises(GraphError, match=r"^algorithm.estimator='nope': Unknown advantage estimator 'nope'; allowed"):
+        build_graph(load_config(None, ["algorithm.estimator=nope"]))
+    with pytest.raises(GraphError, match=r"^algorithm.policy_loss='cispo': Unknown policy loss"):
+        build_graph(load_config(None, ["algorithm.policy_loss=cispo"]))
+
+
+def test_the_old_tensor_parallel_key_says_what_it_is_now():
+    from distflow.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size' is now rollout.replica_size"):
+        load_config(None, ["rollout.tensor_parallel_size=2"])
+
+
+def test_kl_in_reward_and_remax_add_their_nodes():
+    g = build_graph(load_config(None, ["algorithm.name=remax"]))
+    assert g.order.index("greedy_baseline") < g.order.index("advantage")
+    assert g.by_name["advantage"].inputs == ("token_rewards", "response_mask", "group", "baseline_scores")
+    assert g.by_name["kl_in_reward"].collective and "ref_log_probs" not in g.by_name["actor_update"].inputs
+    grpo = build_graph(load_config(None, ["algorithm.use_kl_in_reward=true", "algorithm.use_kl_loss=false"]))
+    assert {"rollout_log_prob", "kl_in_reward", "ref_log_prob"} <= set(grpo.by_name)
+
+
+def test_readme_and_docs_carry_the_generated_recipe_table():
+    from pathlib import Path
+
+    from distflow.trainer.recipes import recipe_table
+
+    root = Path(__file__).resolve().parents[2]
+    table = recipe_table()
+    for doc in ("README.md", "docs/ALGORITHMS.md"):
+        assert table in (root / doc).read_text(), f"{doc}: regenerate with `distflow dag recipes`"
