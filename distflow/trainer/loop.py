@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from distflow.algos.kl import make_kl_controller
 from distflow.config import Config, from_dict
 from distflow.coordinator.double_buffer import DoubleBuffer
 from distflow.coordinator.executor import TransferStats
-from distflow.algos.kl import make_kl_controller
 from distflow.coordinator.layout import Layout
 from distflow.coordinator.placement import Placement
 from distflow.coordinator.store import LocalStore
@@ -38,8 +38,8 @@ from distflow.engines.rollout import HFRolloutEngine, SamplingParams
 from distflow.runtime import netns
 from distflow.runtime.centralized import run_commanded_step
 from distflow.trainer import checkpoint, nodes
-from distflow.trainer.recipes import build_graph
 from distflow.trainer.metrics import MeanAccumulator, MetricsWriter, StageTimer
+from distflow.trainer.recipes import build_graph
 from distflow.trainer.report import write_plot
 
 
@@ -104,7 +104,7 @@ class Trainer:
         self.val, _ = PromptReader(val, cfg.data.max_prompt_length, cfg.data.on_bad_row, cfg.data.on_long_prompt
                                    ).take(val_indices, partial(nodes.encode_prompt, self.tokenizer), replace=False)
         self.row_counts: dict[int, Counter] = defaultdict(Counter)  # step -> skipped rows, truncated prompts
-        # Layouts: rollout replicas are TP groups; training is data-parallel over all ranks.
+        # Layouts: a rollout replica is a group of replica_size ranks; training is data-parallel over all ranks.
         self.rollout_layout = Layout(self.world, tp_size=cfg.rollout.replica_size)
         self.train_layout = Layout.data_parallel(self.world)
         self.sampler = ShardedSampler(len(self.train_rows), cfg.data.train_batch_size,
