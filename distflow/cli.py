@@ -69,30 +69,32 @@ def check_inputs(cfg: Config) -> None:
 
 class LauncherProgress:
     """The launcher's view of the run: it tails rank 0's metrics.jsonl (metrics only,
-    never batch data) and draws the progress bar."""
+    never batch data: the meter checks) and draws the progress bar."""
 
-    def __init__(self, run_dir: Path, total: int, enabled: bool):
-        self.path, self.seen, self.bar, self.last_val = run_dir / "metrics.jsonl", 0, None, None
+    def __init__(self, run_dir: Path, total: int, enabled: bool, meter):
+        self.path, self.offset, self.bar, self.last_val = run_dir / "metrics.jsonl", 0, None, None
+        self.meter = meter
         if enabled:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
 
     def poll(self) -> None:
+        """Reads only what was appended since the last poll, whole lines only."""
         if self.bar is None or not self.path.exists():
             return
-        lines = self.path.read_text().splitlines()
-        for line in lines[self.seen:]:
+        text = self.meter.read_text(self.path, self.offset)
+        complete = text[:text.rfind("\n") + 1]
+        self.offset += len(complete.encode())
+        for line in complete.splitlines():
             record = json.loads(line)
             self.last_val = record.get("val/accuracy", self.last_val)
             if record.get("step", 0) > 0:
                 self.bar.update(1)
                 self.bar.set_postfix(reward=f"{record['reward/mean']:.3f}", heldout=f"{self.last_val:.3f}")
-        self.seen = len(lines)
 
-    def close(self) -> None:
+    def close(self) -> None:  # the launcher polled once more when the workers finished
         if self.bar is not None:
-            self.poll()
             self.bar.close()
 
 
@@ -150,15 +152,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"distflow: run folder {run_dir}", file=sys.stderr)
     if cfg.runtime.launcher == "torchrun":
         return _exec_torchrun(cfg, args)
+    from distflow.runtime.meter import LauncherMeter
     from distflow.runtime.ray_launcher import ClusterTooSmall, WorkerFailed, launch_ray
 
-    progress = LauncherProgress(run_dir, cfg.trainer.total_steps, cfg.trainer.progress)
+    meter = LauncherMeter()  # everything this process receives from the run, files included
+    progress = LauncherProgress(run_dir, cfg.trainer.total_steps, cfg.trainer.progress, meter)
     try:
         results = launch_ray(WORKER_ENTRY, (cfg.to_dict(), str(run_dir), False), run_dir=run_dir,
                              num_workers=cfg.runtime.num_workers, device=cfg.runtime.device,
                              collective_timeout_s=cfg.runtime.collective_timeout_s,
                              threads=cfg.runtime.threads_per_worker, on_poll=progress.poll,
-                             ray_address=cfg.runtime.ray_address, centralized=_driver_graph(cfg, graph))
+                             ray_address=cfg.runtime.ray_address, centralized=_driver_graph(cfg, graph),
+                             meter=meter)
     except WorkerFailed as e:
         progress.close()
         return _fail(str(e), EXIT_FAILED)

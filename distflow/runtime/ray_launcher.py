@@ -1,24 +1,23 @@
 """The Ray launcher: starts N identical workers as Ray actors, watches them, reports.
 
-It never touches a batch. Everything it receives from the workers goes through
-`_receive`, which measures it: `payload` counts tensor / array / bytes content (what a
-batch is made of), `control` the whole pickled size. The launcher writes both to
-`launcher.json`; a test asserts the payload stays 0.
+It never touches a batch. Everything it receives from Ray and every file it reads goes
+through a `LauncherMeter` (runtime/meter.py), which measures payload (batch data) and
+control bytes; the launcher writes both to `launcher.json`, and a test asserts the
+payload stays 0.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 import socket
 import tempfile
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from distflow.runtime.meter import LauncherMeter
 from distflow.runtime.process_group import WORKER_ENV, free_port, run_in_group
 
 # AF_UNIX socket paths are limited to 107 bytes; Ray puts its sockets at
@@ -43,37 +42,6 @@ class WorkerError(RuntimeError):
 
     def __reduce__(self):  # Ray pickles exceptions back to the launcher
         return (WorkerError, (self.rank, self.headline, self.traceback_text))
-
-
-def payload_bytes(obj: Any) -> int:
-    """Bytes of tensor/array/bytes content inside `obj` (recursively)."""
-    import numpy as np
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, np.ndarray):
-        return obj.nbytes
-    if isinstance(obj, (bytes, bytearray, memoryview)):
-        return len(obj)
-    if isinstance(obj, dict):
-        return sum(payload_bytes(k) + payload_bytes(v) for k, v in obj.items())
-    if isinstance(obj, (list, tuple, set)):
-        return sum(payload_bytes(x) for x in obj)
-    if hasattr(obj, "__dict__"):
-        return payload_bytes(vars(obj))
-    return 0
-
-
-@dataclass
-class ReceivedBytes:
-    payload: int = 0
-    control: int = 0
-
-    def count(self, obj: Any) -> Any:
-        self.payload += payload_bytes(obj)
-        self.control += len(pickle.dumps(obj))
-        return obj
 
 
 def ray_temp_dir(run_dir: Path) -> tuple[str, str | None]:
@@ -124,7 +92,8 @@ def check_ray_address(address: str, timeout_s: float = 10.0) -> str:
 
 def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, device: str,
                collective_timeout_s: int, threads: int, on_poll: Callable[[], None] | None = None,
-               poll_s: float = 0.5, ray_address: str | None = None, centralized: list | None = None) -> list[Any]:
+               poll_s: float = 0.5, ray_address: str | None = None, centralized: list | None = None,
+               meter: LauncherMeter | None = None) -> list[Any]:
     """Run `entry(*args)` on `num_workers` Ray actors in one process group; return their
     results in rank order. A worker that fails fails the launch, naming its rank.
 
@@ -133,12 +102,13 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
     process group's master. `centralized` (runtime.mode=centralized, a list of
     `centralized.NodeSpec`): the driver runs that graph every step and every stage's
     data goes through it (`runtime/centralized.py`); each worker's end of it is passed
-    to `entry` as its last argument."""
+    to `entry` as its last argument. `meter` counts everything received (the caller's
+    `on_poll` may read files through the same meter)."""
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     import ray
 
     temp_dir, cleanup = ray_temp_dir(run_dir) if ray_address is None else (None, None)
-    received = ReceivedBytes()
+    meter = meter if meter is not None else LauncherMeter()
     actors: list[Any] = []
     relay = driver = None
     try:
@@ -158,7 +128,7 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
         spread = {} if ray_address is None else {"scheduling_strategy": "SPREAD"}
         actors = [actor_cls.options(name=f"distflow-worker-{r}", **spread).remote() for r in range(num_workers)]
         master, port = ("127.0.0.1", free_port()) if ray_address is None else \
-            ray.get(actors[0].rendezvous.remote(), timeout=120)
+            meter.received(ray.get(actors[0].rendezvous.remote(), timeout=120), "rendezvous")
         if centralized is not None:
             from distflow.coordinator.layout import Layout
             from distflow.coordinator.placement import Placement
@@ -181,9 +151,11 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
             for ref in ready:
                 rank = pending.pop(ref)
                 try:
-                    results[rank] = received.count(ray.get(ref, timeout=60))
+                    results[rank] = meter.received(ray.get(ref, timeout=60), "result")
                 except Exception as e:
-                    raise WorkerFailed(_root_cause(rank, e, pending, run_dir)) from None
+                    raise WorkerFailed(_root_cause(rank, e, pending, run_dir, meter)) from None
+        if on_poll is not None:  # what the workers wrote last
+            on_poll()
         return [results[r] for r in range(num_workers)]
     finally:
         if driver is not None:
@@ -195,42 +167,43 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
                 pass
         ray.shutdown()
         (run_dir / "launcher.json").write_text(json.dumps(
-            {"payload_bytes_received": received.payload, "control_bytes_received": received.control,
-             "mode": "centralized" if centralized is not None else "distributed"} | (relay.stats() if relay else {})))
+            meter.summary() | {"mode": "centralized" if centralized is not None else "distributed"}
+            | (relay.stats() if relay else {})))
         if cleanup:
             shutil.rmtree(cleanup, ignore_errors=True)
 
 
-def _root_cause(rank: int, error: Exception, pending: dict, run_dir: Path, grace_s: float = 5.0) -> str:
+def _root_cause(rank: int, error: Exception, pending: dict, run_dir: Path, meter: LauncherMeter,
+                grace_s: float = 5.0) -> str:
     """When one worker fails the others usually fail right after it (their collectives
     lose a peer). Collect what fails within a short grace period and report a worker
     that *died* first, since a surviving worker's 'connection closed' is only an echo."""
     import ray
 
-    failures = {rank: error}
+    failures = {rank: meter.received(error, "worker error")}
     done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=grace_s) if pending else ([], [])
     for ref in done:
         try:
-            ray.get(ref, timeout=10)
+            meter.received(ray.get(ref, timeout=10), "result")
         except Exception as e:
-            failures[pending[ref]] = e
+            failures[pending[ref]] = meter.received(e, "worker error")
     died = sorted(r for r, e in failures.items() if isinstance(e, ray.exceptions.RayActorError))
     first = died[0] if died else rank
     others = len(failures) - 1
     suffix = f"; {others} other worker(s) failed after it" if others else ""
-    return _describe(first, failures[first], run_dir) + suffix
+    return _describe(first, failures[first], run_dir, meter) + suffix
 
 
-def _where(run_dir: Path, rank: int) -> str:
+def _where(run_dir: Path, rank: int, meter: LauncherMeter) -> str:
     """' in stage X of step N' from the worker's status file, if it wrote one."""
     try:
-        status = json.loads((run_dir / "status" / f"rank-{rank}.json").read_text())
+        status = json.loads(meter.read_text(run_dir / "status" / f"rank-{rank}.json"))
         return f" in stage '{status['stage']}' of step {status['step']}"
     except (OSError, ValueError, KeyError):
         return ""
 
 
-def _describe(rank: int, e: Exception, run_dir: Path) -> str:
+def _describe(rank: int, e: Exception, run_dir: Path, meter: LauncherMeter) -> str:
     """One line for the user; the worker's full traceback goes to a file in the run folder."""
     import ray
 
@@ -240,6 +213,6 @@ def _describe(rank: int, e: Exception, run_dir: Path) -> str:
         path.write_text(cause.traceback_text)
         return f"worker {rank} failed: {cause.headline} (traceback: {path})"
     if isinstance(e, ray.exceptions.RayActorError):
-        return f"worker {rank} died{_where(run_dir, rank)}: its process exited unexpectedly ({type(e).__name__})"
+        return f"worker {rank} died{_where(run_dir, rank, meter)}: its process exited unexpectedly ({type(e).__name__})"
     return f"worker {rank} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 

@@ -1,7 +1,16 @@
+"""The launcher meter: what counts as payload, and a real Ray launch in both directions:
+a worker that keeps its data gives 0 payload bytes, one that leaks a batch (in its
+return value or in a file the launcher reads) is caught, byte for byte."""
+
+import json
+import os
+from pathlib import Path
+
 import numpy as np
+import pytest
 import torch
 
-from distflow.runtime.ray_launcher import ReceivedBytes, payload_bytes
+from distflow.runtime.meter import LauncherMeter, payload_bytes
 
 
 def test_payload_bytes_counts_tensor_content_anywhere():
@@ -10,9 +19,42 @@ def test_payload_bytes_counts_tensor_content_anywhere():
     assert payload_bytes(obj) == 10 * 4 * 8 + 5 * 4 + 3 + 3 * 2
 
 
-def test_control_only_objects_have_no_payload():
-    meter = ReceivedBytes()
-    meter.count({"heldout_accuracy_final": 0.5, "steps": 3, "run_dir": "/x"})
-    assert meter.payload == 0 and meter.control > 0
-    meter.count([torch.zeros(100)])
-    assert meter.payload == 400
+def test_a_list_of_numbers_is_payload_however_it_travels():
+    assert payload_bytes({"ids": [101, 7, 2045]}) == 24  # token ids as a JSON or pickled list
+    assert payload_bytes([[1, 2], [3, 4, 5]]) == 40
+    assert payload_bytes({"steps": 3, "acc": 0.5, "run_dir": "/x", "flags": [True, False]}) == 0
+    assert payload_bytes(("127.0.0.1", 29500)) == 0  # an address and a port: control
+
+
+def test_files_read_are_metered_line_by_line(tmp_path):
+    meter = LauncherMeter()
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 1, "reward/mean": 0.4}) + "\n" + json.dumps({"ids": [1, 2, 3, 4]}) + "\n")
+    assert meter.read_text(path) == path.read_text()
+    summary = meter.summary()
+    assert summary["received_by_source"]["metrics.jsonl"] == {"payload": 32, "control": len(path.read_bytes())}
+
+
+@pytest.mark.slow
+def test_a_real_launch_counts_zero_for_a_clean_worker_and_every_leaked_byte(tmp_path, monkeypatch):
+    from distflow.cli import LauncherProgress
+    from distflow.runtime.ray_launcher import launch_ray
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    results = {}
+    for name in ("clean", "leaky"):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        meter = LauncherMeter()
+        progress = LauncherProgress(run_dir, total=1, enabled=True, meter=meter)  # it reads metrics.jsonl
+        launch_ray(f"leaky_workers:{name}", (str(run_dir),), run_dir=run_dir, num_workers=2, device="cpu",
+                   collective_timeout_s=60, threads=1, on_poll=progress.poll, poll_s=0.2, meter=meter)
+        progress.close()
+        results[name] = json.loads((run_dir / "launcher.json").read_text())
+    clean, leaky = results["clean"], results["leaky"]
+    assert clean["payload_bytes_received"] == 0
+    assert clean["received_by_source"]["result"]["control"] > 0  # the meter saw the return values
+    assert clean["received_by_source"]["metrics.jsonl"]["control"] > 0  # ... and the file it read
+    assert leaky["received_by_source"]["result"]["payload"] == 4 * 8 * 8 + 6 * 8
+    assert leaky["received_by_source"]["metrics.jsonl"]["payload"] == 3 * 8
+    assert leaky["payload_bytes_received"] == 256 + 48 + 24

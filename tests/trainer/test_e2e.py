@@ -72,7 +72,7 @@ def test_ray_launcher_run_leaves_summary_plot_checkpoint_and_no_payload(tmp_path
     # the launcher measured what it received: control only, no batch payload
     launcher = json.loads((out / "launcher.json").read_text())
     assert launcher["payload_bytes_received"] == 0
-    assert launcher["control_bytes_received"] > 0  # the meter did see the summaries
+    assert launcher["received_by_source"]["result"]["control"] > 0  # the meter did see the summaries
     # loopback only: one probe per worker's reward process
     probes = [json.loads(p.read_text()) for p in tmp_path.glob("probe-*.json")]
     assert len(probes) == 2 and summary["network"] == "loopback" and "network=loopback" in proc.stdout

@@ -1,0 +1,28 @@
+"""Worker programs for the launcher-meter test: one that keeps its data to itself, and
+one that leaks batch data to the launcher in each way the launcher can receive it."""
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def _metrics(run_dir: str, record: dict) -> None:
+    if dist.get_rank() == 0:
+        with open(Path(run_dir) / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def clean(run_dir: str) -> dict:
+    _metrics(run_dir, {"step": 1, "reward/mean": 0.45, "val/accuracy": 0.5})
+    return {"steps": 1, "heldout_accuracy_final": 0.5, "run_dir": run_dir}
+
+
+def leaky(run_dir: str) -> dict:
+    # rank 0: 4x8 int64 responses in its return value (256 bytes) and 3 token ids in its
+    # metrics record (24 bytes); rank 1: a plain list of 6 token ids (48 bytes)
+    _metrics(run_dir, {"step": 1, "reward/mean": 0.45, "val/accuracy": 0.5, "responses": [5, 6, 7]})
+    if dist.get_rank() == 0:
+        return {"steps": 1, "responses": torch.zeros(4, 8, dtype=torch.long)}
+    return {"steps": 1, "responses": [[1, 2, 3], [4, 5, 6]]}
