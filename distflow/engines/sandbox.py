@@ -100,7 +100,7 @@ def mount(src, dst, fstype, flags, data=None):
     check(libc.mount(src and src.encode(), dst.encode(), fstype and fstype.encode(), flags,
                      data and data.encode()), f"mount {dst}")
 
-def bind_readonly(path, root):
+def bind_readonly(path, root, device=False):
     target = root + path
     if os.path.isdir(path):
         os.makedirs(target, exist_ok=True)
@@ -108,7 +108,8 @@ def bind_readonly(path, root):
         os.makedirs(os.path.dirname(target), exist_ok=True)
         open(target, "a").close()
     mount(path, target, None, MS_BIND | MS_REC)
-    mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    # MS_NODEV would make a bound device node (/dev/null) unopenable, so devices go without it
+    mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | (0 if device else MS_NODEV))
 
 isolate, uid, root = spec["isolate"], spec["uid"], spec["root"]
 if isolate:
@@ -122,7 +123,7 @@ if isolate:
         elif os.path.exists(path):
             bind_readonly(path, root)
     for dev in ("null", "zero", "urandom", "random"):
-        bind_readonly("/dev/" + dev, root)
+        bind_readonly("/dev/" + dev, root, device=True)
     for folder in ("/tmp", "/sandbox"):
         os.makedirs(root + folder)
         mount("tmpfs", root + folder, "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['file_mb'] * 4}m,mode=1777")
