@@ -102,3 +102,31 @@ def test_killed_while_checkpointing_then_resumed_matches_an_uninterrupted_run(tm
     assert [_untimed(r) for r in resumed] == [_untimed(r) for r in uninterrupted]
     assert resumed[3]["actor/grad_norm"] > 0
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["final", "step_2"]
+
+
+@pytest.mark.slow
+def test_ppo_resumes_from_a_path_on_another_worker_count_like_an_uninterrupted_run(tmp_path):
+    """PPO's critic and both optimizers, the adaptive KL-in-reward coefficient, two
+    mini-batches per step, and a resume with trainer.resume=PATH into a new run folder on
+    2 workers from a checkpoint written by 1: steps 3-4 equal the uninterrupted run's."""
+    common = ["algorithm.name=ppo", "algorithm.use_kl_in_reward=true", "algorithm.reward_kl_ctrl=adaptive",
+              "algorithm.reward_kl_target=0.0001", "algorithm.reward_kl_horizon=10", "trainer.total_steps=4"]
+    straight, first, second = tmp_path / "straight", tmp_path / "first", tmp_path / "second"
+    assert _train([*common, "runtime.num_workers=2", f"trainer.output_dir={straight}"], tmp_path).returncode == 0
+    proc = _train([*common, "runtime.num_workers=1", "trainer.total_steps=2", f"trainer.output_dir={first}"],
+                  tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = first / "checkpoints" / "final"
+    assert (ckpt / "critic.safetensors").is_file() and (ckpt / "critic_optimizer.safetensors").is_file()
+    proc = _train([*common, "runtime.num_workers=2", f"trainer.resume={ckpt}", f"trainer.output_dir={second}"],
+                  tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want, got = _metrics(straight), _metrics(second)
+    assert [r["step"] for r in got] == [0, 1, 2, 3, 4]  # the checkpoint's metrics, then the resumed steps
+    for a, b in zip(want[3:], got[3:], strict=True):
+        for key in ("reward/mean", "reward/accuracy", "response/length_mean", "tokens/total"):
+            assert a[key] == b[key], (key, a["step"], a[key], b[key])  # the same samples after the resume
+        for key in [k for k in a if k.startswith(("actor/", "critic/", "reward_kl/"))]:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (key, a["step"], a[key], b[key])
+    # the controller moved (target far below the KL) and resumed from its saved value
+    assert got[4]["reward_kl/coef"] > got[1]["reward_kl/coef"] and "critic/vf_loss" in got[4]
