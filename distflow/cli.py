@@ -126,12 +126,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     if cfg.runtime.ray_address is None and cfg.runtime.network != "host" and not netns.inside():
         # the same command again in a loopback-only namespace, which checks the graph itself
         argv = ["-m", "distflow.cli", "train", *(["--config", args.config] if args.config else []), *args.overrides]
-        code = netns.run_in_loopback_namespace(argv)
-        if code is not None:
-            return code
-        if cfg.runtime.network == "loopback":
-            return _fail("runtime.network=loopback: this machine cannot make a network namespace (it needs root "
-                         "or unprivileged user namespaces); use runtime.network=host")
+        try:
+            return netns.run_in_loopback_namespace(argv)
+        except netns.NamespaceUnavailable as e:
+            if cfg.runtime.network == "loopback":
+                return _fail(f"runtime.network=loopback: this machine cannot make a network namespace ({e}; it "
+                             "needs root or unprivileged user namespaces); use runtime.network=host")
+            print(f"distflow: no loopback-only network namespace here ({e}); on the host network",
+                  file=sys.stderr)
     try:
         graph = _graph(cfg)
         if cfg.runtime.mode == "centralized" and any(n.role == "filter" for n in graph.nodes):

@@ -48,11 +48,15 @@ def inside() -> bool:
     return bool(os.environ.get(ENV))
 
 
-def run_in_loopback_namespace(argv: list[str]) -> int | None:
+class NamespaceUnavailable(RuntimeError):
+    """No network namespace can be made here; the message says why (one line)."""
+
+
+def run_in_loopback_namespace(argv: list[str]) -> int:
     """Run `python argv...` in a loopback-only network namespace and return its exit
-    code, or None (having run nothing) where no namespace can be made here."""
+    code; NamespaceUnavailable (having run nothing) where no namespace can be made here."""
     if not sys.platform.startswith("linux"):
-        return None
+        raise NamespaceUnavailable(f"network namespaces are Linux only, this is {sys.platform}")
     read_end, write_end = os.pipe()
     try:
         proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _ENTER, str(write_end), *argv],
@@ -63,9 +67,7 @@ def run_in_loopback_namespace(argv: list[str]) -> int | None:
         answer = ready.read()
     if answer[:1] != b"1":
         proc.wait()
-        why = answer[1:].decode(errors="replace") or f"set-up exited with {proc.returncode}"
-        print(f"distflow: no loopback-only network namespace here ({why})", file=sys.stderr)
-        return None
+        raise NamespaceUnavailable(answer[1:].decode(errors="replace") or f"set-up exited with {proc.returncode}")
     try:
         return proc.wait()
     except KeyboardInterrupt:  # the run got the same Ctrl-C: let it stop cleanly

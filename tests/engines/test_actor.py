@@ -60,11 +60,35 @@ def test_two_ranks_match_one_process(random_model_dir):
 
 def _load_full_state(rank, world, model_dir):
     actor = FSDPActor(load_causal_lm(model_dir), OptimConfig(lr=1e-3), torch.device("cpu"))
+    full = actor.full_state_dict()
     plain = load_causal_lm(model_dir)
-    missing, unexpected = plain.load_state_dict(actor.full_state_dict(), strict=False)
-    return sorted(unexpected), dist.get_world_size()
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.zero_()  # so that every value compared below came through the load
+    plain.load_state_dict(full, strict=True)  # every key, no extra one
+    original = load_causal_lm(model_dir).state_dict()
+    differ = [k for k, v in plain.state_dict().items() if not torch.equal(v, original[k])]
+    return differ, sorted(full) == sorted(original), dist.get_world_size()
 
 
 def test_full_state_dict_loads_into_plain_model(random_model_dir):
-    for unexpected, world in run_gloo(_load_full_state, 2, random_model_dir):
-        assert unexpected == [] and world == 2
+    for differ, same_keys, world in run_gloo(_load_full_state, 2, random_model_dir):
+        assert differ == [] and same_keys and world == 2
+
+
+def test_a_non_finite_update_leaves_weights_and_adamw_moments_untouched(random_model_dir):
+    cfg = load_config(None, ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4"])
+    batch = _batch(random_model_dir)
+    actor = FSDPActor(load_causal_lm(random_model_dir), OptimConfig(lr=1e-2), torch.device("cpu"))
+    micro = [[0, 1], [2, 3]]
+    loss = make_policy_loss(cfg, float(batch["response_mask"].sum()), float(len(batch)))
+    assert actor.train_mini_batch(batch, micro, loss)["skipped"] == 0.0  # a real step: moments exist
+    weights = {k: v.clone() for k, v in actor.model.state_dict().items()}
+    moments = {id(p): {k: v.clone() for k, v in s.items()} for p, s in actor.optimizer.state.items()}
+    batch.tensors["advantages"] = batch["advantages"] * float("nan")
+    sums = actor.train_mini_batch(batch, micro, loss)
+    assert sums["skipped"] == 1.0 and sums["grad_norm"] == 0.0
+    assert all(torch.equal(v, weights[k]) for k, v in actor.model.state_dict().items())
+    for p, state in actor.optimizer.state.items():
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(state[name], moments[id(p)][name]), name

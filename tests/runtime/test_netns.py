@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -22,8 +24,9 @@ def test_a_command_runs_in_a_namespace_whose_only_interface_is_an_up_loopback(tm
              f"json.dump({{'ifaces': ifaces, 'netns': os.readlink('/proc/self/ns/net'), 'env': os.environ.get('{netns.ENV}'),"
              " 'uid': os.getuid()}, open(sys.argv[1], 'w'))\n"
              "sys.exit(3)\n")
-    code = netns.run_in_loopback_namespace(["-c", probe, str(out)])
-    if code is None:
+    try:
+        code = netns.run_in_loopback_namespace(["-c", probe, str(out)])
+    except netns.NamespaceUnavailable:
         pytest.skip("this machine cannot make network namespaces")
     inside = json.loads(out.read_text())
     assert code == 3  # the command's own exit code comes back
@@ -37,3 +40,18 @@ def test_network_host_and_a_bad_value_are_config_choices():
     assert load_config(None, ["runtime.network=host"]).runtime.network == "host"
     with pytest.raises(ConfigError, match="runtime.network"):
         load_config(None, ["runtime.network=lan"])
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and util-linux unshare")
+def test_loopback_where_no_namespace_can_be_made_is_one_line_and_exit_2(tmp_path):
+    """A user namespace whose network-namespace quota is 0: unshare(CLONE_NEWNET) fails
+    there, as on a machine without the privilege."""
+    script = ("echo 0 > /proc/sys/user/max_net_namespaces && "
+              f"exec {sys.executable} -m distflow.cli train runtime.network=loopback")
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "sh", "-c", script], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith(
+        "distflow: error: runtime.network=loopback: this machine cannot make a network namespace (unshare: "), lines
+    assert not (tmp_path / "runs").exists()

@@ -138,14 +138,42 @@ def test_tensor_parallel_rollout_layout_trains_like_plain_data_parallel(tmp_path
     for name, extra in {"dp2": ["runtime.num_workers=2"],
                         "tp2": ["runtime.num_workers=4", "rollout.replica_size=2"]}.items():
         out = tmp_path / name
-        _distflow([*SMALL, "runtime.launcher=torchrun", "trainer.total_steps=1", "trainer.save_final=false",
+        _distflow([*SMALL, "runtime.launcher=torchrun", "trainer.save_final=false",
                    "actor.ppo_mini_batch_size=2", "actor.micro_batch_size=3", *extra,
                    f"trainer.output_dir={out}"], tmp_path)
         runs[name] = _metrics(out)
-    for a, b in zip(runs["dp2"][1:], runs["tp2"][1:]):
+    # 3 steps of 2 mini-batches: later steps sample from updated, synced weights
+    for a, b in zip(runs["dp2"][1:], runs["tp2"][1:], strict=True):
+        for k in ["reward/mean", "reward/accuracy", "response/length_mean", "tokens/total"]:
+            assert a[k] == b[k], (k, a["step"], a[k], b[k])
+        for k in ["actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "actor/clip_frac"]:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (k, a["step"], a[k], b[k])
+        # dp2 moves rows only to balance tokens (none at all in step 1); tp2 also gathers each
+        # replica's halves on both of its ranks
+        assert b["coordinator/payload_received_bytes"] > a["coordinator/payload_received_bytes"]
+    assert runs["dp2"][1]["coordinator/payload_received_bytes"] == 0
+
+
+def test_token_budget_micro_batches_train_like_fixed_ones_end_to_end(tmp_path):
+    """actor.use_dynamic_bsz on 2 workers: micro-batches formed by a token budget give the
+    same run as fixed-size ones (the loss is normalised by global counts, so how a
+    mini-batch is cut cannot change the update); a budget below the longest sequence
+    stops the run naming the key, so the budget path really ran."""
+    runs = {}
+    for name, extra in {"fixed": ["actor.micro_batch_size=2"],
+                        "budget": ["actor.use_dynamic_bsz=true", "actor.max_tokens_per_micro_batch=160"]}.items():
+        out = tmp_path / name
+        _distflow([*SMALL, "runtime.launcher=torchrun", "trainer.total_steps=2", "trainer.save_final=false",
+                   "actor.ppo_mini_batch_size=2", *extra, f"trainer.output_dir={out}"], tmp_path)
+        runs[name] = _metrics(out)
+    for a, b in zip(runs["fixed"][1:], runs["budget"][1:], strict=True):
         for k in ["reward/mean", "reward/accuracy", "response/length_mean", "tokens/total"]:
             assert a[k] == b[k], (k, a[k], b[k])
-        for k in ["actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm"]:
-            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-5), (k, a[k], b[k])
-        assert a["coordinator/payload_received_bytes"] == 0  # one layout: the local cache
-        assert b["coordinator/payload_received_bytes"] > 0  # TP halves gathered, then rebalanced
+        for k in ["actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "actor/clip_frac"]:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (k, a[k], b[k])
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "distflow.cli", "train", *SMALL, "runtime.launcher=torchrun",
+                           "trainer.total_steps=1", "actor.use_dynamic_bsz=true", "actor.max_tokens_per_micro_batch=10",
+                           f"trainer.output_dir={tmp_path / 'tiny'}"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0 and "actor.max_tokens_per_micro_batch=10 is smaller than a" in proc.stderr

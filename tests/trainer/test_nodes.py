@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distflow.algos import core
 from distflow.config import load_config
 from distflow.data.batch import Batch
 from distflow.trainer import nodes
@@ -29,21 +28,30 @@ def test_grpo_advantage_node_uses_the_registered_estimator():
     assert torch.allclose(out["advantages"], expected, atol=1e-4)
 
 
-def test_reinforce_plus_plus_whitens_like_the_single_batch_formula():
+def _on_valid(values: list[float]) -> torch.Tensor:
+    """Hand-computed values for the valid tokens of MASK, in row order, as a (4, 3) tensor."""
+    out = torch.zeros(MASK.shape)
+    out[MASK.bool()] = torch.tensor(values)
+    return out
+
+
+def test_reinforce_plus_plus_whitens_over_the_batch():
     out = nodes.advantage(Ctx({"estimator": "reinforce_plus_plus", "reward_field": "scores"}),
                           Batch({"scores": REWARDS, "response_mask": MASK, "group": GROUPS}))
-    reference, _ = core.compute_reinforce_plus_plus_advantage(core.token_level_rewards(REWARDS, MASK), MASK)
-    assert torch.allclose(out["advantages"], reference, atol=1e-5)
-    # by hand: returns-to-go are 1,1 | 0,0,0 | 1 | 1,1,1 over 9 valid tokens: mean 6/9
-    valid = out["advantages"][MASK.bool()]
-    assert float(valid.sum()) == pytest.approx(0.0, abs=1e-5) and float(valid.std()) == pytest.approx(1.0, abs=1e-4)
+    # returns-to-go (gamma 1) on the 9 valid tokens: 1 1 | 0 0 0 | 1 | 1 1 1; mean 2/3,
+    # unbiased variance (6 - 9 * 4/9) / 8 = 1/4: whitened 1 -> +2/3, 0 -> -4/3
+    a, b = 2 / 3, -4 / 3
+    torch.testing.assert_close(out["advantages"], _on_valid([a, a, b, b, b, a, a, a, a]), atol=1e-6, rtol=0)
 
 
 def test_reinforce_plus_plus_baseline_centres_by_group_then_whitens():
     out = nodes.advantage(Ctx({"estimator": "reinforce_plus_plus_baseline", "reward_field": "scores"}),
                           Batch({"scores": REWARDS, "response_mask": MASK, "group": GROUPS}))
-    reference, _ = core.compute_reinforce_plus_plus_baseline_advantage(REWARDS, MASK, GROUPS)
-    assert torch.allclose(out["advantages"], reference, atol=1e-5)
+    # centred: group 0 (1, 0) -> +0.5 (2 tokens), -0.5 (3 tokens); group 1 (1, 1) -> 0 (4 tokens);
+    # mean -1/18, unbiased variance (1.25 - 9/324) / 8; whitened:
+    up, down, zero = 1.4213380625, -1.1370704500, 0.1421338063
+    torch.testing.assert_close(out["advantages"], _on_valid([up, up, down, down, down, zero, zero, zero, zero]),
+                               atol=1e-6, rtol=0)
 
 
 def test_gae_node_returns_whitened_advantages_and_returns():
@@ -52,8 +60,10 @@ def test_gae_node_returns_whitened_advantages_and_returns():
                           Batch({"scores": REWARDS, "response_mask": MASK, "group": GROUPS, "values": values}))
     # gamma = lam = 1: the return of every valid token is the sequence's reward
     assert torch.equal(out["returns"], REWARDS.unsqueeze(-1) * MASK)
-    reference, _ = core.compute_gae_advantage(core.token_level_rewards(REWARDS, MASK), values, MASK)
-    assert torch.allclose(out["advantages"], reference, atol=1e-5)
+    # advantages before whitening: reward - value = .5 .5 | -.2 -.1 0 | .7 | 1 1 1 (mean 4.4/9)
+    expected = [0.0228664775, 0.0228664775, -1.4177216072, -1.2119233093, -1.0061250115, 0.4344630732,
+                1.0518579666, 1.0518579666, 1.0518579666]
+    torch.testing.assert_close(out["advantages"], _on_valid(expected), atol=1e-6, rtol=0)
 
 
 def test_dynamic_sampling_keeps_groups_whose_rewards_differ():
