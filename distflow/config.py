@@ -106,7 +106,12 @@ class AlgorithmConfig:
 
 @dataclass(kw_only=True)
 class ActorConfig:
-    lr: float = _spec(1e-4, min=0.0)
+    lr: float = _spec(1e-4, min=0.0, doc="peak learning rate (after warm-up)")
+    lr_scheduler: str = _spec("cosine", choices=("constant", "cosine", "linear"),
+                              doc="the learning rate over trainer.total_steps after the warm-up: constant, "
+                                  "or decaying to lr * min_lr_ratio by the last step")
+    lr_warmup_steps: int = _spec(3, min=0, doc="steps of linear warm-up from lr / (warm-up + 1) to lr")
+    min_lr_ratio: float = _spec(0.1, min=0.0, max=1.0, doc="the decayed learning rate at the last step, over lr")
     weight_decay: float = _spec(0.0, min=0.0)
     grad_clip: float = _spec(1.0, min=0.0)
     ppo_epochs: int = _spec(1, min=1)

@@ -10,6 +10,7 @@ that average back into the sum. Result: the same gradient for any number of work
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,6 +30,20 @@ class OptimConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     betas: tuple[float, float] = (0.9, 0.999)
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str, min_ratio: float) -> float:
+    """The learning rate of training step `step` (1-based) over the peak: a linear warm-up
+    over `warmup_steps` steps, then constant, or a cosine or linear decay that reaches
+    `min_ratio` at `total_steps`. A pure function of the step, so a resumed run (which
+    restores the step) continues the schedule exactly."""
+    if step <= warmup_steps:
+        return step / (warmup_steps + 1)
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup_steps) / max(total_steps - warmup_steps, 1)  # (0, 1]
+    decay = 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+    return min_ratio + (1.0 - min_ratio) * decay
 
 
 def _decoder_layer_classes(model) -> tuple[type, ...]:
@@ -95,6 +110,10 @@ class FSDPTrainable:
         self.optim = optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=optim.betas,
                                            weight_decay=optim.weight_decay)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     @torch.no_grad()
     def compute(self, batch: Batch, micro_batches: MicroBatches) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from distflow.algos.kl import make_kl_controller
+from distflow.collectives import all_gather_objects
 from distflow.config import Config, from_dict
 from distflow.coordinator.double_buffer import DoubleBuffer
 from distflow.coordinator.executor import TransferStats
@@ -30,7 +31,7 @@ from distflow.dag.scheduler import Scheduler, chrome_trace, node_seconds
 from distflow.data.batch import Batch
 from distflow.data.dataset import PromptReader, ShardedDataset
 from distflow.data.loader import ShardedSampler
-from distflow.engines.actor import FSDPActor, OptimConfig, ReferenceModel
+from distflow.engines.actor import FSDPActor, OptimConfig, ReferenceModel, lr_factor
 from distflow.engines.common import load_causal_lm, load_tokenizer
 from distflow.engines.critic import FSDPCritic
 from distflow.engines.reward import RewardRunner
@@ -183,7 +184,10 @@ class Trainer:
 
     def step(self, step: int, sources: Batch) -> dict[str, float]:
         self.ctx.step, self.ctx.acc = step, MeanAccumulator()
-        acc, store = self.ctx.acc, self.store
+        acc, store, a = self.ctx.acc, self.store, self.cfg.actor
+        lr = a.lr * lr_factor(step, self.cfg.trainer.total_steps, a.lr_warmup_steps, a.lr_scheduler, a.min_lr_ratio)
+        self.actor.set_lr(lr)
+        acc.add("actor/lr", lr, 1.0)
         self.placement.stats = TransferStats()
         store.clear()
         store.put(sources)
@@ -213,15 +217,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
 
-    def evaluate(self, step: int) -> float:
+    def evaluate(self, step: int) -> dict[str, float]:
         with StageTimer(step, self._status)("evaluate"):  # named in errors and in the status file
             return self._evaluate()
 
     @torch.no_grad()
-    def _evaluate(self) -> float:
-        """Greedy held-out accuracy over all workers (validation rows interleaved)."""
+    def _evaluate(self) -> dict[str, float]:
+        """Greedy held-out accuracy over all workers (validation rows interleaved), overall
+        and per `extra_info["level"]` where the rows have one (the built-in task's 1-3)."""
         rows, ids = [row for row, _ in self.val], [ids for _, ids in self.val]
-        correct = 0.0
+        tally: dict[str, list[float]] = {}  # metric -> [correct, rows]
         if rows:
             out = self.rollout.generate(ids, None, SamplingParams(max_new_tokens=self.cfg.rollout.max_new_tokens,
                                                                   greedy=True))
@@ -229,11 +234,19 @@ class Trainer:
                              "data_source": [r.data_source for r in rows],
                              "extra_info": [r.extra_info for r in rows]})
             _, acc, _ = nodes.score_responses(self.tokenizer, out, self.ctx.reward_fn, self.ctx.accuracy_fn)
-            correct = float(acc.sum())
-        totals = torch.tensor([correct, float(len(rows))], dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(totals)
-        return float(totals[0] / totals[1])
+            for row, correct in zip(rows, acc.tolist()):
+                level = row.extra_info.get("level") if isinstance(row.extra_info, dict) else None
+                for name in ["val/accuracy"] + ([f"val/accuracy/level_{level}"] if level is not None else []):
+                    tally.setdefault(name, [0.0, 0.0])
+                    tally[name][0] += correct
+                    tally[name][1] += 1
+        totals: dict[str, list[float]] = {"val/accuracy": [0.0, 0.0]}
+        for part in all_gather_objects(tally):  # a few numbers per worker
+            for name, (correct, count) in part.items():
+                totals.setdefault(name, [0.0, 0.0])
+                totals[name][0] += correct
+                totals[name][1] += count
+        return {name: correct / count if count else float("nan") for name, (correct, count) in sorted(totals.items())}
 
     # ------------------------------------------------------------------ the run
 
@@ -241,8 +254,9 @@ class Trainer:
         cfg, start = self.cfg, time.time()
         total, eval_every, first = cfg.trainer.total_steps, cfg.trainer.eval_every, self.start_step + 1
         if self.start_step == 0:
-            initial = final = self.evaluate(0)
-            self._log({"step": 0, "val/accuracy": initial})
+            held_out = self.evaluate(0)
+            initial = final = held_out["val/accuracy"]
+            self._log({"step": 0, **held_out})
         else:  # resumed: the held-out numbers so far come from the checkpoint's metrics
             vals = [r["val/accuracy"] for r in self.history if "val/accuracy" in r] or [float("nan")]
             initial, final = vals[0], vals[-1]
@@ -261,7 +275,8 @@ class Trainer:
             metrics.update({"step": step, "time/step": seconds,
                             "perf/tokens_per_second": metrics["tokens/total"] / seconds})
             if step == total or (eval_every and step % eval_every == 0):
-                final = metrics["val/accuracy"] = self.evaluate(step)
+                metrics.update(self.evaluate(step))
+                final = metrics["val/accuracy"]
             self._log(metrics)
             self._check_bad_steps(step, metrics)
             if cfg.trainer.save_every and step % cfg.trainer.save_every == 0 and step != total:

@@ -1,8 +1,20 @@
-"""The reward / held-out accuracy plot a run leaves behind (checkpoints: checkpoint.py)."""
+"""The picture a run leaves behind (checkpoints: checkpoint.py): reward and held-out
+accuracy, overall and per level, above the signals that explain them (entropy, KL to the
+reference, response length, learning rate)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+# (metric, label, scale to fit the 0-1 axis); only those a run has are drawn
+_DIAGNOSTICS = (("actor/entropy", "entropy (nats/token)", 1.0), ("actor/kl", "KL to reference x10", 10.0),
+                ("response/length_mean", "response length / max", None), ("actor/lr", "lr / peak lr", None),
+                ("actor/clip_frac", "clip fraction", 1.0))
+
+
+def _series(history: list[dict], key: str) -> tuple[list[int], list[float]]:
+    rows = [r for r in history if key in r]
+    return [r["step"] for r in rows], [r[key] for r in rows]
 
 
 def write_plot(history: list[dict], path: Path) -> None:
@@ -11,23 +23,31 @@ def write_plot(history: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in history if "reward/mean" in r]
-    rewards = [r["reward/mean"] for r in history if "reward/mean" in r]
-    val_steps = [r["step"] for r in history if "val/accuracy" in r]
-    val = [r["val/accuracy"] for r in history if "val/accuracy" in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, diag) = plt.subplots(2, 1, figsize=(7, 7), sharex=True, height_ratios=(3, 2))
+    steps, rewards = _series(history, "reward/mean")
     ax.plot(steps, rewards, color="tab:blue", alpha=0.35, label="train reward (per step)")
     if len(rewards) >= 5:
         k = max(2, len(rewards) // 10)
         smooth = [sum(rewards[max(0, i - k + 1): i + 1]) / len(rewards[max(0, i - k + 1): i + 1])
                   for i in range(len(rewards))]
         ax.plot(steps, smooth, color="tab:blue", label=f"train reward (mean of {k})")
-    ax.plot(val_steps, val, "o-", color="tab:red", label="held-out accuracy (greedy)")
-    ax.set_xlabel("step")
+    ax.plot(*_series(history, "val/accuracy"), "o-", color="tab:red", label="held-out accuracy (greedy)")
+    levels = sorted({k for r in history for k in r if k.startswith("val/accuracy/")})
+    for key, colour in zip(levels, ("tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive")):
+        ax.plot(*_series(history, key), ".--", color=colour, alpha=0.8, label=f"held-out, {key.rsplit('/', 1)[1]}")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left", fontsize=8, ncol=2)
     ax.set_title("DistFlow run")
+    for key, label, scale in _DIAGNOSTICS:
+        x, y = _series(history, key)
+        if not y:
+            continue
+        top = max(max(y), 1e-12) if scale is None else 1.0 / scale
+        diag.plot(x, [v / top for v in y], label=label)
+    diag.set_xlabel("step")
+    diag.grid(alpha=0.3)
+    diag.legend(loc="upper right", fontsize=8, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -1,6 +1,9 @@
 """FSDP2 actor on 2 gloo ranks == the same actor in one process (the loss normalisation
 and FSDP's gradient averaging cancel exactly)."""
 
+import math
+
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -92,3 +95,16 @@ def test_a_non_finite_update_leaves_weights_and_adamw_moments_untouched(random_m
     for p, state in actor.optimizer.state.items():
         for name in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(state[name], moments[id(p)][name]), name
+
+
+def test_lr_schedule_hand_values():
+    from distflow.engines.actor import lr_factor
+
+    warm = [lr_factor(s, 10, 3, "cosine", 0.1) for s in (1, 2, 3)]
+    assert warm == [0.25, 0.5, 0.75]  # linear warm-up, never 0
+    # after warm-up, progress (s - 3) / 7: cosine from 1 down to min_ratio 0.1 at the last step
+    assert lr_factor(4, 10, 3, "cosine", 0.1) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 7)))
+    assert lr_factor(10, 10, 3, "cosine", 0.1) == pytest.approx(0.1)
+    assert lr_factor(10, 10, 3, "linear", 0.1) == pytest.approx(0.1)
+    assert lr_factor(6, 10, 0, "linear", 0.0) == pytest.approx(0.4)
+    assert lr_factor(7, 10, 3, "constant", 0.1) == 1.0

@@ -65,6 +65,10 @@ def test_ray_launcher_run_leaves_summary_plot_checkpoint_and_no_payload(tmp_path
     assert (out / "reward.png").stat().st_size > 1000
     records = _metrics(out)
     assert [r["step"] for r in records] == [0, 1, 2]
+    # held-out accuracy per level of the built-in task too; the levels' rows make up the whole
+    levels = [k for k in records[0] if k.startswith("val/accuracy/level_")]
+    assert sorted(levels) == ["val/accuracy/level_1", "val/accuracy/level_2", "val/accuracy/level_3"]
+    assert records[1]["actor/lr"] == pytest.approx(1e-4 / 4)  # the first warm-up step of the cosine schedule
     for key in ("reward/mean", "reward/accuracy", "response/length_mean", "actor/kl", "actor/entropy",
                 "actor/clip_frac", "actor/grad_norm", "perf/tokens_per_second", "time/rollout",
                 "time/actor_update", "time/reward", "time/ref_log_prob"):

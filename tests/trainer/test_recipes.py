@@ -21,8 +21,10 @@ RECIPES = ALGORITHMS + (str(Path(__file__).resolve().parents[2] / "examples/new_
 
 # two mini-batches per step: the second update's ratios are not 1, so clipping and the old
 # log-probs are exercised, and the later steps sample from updated, synced weights
+# (a constant lr: a 5-step run has no room for the default warm-up and decay)
 COMMON = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "trainer.eval_every=0",
-          "trainer.progress=false", "trainer.save_final=false"]
+          "trainer.progress=false", "trainer.save_final=false", "actor.lr_scheduler=constant",
+          "actor.lr_warmup_steps=0"]
 STEPS = {2: 5, 1: 3}  # workers -> steps: the 2-worker runs show learning, the 1-worker runs the same math
 HELDOUT = {2: 64, 1: 8}  # held-out prompts: the 1-worker runs need no accuracy estimate
 
