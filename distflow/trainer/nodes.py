@@ -58,7 +58,7 @@ class WorkerContext:
     reward_fn: RewardRunner | None = None  # the configured reward, run safely
     accuracy_fn: RewardRunner | None = None  # the default (strict) reward: the accuracy metric
     overlap: bool = False  # scheduler.overlap as resolved for this worker: stream the rollout in chunks
-    reward_kl: Any = None  # KL-in-reward coefficient controller (algos.kl), state kept across steps
+    reward_kl: kl.FixedKLController | kl.AdaptiveKLController | None = None  # beta of KL in the reward
     step: int = 0
     acc: MeanAccumulator = field(default_factory=MeanAccumulator)  # main-thread (collective) nodes only
 
@@ -158,14 +158,16 @@ def greedy_baseline(ctx: WorkerContext, batch: Batch) -> Batch:
     """ReMax's baseline: one greedy response per prompt group on this worker, scored by
     the run's reward function; every sample of the group gets that score."""
     groups = batch["group"].tolist()
-    first = {g: i for i, g in reversed(list(enumerate(groups)))}  # a row of each group
-    rows = [first[g] for g in dict.fromkeys(groups)]
+    first: dict[int, int] = {}  # group -> its first row here
+    for row, group in enumerate(groups):
+        first.setdefault(group, row)
+    rows = list(first.values())
     prompts = unpad_prompts(batch.select(rows))
     out = ctx.rollout.generate(prompts, None, SamplingParams(max_new_tokens=ctx.cfg.rollout.max_new_tokens,
                                                              greedy=True))
     out.meta.update({k: [batch[k][i] for i in rows] for k in ("ground_truth", "data_source", "extra_info")})
     scores, _, _ = score_responses(ctx.tokenizer, out, ctx.reward_fn, ctx.reward_fn)
-    by_group = dict(zip(dict.fromkeys(groups), scores.tolist()))
+    by_group = dict(zip(first, scores.tolist()))
     return Batch({"baseline_scores": torch.tensor([by_group[g] for g in groups], dtype=torch.float32)})
 
 
