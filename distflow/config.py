@@ -94,6 +94,11 @@ class AlgorithmConfig:
                                 doc="adaptive: beta follows reward_kl_target (Ziegler et al.'s controller)")
     reward_kl_target: float = _spec(0.1, min=1e-12, doc="the adaptive controller's target KL per token")
     reward_kl_horizon: int = _spec(10000, min=1, doc="the adaptive controller's horizon, in samples")
+    rollout_correction: str = _spec("off", choices=("off", "token_tis", "seq_tis", "token_mask", "seq_mask"),
+                                    doc="re-weight the policy loss by exp(old - rollout log-probs), the trainer's "
+                                        "over the engine's: truncated (tis) or masked, per token or per sequence "
+                                        "(distflow.algos.correction)")
+    rollout_correction_cap: float = _spec(2.0, min=1.0, doc="the truncation cap / the mask's [1/cap, cap] band")
     dynamic_sampling: bool = _spec(False, doc="DAPO: drop groups whose rewards are all equal and generate more "
                                               "prompts until the batch is full")
     entropy_coef: float = _spec(0.0, min=0.0)

@@ -461,8 +461,12 @@ def policy_loss_vanilla(
     loss_agg_mode: str = "token-mean",
     global_num_tokens: float | None = None,
     global_num_seqs: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """PPO clipped surrogate with clip-higher (DAPO) and dual-clip (Ye et al. 2020).
+
+    ``token_weights`` (B, T), optional: multiplies each token's loss (the rollout
+    correction's importance weights, algos/correction.py).
 
     The ratio is clipped to ``[1 - clip_ratio_low, 1 + clip_ratio_high]``. For
     negative advantages the per-token loss is additionally capped at
@@ -478,6 +482,8 @@ def policy_loss_vanilla(
     pg3 = -advantages * clip_ratio_c
     negative = advantages < 0
     per_token = torch.where(negative, torch.minimum(clipped, pg3), clipped)  # (B, T)
+    if token_weights is not None:  # the rollout correction's importance weights (no gradient)
+        per_token = per_token * token_weights
     loss = agg_loss(
         per_token, mask, loss_agg_mode, global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs
     )
@@ -501,6 +507,7 @@ def policy_loss_gspo(
     loss_agg_mode: str = "seq-mean-token-mean",
     global_num_tokens: float | None = None,
     global_num_seqs: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """GSPO (Zheng et al. 2025), token form: sequence-level importance ratio.
 
@@ -517,6 +524,8 @@ def policy_loss_gspo(
     token_log_ratio = log_probs - log_probs.detach() + seq_log_ratio.detach().unsqueeze(-1)
     ratio = torch.exp(token_log_ratio.clamp(max=_GSPO_LOG_RATIO_MAX))  # (B, T)
     pg1, pg2, per_token = _clipped_surrogate(ratio, advantages, clip_ratio_low, clip_ratio_high)
+    if token_weights is not None:  # the rollout correction's importance weights (no gradient)
+        per_token = per_token * token_weights
     loss = agg_loss(
         per_token, mask, loss_agg_mode, global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs
     )

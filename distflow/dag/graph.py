@@ -35,12 +35,11 @@ import yaml
 from distflow.coordinator.layout import LAYOUT_ORDER, LAYOUTS
 from distflow.plugins import PluginError, load_callable
 
-ROLES = ("rollout", "rollout_forward", "reward", "reference", "actor_forward", "critic_forward", "advantage",
+ROLES = ("rollout", "reward", "reference", "actor_forward", "critic_forward", "advantage",
          "actor_train", "critic_train", "filter", "custom")
 # defaults by role: (layout, collective, chunked)
 _ROLE_DEFAULTS = {
     "rollout": ("local", False, False),
-    "rollout_forward": ("local", False, True),  # scoring with the rollout engine's own weights
     "reward": ("local", False, True),
     "reference": ("local", False, True),
     "actor_forward": ("train", True, False),

@@ -132,8 +132,8 @@ class FSDPTrainable:
                                                     micro_batches, type(self).forward, True):
             loss, metrics = loss_fn(out, extra, micro)
             (loss * self.dp_size).backward()
-            for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + v
+            for k, v in metrics.items():  # sums over micro-batches; a "*_max" metric keeps the largest
+                totals[k] = max(totals.get(k, v), v) if k.endswith("_max") else totals.get(k, 0.0) + v
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
@@ -171,12 +171,6 @@ class ReferenceModel:
         for p in self.model.parameters():
             p.requires_grad_(False)
 
+    @torch.no_grad()
     def compute_log_probs(self, batch: Batch, micro_batches: MicroBatches) -> torch.Tensor:
-        return frozen_log_probs(self.model, batch, micro_batches, self.device)
-
-
-@torch.no_grad()
-def frozen_log_probs(model, batch: Batch, micro_batches: MicroBatches, device: torch.device) -> torch.Tensor:
-    """Per-token log-probs of `batch`'s responses under an unsharded model that is not
-    being trained (the reference, or the rollout engine's copy of the policy)."""
-    return _gather_rows(batch.to_device(device), model, micro_batches, policy_forward)
+        return _gather_rows(batch.to_device(self.device), self.model, micro_batches, policy_forward)

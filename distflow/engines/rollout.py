@@ -20,7 +20,6 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from distflow.data.batch import Batch
-from distflow.engines.actor import frozen_log_probs
 
 
 def sample_seed(*parts: int) -> int:
@@ -59,13 +58,18 @@ class PerSequenceSampler:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the trainer needs from a rollout engine."""
+    """What the trainer, evaluation and the recipes' nodes need from a rollout engine.
+
+    `generate` returns a Batch with `prompts`/`prompt_mask` (B, P) left-padded,
+    `responses`/`response_mask` (B, R) right-padded (R = params.max_new_tokens), and
+    `rollout_log_probs` (B, R): the log-probability the engine gave each sampled token
+    (log-softmax of its logits / temperature, before top-p; 0 where masked). Each sequence
+    draws its randomness from its own seed, so placement does not change the samples.
+    `load_weights` replaces the engine's weights in place with the trainer's."""
 
     def generate(self, prompts: list[list[int]], seeds: list[int] | None, params: SamplingParams) -> Batch: ...
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None: ...
-
-    def compute_log_probs(self, batch: Batch, micro_batches: list[list[int]]) -> torch.Tensor: ...
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,22 +100,19 @@ class HFRolloutEngine:
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state_dict, strict=False)
 
-    def compute_log_probs(self, batch: Batch, micro_batches: list[list[int]]) -> torch.Tensor:
-        """Log-probs of `batch`'s responses under this engine's weights: the sampler's
-        (behaviour policy's) own probabilities, e.g. for KL in the reward."""
-        return frozen_log_probs(self.model, batch, micro_batches, next(self.model.parameters()).device)
-
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seeds: list[int] | None, params: SamplingParams) -> Batch:
-        """Batch with `prompts`/`prompt_mask` (B, P) left-padded and `responses`/
-        `response_mask` (B, R) right-padded, R = params.max_new_tokens."""
+        """The RolloutEngine contract: prompts, responses, masks and the engine's log-prob
+        of each sampled token."""
         chunks = []
         for start in range(0, len(prompts), self.micro_batch_size):
             chunk_seeds = None if seeds is None else seeds[start: start + self.micro_batch_size]
             chunks.append(self._generate_chunk(prompts[start: start + self.micro_batch_size], chunk_seeds, params))
-        batch = Batch.concat([Batch({"prompts": ids, "prompt_mask": mask, "responses": resp})
-                              for ids, mask, resp in chunks])  # re-pads prompts on the left
-        batch.tensors["response_mask"] = response_mask_from(batch["responses"], self.tokenizer.eos_token_id)
+        batch = Batch.concat([Batch({"prompts": ids, "prompt_mask": mask, "responses": resp,
+                                     "rollout_log_probs": log_probs}) for ids, mask, resp, log_probs in chunks])
+        mask = response_mask_from(batch["responses"], self.tokenizer.eos_token_id)  # (B, R); re-padded prompts
+        batch.tensors["response_mask"] = mask
+        batch.tensors["rollout_log_probs"] = batch["rollout_log_probs"] * mask
         return batch
 
     def _generate_chunk(self, prompts: list[list[int]], seeds: list[int] | None, params: SamplingParams):
@@ -131,9 +132,14 @@ class HFRolloutEngine:
                                   pad_token_id=self.tokenizer.pad_token_id,
                                   eos_token_id=self.tokenizer.eos_token_id)
         out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                  generation_config=config, logits_processor=processors)
-        resp = out[:, ids.shape[1]:].cpu()
-        if resp.shape[1] < params.max_new_tokens:  # every row stopped early
-            resp = torch.nn.functional.pad(resp, (0, params.max_new_tokens - resp.shape[1]),
-                                           value=self.tokenizer.pad_token_id)
-        return ids, mask, resp
+                                  generation_config=config, logits_processor=processors,
+                                  return_dict_in_generate=True, output_logits=True)
+        resp = out.sequences[:, ids.shape[1]:].cpu()  # (B, R')
+        # the raw logits of each step (before our sampler's noise): the engine's own probabilities
+        logits = torch.stack(out.logits, dim=1).float().cpu() / params.temperature  # (B, R', V)
+        log_probs = torch.log_softmax(logits, dim=-1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
+        pad = params.max_new_tokens - resp.shape[1]
+        if pad:  # every row stopped early
+            resp = torch.nn.functional.pad(resp, (0, pad), value=self.tokenizer.pad_token_id)
+            log_probs = torch.nn.functional.pad(log_probs, (0, pad))
+        return ids, mask, resp, log_probs

@@ -15,7 +15,7 @@ Fields (one row per response, n rows per prompt):
   scores, accuracy                             (N,) reward, and the strict correctness metric
   baseline_scores                              (N,) ReMax: the reward of the prompt's greedy response
   ref_log_probs, old_log_probs, values         (N, R)
-  rollout_log_probs                            (N, R) the sampler's own log-probs (KL in the reward)
+  rollout_log_probs                            (N, R) the engine's log-prob of each sampled token
   token_rewards                                (N, R) scores on the last token minus the KL penalty
   advantages, returns                          (N, R)
 """
@@ -29,6 +29,7 @@ from typing import Any, Iterator
 import torch
 
 from distflow.algos import core, kl
+from distflow.algos.correction import rollout_correction
 from distflow.algos.estimators import ADV_ESTIMATORS, ESTIMATOR_INFO, AdvantageInputs, Estimator, EstimatorInfo
 from distflow.algos.estimators import estimator_info, get_adv_estimator
 from distflow.collectives import all_reduce_sum
@@ -110,7 +111,7 @@ def rollout(ctx: WorkerContext, batch: Batch) -> Iterator[tuple[range, Batch]]:
     for start in range(0, len(prompts), size):
         rows = range(start, min(start + size, len(prompts)))
         out = ctx.rollout.generate(prompts[rows.start:rows.stop], seeds[rows.start:rows.stop], params)
-        yield rows, Batch({"responses": out["responses"], "response_mask": out["response_mask"]})
+        yield rows, Batch({k: out[k] for k in ("responses", "response_mask", "rollout_log_probs")})
 
 
 def score_responses(tokenizer, batch: Batch, reward_fn: RewardRunner,
@@ -191,12 +192,6 @@ def ref_log_prob(ctx: WorkerContext, batch: Batch) -> Batch:
     return Batch({"ref_log_probs": ctx.ref.compute_log_probs(batch, micro)})
 
 
-def rollout_log_prob(ctx: WorkerContext, batch: Batch) -> Batch:
-    """The sampler's own log-probs (the rollout engine's weights: the behaviour policy)."""
-    micro = local_micro_batches(sequence_lengths(batch), **_micro_policy(ctx.cfg))
-    return Batch({"rollout_log_probs": ctx.rollout.compute_log_probs(batch, micro)})
-
-
 def old_log_prob(ctx: WorkerContext, batch: Batch) -> Batch:
     return Batch({"old_log_probs": ctx.actor.compute_log_probs(batch, micro_batches(batch, ctx.cfg))})
 
@@ -264,14 +259,23 @@ def make_policy_loss(cfg: Config, num_tokens: float, num_seqs: float, policy_los
     def loss_fn(log_probs: torch.Tensor, entropy: torch.Tensor, micro: Batch):
         mask = micro["response_mask"].float()  # (B, R)
         old = micro["old_log_probs"] if "old_log_probs" in micro else log_probs.detach()
+        tokens = float(mask.sum())
+        weights, metrics = None, {}
+        if a.rollout_correction != "off":  # the engine's probabilities are not the trainer's
+            fix = rollout_correction(old, micro["rollout_log_probs"], mask, a.rollout_correction,
+                                     a.rollout_correction_cap)
+            weights = fix.weights
+            metrics = {"rollout_correction/mismatch_kl": float(fix.mismatch_kl) * tokens,
+                       "rollout_correction/weight_mean": float(fix.weight_mean) * tokens,
+                       "rollout_correction/corrected_fraction": float(fix.corrected_fraction) * tokens,
+                       "rollout_correction/weight_max": float(fix.weight_max)}
         pg = loss_impl(old, log_probs, micro["advantages"], mask, clip_ratio_low=a.clip_ratio_low,
                        clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-                       loss_agg_mode=a.loss_agg_mode, **counts)
+                       loss_agg_mode=a.loss_agg_mode, token_weights=weights, **counts)
         loss = pg.loss
-        tokens = float(mask.sum())
         clip = float(pg.clip_frac) * tokens if tokens else 0.0  # an empty (lockstep-only) micro-batch
-        metrics = {"pg_loss": float(pg.loss.detach()), "clip_frac": clip,
-                   "entropy": float((entropy.detach() * mask).sum()), "tokens": tokens}
+        metrics |= {"pg_loss": float(pg.loss.detach()), "clip_frac": clip,
+                    "entropy": float((entropy.detach() * mask).sum()), "tokens": tokens}
         if a.use_kl_loss:
             kl_loss = kl.kl_penalty(log_probs, micro["ref_log_probs"], a.kl_type)
             loss = loss + a.kl_coef * core.agg_loss(kl_loss, mask, a.loss_agg_mode, **counts)
@@ -318,8 +322,10 @@ def _mini_batches(ctx: WorkerContext, batch: Batch, engine, make_loss, prefix: s
                     acc.add_total(f"{prefix}/{name}", value / updates)
                 elif name in ("grad_norm", "skipped"):  # identical on every rank
                     acc.add(f"{prefix}/{name}_updates" if name == "skipped" else f"{prefix}/{name}", value, 1.0)
+                elif name.endswith("_max"):  # the largest over micro-batches, then over ranks
+                    acc.add_max(name if "/" in name else f"{prefix}/{name}", value)
                 elif name != "tokens":
-                    acc.add(f"{prefix}/{name}", value, sums["tokens"])
+                    acc.add(name if "/" in name else f"{prefix}/{name}", value, sums["tokens"])
 
 
 def actor_update(ctx: WorkerContext, batch: Batch) -> None:

@@ -5,19 +5,20 @@ the estimator, the policy loss, the loss aggregation and the optional parts. By 
 the builder runs they are in the config, so the graph follows from the config alone:
 
     rollout ─┬─ reward ─(dynamic_sampling)─(overlong_penalty)─(greedy_baseline)─┐
-             ├─ ref_log_prob ─(rollout_log_prob ─ kl_in_reward)──────────────────┤
+             ├─ ref_log_prob ─(kl_in_reward)─────────────────────────────────────┤
              │                                                                   advantage ─┐
              └─ (critic_values) (old_log_prob) ────────────────────────────── actor_update (critic_update)
 
   ref_log_prob        with KL in the loss or in the reward
-  rollout_log_prob,   algorithm.use_kl_in_reward: the penalty goes into the token rewards
-  kl_in_reward          before the estimator
+  kl_in_reward        algorithm.use_kl_in_reward: the penalty (from the rollout's own
+                        log-probs and the reference's) goes into the token rewards
   dynamic_sampling    algorithm.dynamic_sampling: a refilling filter; later nodes wait for it
   overlong_penalty    algorithm.overlong_buffer_len > 0
   greedy_baseline     an estimator that needs a "baseline" (ReMax)
   critic_values,      an estimator that needs "values" (GAE): PPO's critic
   critic_update
   old_log_prob        off-policy updates (ppo_epochs > 1 or several mini-batches)
+  (actor_update reads rollout_log_probs with algorithm.rollout_correction on)
 
 The node implementations are the library in nodes.py; a user's YAML graph
 (`algorithm.graph`) adds to or replaces them (dag/graph.py's load_graph_file).
@@ -62,8 +63,8 @@ def _checked(cfg: Config):
 def recipe_graph(cfg: Config) -> Graph:
     a, info = cfg.algorithm, _checked(cfg)
     built = [
-        _node("rollout", "rollout", ("prompts", "prompt_mask", "uid", "sample_k"), ("responses", "response_mask"),
-              stream=True),
+        _node("rollout", "rollout", ("prompts", "prompt_mask", "uid", "sample_k"),
+              ("responses", "response_mask", "rollout_log_probs"), stream=True),
         _node("reward", "reward", ("responses", "response_mask", "ground_truth", "data_source", "extra_info"),
               ("scores", "accuracy", "reward_status")),
     ]
@@ -86,8 +87,6 @@ def recipe_graph(cfg: Config) -> Graph:
     if a.use_kl_loss or a.use_kl_in_reward:
         built.append(_node("ref_log_prob", "reference", SCORING, ("ref_log_probs",), deps=gate, **gated))
     if a.use_kl_in_reward:
-        built.append(_node("rollout_log_prob", "rollout_forward", SCORING, ("rollout_log_probs",), deps=gate,
-                           **gated))
         # a collective (the controller sees the KL of the whole batch), after any group-layout shaping
         built.append(_node("kl_in_reward", "reward", (reward_field, "response_mask", "ref_log_probs",
                                                       "rollout_log_probs"), ("token_rewards",), layout="groups",
@@ -104,6 +103,7 @@ def recipe_graph(cfg: Config) -> Graph:
     train_inputs = [*SCORING, "advantages", "mini_batch"]
     train_inputs += ["ref_log_probs"] if a.use_kl_loss else []
     train_inputs += [] if on_policy(cfg) else ["old_log_probs"]
+    train_inputs += ["rollout_log_probs"] if a.rollout_correction != "off" else []
     if critic:
         built.append(_node("critic_values", "critic_forward", SCORING, ("values",)))
         built.append(_node("critic_update", "critic_train", [*SCORING, "values", "returns", "mini_batch"], ()))

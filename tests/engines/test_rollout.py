@@ -80,3 +80,24 @@ def test_log_probs_with_left_padding_match_unpadded(random_model_dir):
         assert torch.allclose(lp[i][m], lp_i[0][m], atol=1e-5)
     # and they are the log-probs of a real distribution: the sampled tokens are plausible
     assert (lp[out["response_mask"].bool()] <= 0).all()
+
+
+def test_engine_log_probs_match_the_trainers_forward(random_model_dir):
+    """The engine returns each sampled token's log-prob; in fp32 they equal the trainer's
+    own forward pass over the same sequences to 1e-4 (other kernels: a KV cache, per-step
+    logits), and are 0 where the response is masked."""
+    engine, tok = _engine(random_model_dir)
+    prompts = _prompts(tok, ["Ann has 3 pens.\nA: ", "Bo buys 4 bags of 5 cups. How many?\nA: ", "x\nA: "])
+    out = engine.generate(prompts, [sample_seed(1, i) for i in range(3)], SamplingParams(max_new_tokens=12))
+    mask = out["response_mask"].bool()
+    trainer, _ = forward_response(engine.model, out["prompts"], out["prompt_mask"], out["responses"],
+                                  out["response_mask"])
+    assert torch.all(out["rollout_log_probs"][~mask] == 0) and torch.all(out["rollout_log_probs"][mask] < 0)
+    torch.testing.assert_close(out["rollout_log_probs"][mask], trainer[mask], atol=1e-4, rtol=0)
+    hot = engine.generate(prompts, [sample_seed(1, i) for i in range(3)],
+                          SamplingParams(max_new_tokens=12, temperature=2.0))
+    first = hot["rollout_log_probs"][:, 0]  # the first token: the same logits as the trainer's, / T
+    logits = engine.model(input_ids=hot["prompts"], attention_mask=hot["prompt_mask"],
+                          position_ids=(hot["prompt_mask"].cumsum(-1) - 1).clamp(min=0)).logits[:, -1].float()
+    expected = torch.log_softmax(logits / 2.0, -1).gather(-1, hot["responses"][:, :1]).squeeze(-1)
+    torch.testing.assert_close(first, expected, atol=1e-4, rtol=0)

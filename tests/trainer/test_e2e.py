@@ -181,3 +181,17 @@ def test_token_budget_micro_batches_train_like_fixed_ones_end_to_end(tmp_path):
                            f"trainer.output_dir={tmp_path / 'tiny'}"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode != 0 and "actor.max_tokens_per_micro_batch=10 is smaller than a" in proc.stderr
+
+
+def test_rollout_correction_runs_end_to_end_and_measures_the_mismatch(tmp_path):
+    """Token-level TIS on 2 workers: the HF engine samples from the trainer's own weights,
+    so the measured mismatch is rounding (KV cache vs full forward) and the weights are 1."""
+    out = tmp_path / "tis"
+    _distflow([*SMALL, "runtime.launcher=torchrun", "trainer.total_steps=2", "trainer.save_final=false",
+               "actor.ppo_mini_batch_size=2", "algorithm.rollout_correction=token_tis", f"trainer.output_dir={out}"],
+              tmp_path)
+    for record in _metrics(out)[1:]:
+        assert abs(record["rollout_correction/mismatch_kl"]) < 1e-6  # k3 >= 0, but in float32 rounding
+        assert record["rollout_correction/weight_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert record["rollout_correction/weight_max"] == pytest.approx(1.0, abs=1e-2)
+        assert record["rollout_correction/corrected_fraction"] == 0.0

@@ -177,7 +177,9 @@ def test_kl_in_reward_and_remax_add_their_nodes():
     assert g.by_name["advantage"].inputs == ("token_rewards", "response_mask", "group", "baseline_scores")
     assert g.by_name["kl_in_reward"].collective and "ref_log_probs" not in g.by_name["actor_update"].inputs
     grpo = build_graph(load_config(None, ["algorithm.use_kl_in_reward=true", "algorithm.use_kl_loss=false"]))
-    assert {"rollout_log_prob", "kl_in_reward", "ref_log_prob"} <= set(grpo.by_name)
+    assert {"kl_in_reward", "ref_log_prob"} <= set(grpo.by_name)
+    # the penalty uses the rollout engine's own log-probs, returned while it generated
+    assert grpo.parents["kl_in_reward"] == ["ref_log_prob", "reward", "rollout"]
 
 
 def test_readme_and_docs_carry_the_generated_recipe_table():
@@ -189,3 +191,9 @@ def test_readme_and_docs_carry_the_generated_recipe_table():
     table = recipe_table()
     for doc in ("README.md", "docs/ALGORITHMS.md"):
         assert table in (root / doc).read_text(), f"{doc}: regenerate with `distflow dag recipes`"
+
+
+def test_rollout_correction_feeds_the_engines_log_probs_to_the_update():
+    assert "rollout_log_probs" not in build_graph(load_config(None, [])).by_name["actor_update"].inputs
+    g = build_graph(load_config(None, ["algorithm.rollout_correction=token_tis"]))
+    assert "rollout_log_probs" in g.by_name["actor_update"].inputs and g.producer["rollout_log_probs"] == "rollout"
