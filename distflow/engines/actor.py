@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -68,10 +69,10 @@ MicroBatches = list[list[int]]  # row indices per micro-batch; [] = a lockstep-o
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # (model, micro, train) -> per-token outputs
 
 
-def policy_forward(model, micro: Batch, train: bool):
-    """Log-probs of the responses, and their entropy when training."""
+def policy_forward(model, micro: Batch, train: bool, temperature: float = 1.0):
+    """Log-probs of the responses at the sampling temperature, and their entropy when training."""
     return forward_response(model, micro["prompts"], micro["prompt_mask"], micro["responses"],
-                            micro["response_mask"], with_entropy=train)
+                            micro["response_mask"], with_entropy=train, temperature=temperature)
 
 
 def _forward_chunks(model, batch: Batch, micro_batches: MicroBatches, forward: Forward, train: bool):
@@ -118,7 +119,7 @@ class FSDPTrainable:
     @torch.no_grad()
     def compute(self, batch: Batch, micro_batches: MicroBatches) -> torch.Tensor:
         self.model.eval()
-        return _gather_rows(batch.to_device(self.device), self.model, micro_batches, type(self).forward)
+        return _gather_rows(batch.to_device(self.device), self.model, micro_batches, self.forward)
 
     def train_mini_batch(self, batch: Batch, micro_batches: MicroBatches, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over `batch` (this rank's share of a mini-batch).
@@ -129,7 +130,7 @@ class FSDPTrainable:
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
         for _, micro, out, extra in _forward_chunks(self.model, batch.to_device(self.device),
-                                                    micro_batches, type(self).forward, True):
+                                                    micro_batches, self.forward, True):
             loss, metrics = loss_fn(out, extra, micro)
             (loss * self.dp_size).backward()
             for k, v in metrics.items():  # sums over micro-batches; a "*_max" metric keeps the largest
@@ -149,6 +150,10 @@ class FSDPTrainable:
 
 
 class FSDPActor(FSDPTrainable):
+    def __init__(self, model, optim: OptimConfig, device: torch.device, temperature: float = 1.0):
+        super().__init__(model, optim, device)
+        self.forward = partial(policy_forward, temperature=temperature)  # the rollout's temperature, as verl
+
     def compute_log_probs(self, batch: Batch, micro_batches: MicroBatches) -> torch.Tensor:
         return self.compute(batch, micro_batches)
 
@@ -165,12 +170,13 @@ class ReferenceModel:
     """Frozen policy copy for the KL term; replicated, since at small sizes a replica is
     cheaper than the all-gathers of a sharded forward."""
 
-    def __init__(self, model, device: torch.device):
-        self.device = device
+    def __init__(self, model, device: torch.device, temperature: float = 1.0):
+        self.device, self.temperature = device, temperature
         self.model = model.to(device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
 
     @torch.no_grad()
     def compute_log_probs(self, batch: Batch, micro_batches: MicroBatches) -> torch.Tensor:
-        return _gather_rows(batch.to_device(self.device), self.model, micro_batches, policy_forward)
+        return _gather_rows(batch.to_device(self.device), self.model, micro_batches,
+                            partial(policy_forward, temperature=self.temperature))

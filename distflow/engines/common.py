@@ -74,8 +74,9 @@ def trim_padding(prompts: torch.Tensor, prompt_mask: torch.Tensor,
 
 def forward_response(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
                      responses: torch.Tensor, response_mask: torch.Tensor,
-                     with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (and entropy) of `responses` given left-padded `prompts`.
+                     with_entropy: bool = False, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (and entropy) of `responses` given left-padded `prompts`, under
+    softmax(logits / temperature): the distribution the rollout sampled from.
 
     Returns tensors of the full response width R; columns trimmed as padding are 0.
     Position ids follow the attention mask, as generation with left padding does.
@@ -88,7 +89,7 @@ def forward_response(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
     logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
                    use_cache=False).logits
     width = r.shape[1]
-    logits = logits[:, p.shape[1] - 1: p.shape[1] - 1 + width].float()  # (B, R', V): predicts r
+    logits = logits[:, p.shape[1] - 1: p.shape[1] - 1 + width].float() / temperature  # (B, R', V): predicts r
     log_probs = log_probs_from_logits(logits, r)
     entropy = entropy_from_logits(logits) if with_entropy else None
     pad = full_width - width

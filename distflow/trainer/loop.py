@@ -116,12 +116,13 @@ class Trainer:
         # resuming: the policy comes from the checkpoint (a HF folder), the reference from model.path
         self.resume_from = checkpoint.resolve(cfg.trainer.resume, run_dir)
         policy_path = str(self.resume_from) if self.resume_from else cfg.model.path
+        # the actor and the reference score at the rollout's temperature: the distribution sampled from
         actor = FSDPActor(load_causal_lm(policy_path, cfg.model.dtype),
                           OptimConfig(lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay,
-                                      grad_clip=cfg.actor.grad_clip), device)
+                                      grad_clip=cfg.actor.grad_clip), device, cfg.rollout.temperature)
         rollout = HFRolloutEngine(load_causal_lm(policy_path, cfg.model.dtype, device), self.tokenizer,
                                   cfg.rollout.micro_batch_size)
-        ref = (ReferenceModel(load_causal_lm(cfg.model.path, cfg.model.dtype), device)
+        ref = (ReferenceModel(load_causal_lm(cfg.model.path, cfg.model.dtype), device, cfg.rollout.temperature)
                if "reference" in roles else None)
         critic = (FSDPCritic(load_causal_lm(cfg.model.path, cfg.model.dtype),
                              OptimConfig(lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip), device)

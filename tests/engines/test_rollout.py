@@ -101,3 +101,23 @@ def test_engine_log_probs_match_the_trainers_forward(random_model_dir):
                           position_ids=(hot["prompt_mask"].cumsum(-1) - 1).clamp(min=0)).logits[:, -1].float()
     expected = torch.log_softmax(logits / 2.0, -1).gather(-1, hot["responses"][:, :1]).squeeze(-1)
     torch.testing.assert_close(first, expected, atol=1e-4, rtol=0)
+
+
+def test_the_trainer_scores_at_the_rollouts_temperature(random_model_dir):
+    """At temperature 2 the actor and the reference score the sampled tokens under the
+    distribution the engine sampled from, so PPO's ratio and the rollout correction
+    compare like with like (verl divides the actor's logits by the temperature too)."""
+    from distflow.engines.actor import FSDPActor, OptimConfig, ReferenceModel
+
+    engine, tok = _engine(random_model_dir)
+    prompts = _prompts(tok, ["Ann has 3 pens.\nA: ", "Bo buys 4 bags of 5 cups. How many?\nA: "])
+    out = engine.generate(prompts, [sample_seed(2, i) for i in range(2)],
+                          SamplingParams(max_new_tokens=10, temperature=2.0))
+    mask = out["response_mask"].bool()
+    actor = FSDPActor(load_causal_lm(random_model_dir), OptimConfig(lr=1e-3), torch.device("cpu"), temperature=2.0)
+    ref = ReferenceModel(load_causal_lm(random_model_dir), torch.device("cpu"), temperature=2.0)
+    for scorer in (actor, ref):
+        scored = scorer.compute_log_probs(out, [[0, 1]])
+        torch.testing.assert_close(scored[mask], out["rollout_log_probs"][mask], atol=1e-4, rtol=0)
+    cold = ReferenceModel(load_causal_lm(random_model_dir), torch.device("cpu")).compute_log_probs(out, [[0, 1]])
+    assert (cold[mask] - out["rollout_log_probs"][mask]).abs().max() > 1e-2  # at T=1 they would not match
