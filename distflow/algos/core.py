@@ -46,6 +46,7 @@ __all__ = [
     "compute_reinforce_plus_plus_advantage",
     "compute_reinforce_plus_plus_baseline_advantage",
     "compute_gae_advantage",
+    "gae_returns",
     "compute_remax_advantage",
     "discounted_returns",
     "agg_loss",
@@ -322,6 +323,17 @@ def compute_gae_advantage(
     (no reward, no value, no discount step) and are 0 in both outputs. The
     value after the last valid token is taken as 0 (terminal).
     """
+    raw_adv, returns = gae_returns(token_rewards, values, mask, gamma, lam)
+    adv = masked_whiten(raw_adv, mask) * mask.to(returns.dtype)
+    return adv, returns
+
+
+def gae_returns(
+    token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE before any whitening: ``(raw advantages, returns)``, both ``(B, T)``;
+    ``returns`` is 0 on masked positions. The estimator whitens over the whole batch
+    itself (estimators.py), so it needs these and not a shard-local whitening."""
     token_rewards, values = _as_float(token_rewards), _as_float(values)
     valid = mask.bool()
     raw_adv = torch.zeros_like(values)  # (B, T)
@@ -332,10 +344,7 @@ def compute_gae_advantage(
         last_gae = torch.where(valid[:, t], delta + gamma * lam * last_gae, last_gae)
         next_value = torch.where(valid[:, t], values[:, t], next_value)
         raw_adv[:, t] = last_gae
-    m = mask.to(values.dtype)
-    returns = (raw_adv + values) * m
-    adv = masked_whiten(raw_adv, mask) * m
-    return adv, returns
+    return raw_adv, (raw_adv + values) * mask.to(values.dtype)
 
 
 def compute_remax_advantage(

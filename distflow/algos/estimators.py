@@ -131,8 +131,7 @@ def reinforce_plus_plus_baseline(inputs: AdvantageInputs) -> tuple[torch.Tensor,
 def gae(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over the critic's values; ``returns`` (the value target) un-whitened, the
     advantages whitened over the whole step's batch."""
-    _, returns = core.compute_gae_advantage(inputs.token_rewards, inputs.values, inputs.mask,
-                                            gamma=inputs.gamma, lam=inputs.lam)
+    _, returns = core.gae_returns(inputs.token_rewards, inputs.values, inputs.mask, inputs.gamma, inputs.lam)
     m = inputs.mask.to(returns.dtype)
     return inputs.whiten(returns - inputs.values * m, inputs.mask), returns
 

@@ -137,3 +137,14 @@ def test_batch_whiten_split_over_two_processes_equals_the_whole_batch():
     valid = whole[mask.bool()]
     assert float(valid.mean()) == pytest.approx(0.0, abs=1e-9) and float(valid.std()) == pytest.approx(1.0, abs=1e-6)
     assert torch.all(whole[~mask.bool()] == 0)
+
+
+def test_gae_on_a_shard_with_one_valid_token_leans_on_the_batch_wide_whiten():
+    """A worker may hold a single valid token of the batch: the estimator must not whiten
+    locally (an unbiased variance of one value is undefined), only through `whiten`."""
+    token = torch.tensor([[0.0, 4.5]], dtype=F64)
+    mask = torch.tensor([[0.0, 1.0]], dtype=F64)
+    values = torch.tensor([[0.0, 0.5]], dtype=F64)
+    adv, ret = get_adv_estimator("gae")(AdvantageInputs(token_rewards=token, mask=mask, group_ids=torch.tensor([0]),
+                                                        values=values, whiten=lambda x, m: x * 10))
+    assert ret.tolist() == [[0.0, 4.5]] and adv.tolist() == [[0.0, 40.0]]  # raw advantage 4.5 - 0.5, then x10
