@@ -60,6 +60,17 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class RolloutConfig:
+    engine: str = _spec("hf", choices=("hf", "vllm"),
+                        doc="hf: HuggingFace generate on a full copy of the policy in each worker; vllm: a vLLM "
+                            "engine colocated in each worker, weights pushed in place (README: Rollout on vLLM)")
+    tensor_parallel_size: int = _spec(1, min=1, doc="vllm: ranks per engine, each holding 1/k of every layer "
+                                                    "(sets rollout.replica_size); the HF engine refuses k > 1")
+    gpu_memory_utilization: float = _spec(0.5, min=0.01, max=1.0, doc="vllm on GPU: share of GPU memory it may use")
+    kv_cache_memory_gb: float | None = _spec(None, min=0.01, doc="vllm: KV-cache size in GiB (default: from "
+                                                                 "gpu_memory_utilization on GPU, 1 GiB on CPU)")
+    release_memory_after_rollout: bool = _spec(True, doc="vllm on GPU: sleep after each step's generation "
+                                                        "(weights offloaded, KV cache dropped), wake for the "
+                                                        "weight push; vLLM's CPU backend cannot")
     temperature: float = _spec(1.0, min=1e-4)
     top_p: float = _spec(1.0, min=1e-4, max=1.0)
     max_new_tokens: int = _spec(32, min=1)
@@ -94,10 +105,11 @@ class AlgorithmConfig:
                                 doc="adaptive: beta follows reward_kl_target (Ziegler et al.'s controller)")
     reward_kl_target: float = _spec(0.1, min=1e-12, doc="the adaptive controller's target KL per token")
     reward_kl_horizon: int = _spec(10000, min=1, doc="the adaptive controller's horizon, in samples")
-    rollout_correction: str = _spec("off", choices=("off", "token_tis", "seq_tis", "token_mask", "seq_mask"),
+    rollout_correction: str = _spec("auto", choices=("auto", "off", "token_tis", "seq_tis", "token_mask", "seq_mask"),
                                     doc="re-weight the policy loss by exp(old - rollout log-probs), the trainer's "
                                         "over the engine's: truncated (tis) or masked, per token or per sequence "
-                                        "(distflow.algos.correction)")
+                                        "(distflow.algos.correction); auto: token_tis with rollout.engine=vllm, "
+                                        "off with hf (its sampler is the trainer's own forward)")
     rollout_correction_cap: float = _spec(2.0, min=1.0, doc="the truncation cap / the mask's [1/cap, cap] band")
     dynamic_sampling: bool = _spec(False, doc="DAPO: drop groups whose rewards are all equal and generate more "
                                               "prompts until the batch is full")
@@ -241,6 +253,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
                 pass
         if t is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
+        if t is str and isinstance(value, bool) and bool not in allowed:  # YAML 1.1 reads off/on as booleans
+            return "on" if value else "off"
     raise ConfigError(f"{key}={value!r}: expected {_type_name(allowed)}, got {type(value).__name__}")
 
 
@@ -248,10 +262,6 @@ def _section_fields(section: str) -> dict[str, dataclasses.Field]:
     cls = typing.get_type_hints(Config)[section]
     return {f.name: f for f in dataclasses.fields(cls)}
 
-
-# Keys whose old name promised more than the code does.
-RENAMED = {"rollout.tensor_parallel_size": "rollout.replica_size: ranks that share one rollout replica's "
-                                          "sequences (no tensor is split by the HF engine)"}
 
 
 def _set(cfg: Config, dotted: str, value: Any) -> None:
@@ -262,8 +272,6 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
         raise ConfigError(f"unknown config key '{dotted}': use section.key, e.g. {parts[0]}.<key>")
     section, name = parts
     fields = _section_fields(section)
-    if dotted in RENAMED:
-        raise ConfigError(f"config key '{dotted}' is now {RENAMED[dotted]}")
     if name not in fields:
         raise ConfigError(
             f"unknown config key '{dotted}': keys in {section} are {', '.join(sorted(fields))}")
@@ -278,6 +286,21 @@ def validate(cfg: Config) -> Config:
             _check_field(cfg, f"{section}.{f.name}")
     _validate_cross(cfg)
     return cfg
+
+
+def _validate_engine(cfg: Config) -> None:
+    """A tensor-parallel vLLM engine is one rollout replica; `auto` correction follows the engine."""
+    r = cfg.rollout
+    if r.tensor_parallel_size > 1:
+        if r.engine != "vllm":
+            raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size}: the HF engine splits no "
+                              "tensors; use rollout.engine=vllm (rollout.replica_size shares a replica's rows)")
+        if r.replica_size not in (1, r.tensor_parallel_size):
+            raise ConfigError(f"rollout.replica_size={r.replica_size}: a vLLM engine of rollout.tensor_parallel_size="
+                              f"{r.tensor_parallel_size} ranks is one replica; leave replica_size unset")
+        r.replica_size = r.tensor_parallel_size
+    if cfg.algorithm.rollout_correction == "auto":
+        cfg.algorithm.rollout_correction = "token_tis" if r.engine == "vllm" else "off"
 
 
 def _check_field(cfg: Config, key: str) -> None:
@@ -296,6 +319,7 @@ def _check_field(cfg: Config, key: str) -> None:
 
 def _validate_cross(cfg: Config) -> None:
     n_workers, batch = cfg.runtime.num_workers, cfg.data.train_batch_size
+    _validate_engine(cfg)
     size = cfg.rollout.replica_size
     if n_workers % size:
         raise ConfigError(f"rollout.replica_size={size}: must divide runtime.num_workers={n_workers}")

@@ -17,7 +17,7 @@ import sys
 import torch.distributed as dist
 
 from distflow.config import ConfigError, load_config
-from distflow.runtime.process_group import init_process_group
+from distflow.runtime.process_group import init_process_group, process_group_closed_on_exit
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     init_process_group(rank, world, os.environ.get("MASTER_ADDR", "127.0.0.1"),
                        int(os.environ.get("MASTER_PORT", 29500)), cfg.runtime.device,
                        cfg.runtime.collective_timeout_s, cfg.runtime.threads_per_worker)
-    try:
+    with process_group_closed_on_exit():
         from distflow.cli import new_run_dir
         from distflow.trainer.loop import run_worker
 
@@ -51,8 +51,6 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 print(f"heldout_accuracy_initial={summary['heldout_accuracy_initial']:.3f} "
                       f"heldout_accuracy_final={summary['heldout_accuracy_final']:.3f} run folder: {holder[0]}")
-    finally:
-        dist.destroy_process_group()
     return 0
 
 

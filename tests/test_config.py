@@ -96,3 +96,10 @@ def test_example_config_loads_and_matches_defaults():
 
     path = Path(__file__).parent.parent / "examples" / "grpo_tiny.yaml"
     assert load_config(str(path)).to_dict() == load_config().to_dict()
+
+
+def test_off_is_a_word_for_a_text_key():
+    """YAML 1.1 reads `off` as false; a text key (rollout_correction=off) gets the word back."""
+    assert load_config(None, ["algorithm.rollout_correction=off"]).algorithm.rollout_correction == "off"
+    with pytest.raises(ConfigError, match=r"^algorithm.rollout_correction='on': allowed values are auto, off"):
+        load_config(None, ["algorithm.rollout_correction=on"])

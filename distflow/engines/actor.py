@@ -11,6 +11,7 @@ that average back into the sum. Result: the same gradient for any number of work
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -164,6 +165,20 @@ class FSDPActor(FSDPTrainable):
         if not dist.is_initialized():
             return {k: v.detach() for k, v in self.model.state_dict().items()}
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+
+    def iter_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The unsharded weights as a stream of (HF name, tensor), gathered one parameter at
+        a time (a collective per sharded tensor: every rank iterates in the same order), so
+        a rollout engine can take each tensor before the next is gathered. A tied weight
+        comes once, under its first name."""
+        from torch.distributed.tensor import DTensor
+
+        seen: set[int] = set()
+        for name, tensor in self.model.state_dict().items():
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
 
 
 class ReferenceModel:

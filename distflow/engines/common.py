@@ -48,6 +48,16 @@ def load_causal_lm(path: str, dtype: str = "float32", device: torch.device | str
     return model.to(device)
 
 
+def causal_lm_skeleton(path: str):
+    """The model's class and config with no weights (meta device): what writes a HF
+    folder from a state dict (`save_pretrained(dir, state_dict=...)`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    quiet_transformers()
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_model_path(path)))
+
+
 def render_prompt(tokenizer, messages: list[dict[str, str]]) -> str:
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

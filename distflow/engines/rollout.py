@@ -4,9 +4,9 @@ Every worker owns a full copy of the policy for generation, so generation never 
 collective per token (DESIGN.md); fresh weights arrive after each update.
 
 Sampling is *placement-invariant*: each sequence draws its randomness from its own
-generator, seeded from (run seed, step, prompt id, sample number), via the Gumbel-max
-trick inside a logits processor: argmax(logits / T + Gumbel noise) is an exact sample of
-softmax(logits / T). So the same prompt yields the same responses whichever worker
+seed, from (run seed, step, prompt id, sample number), inside a logits processor that
+draws all rows at once: one counter-based uniform per row and token, turned into a
+token by inverting the CDF of softmax(logits / T): an exact sample. So the same prompt yields the same responses whichever worker
 generates it and whatever else shares its batch; this is what lets 1 and 2 workers
 produce the same training run.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -35,12 +36,43 @@ class SamplingParams:
     greedy: bool = False
 
 
+def _int64(constant: int) -> int:
+    """A 64-bit constant as the signed value torch's int64 holds."""
+    return constant - (1 << 64) if constant >= 1 << 63 else constant
+
+
+_GOLDEN, _MIX1, _MIX2 = _int64(0x9E3779B97F4A7C15), _int64(0xBF58476D1CE4E5B9), _int64(0x94D049BB133111EB)
+
+
+def _shift_right(x: torch.Tensor, k: int) -> torch.Tensor:
+    return (x >> k) & ((1 << (64 - k)) - 1)  # logical: int64's >> copies the sign bit
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser on int64 tensors (multiplication wraps modulo 2**64)."""
+    x = x + _GOLDEN
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    return x ^ _shift_right(x, 31)
+
+
+def counter_uniform(seeds: torch.Tensor, step: int) -> torch.Tensor:
+    """(B,) uniforms in (0, 1), a pure function of (row seed, step): a counter-based
+    generator, so each row's draw comes from its own seed, for all rows in one vectorised
+    call, whatever else is in the batch."""
+    bits = _splitmix64(_splitmix64(seeds) + step)
+    return (_shift_right(bits, 11).double() + 0.5) / float(1 << 53)  # 53 random bits, never 0 or 1
+
+
 class PerSequenceSampler:
-    """A logits processor that turns greedy decoding into seeded per-row sampling."""
+    """A logits processor that turns greedy decoding into seeded per-row sampling: each
+    row's token is drawn by inverting the CDF of softmax(logits / T) (after top-p) at
+    one uniform from `counter_uniform(row seed, token step)`, and the scores returned
+    make that token the argmax."""
 
     def __init__(self, seeds: list[int], temperature: float, top_p: float):
-        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
-        self.temperature, self.top_p = temperature, top_p
+        self.seeds = torch.tensor(seeds, dtype=torch.int64)
+        self.temperature, self.top_p, self.step = temperature, top_p, 0
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         scores = scores.float() / self.temperature  # (B, V)
@@ -50,26 +82,42 @@ class PerSequenceSampler:
             drop_sorted = cum - sorted_scores.softmax(-1) > self.top_p  # keep the token crossing top_p
             drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
             scores = scores.masked_fill(drop, float("-inf"))
-        vocab = scores.shape[-1]
-        uniform = torch.stack([torch.rand(vocab, generator=g) for g in self.generators])
-        gumbel = -torch.log(-torch.log(uniform.clamp(1e-12, 1 - 1e-7)))
-        return scores + gumbel.to(scores.device)
+        cdf = scores.double().softmax(-1).cumsum(-1)  # (B, V), float64: exact enough over a large vocabulary
+        target = counter_uniform(self.seeds.to(scores.device), self.step) * cdf[:, -1]
+        self.step += 1
+        # the first token whose CDF reaches the draw: its probability is > 0, so never a masked one
+        choice = torch.searchsorted(cdf, target[:, None]).clamp(max=scores.shape[-1] - 1)
+        return torch.full_like(scores, float("-inf")).scatter(-1, choice, 0.0)
 
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the trainer, evaluation and the recipes' nodes need from a rollout engine.
+    """What the trainer, evaluation and the recipes' nodes need from a rollout engine
+    (`rollout.engine`: HFRolloutEngine here, VLLMRolloutEngine in engines/vllm_rollout.py).
 
     `generate` returns a Batch with `prompts`/`prompt_mask` (B, P) left-padded,
     `responses`/`response_mask` (B, R) right-padded (R = params.max_new_tokens), and
     `rollout_log_probs` (B, R): the log-probability the engine gave each sampled token
-    (log-softmax of its logits / temperature, before top-p; 0 where masked). Each sequence
-    draws its randomness from its own seed, so placement does not change the samples.
-    `load_weights` replaces the engine's weights in place with the trainer's."""
+    under softmax(logits / temperature) (0 where masked). Each sequence draws its
+    randomness from its own seed, so placement does not change the samples. Every rank
+    of a tensor-parallel engine calls `generate` together, each with its own prompts.
+
+    `update_weights` replaces the engine's weights in place from a stream of (HF name,
+    full tensor) pairs and records `version` (the trainer's step) as `weight_version`.
+    `sleep` releases the engine's memory between its rollouts where it can (vLLM on GPU);
+    `generate` and `update_weights` wake it. `close` frees the engine (not the trainer's
+    process group)."""
+
+    weight_version: int
+    tensor_parallel_size: int
 
     def generate(self, prompts: list[list[int]], seeds: list[int] | None, params: SamplingParams) -> Batch: ...
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None: ...
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,11 +142,21 @@ class HFRolloutEngine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size
+        self.weight_version, self.tensor_parallel_size = 0, 1
         for p in self.model.parameters():
             p.requires_grad_(False)
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(state_dict, strict=False)
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        params = self.model.state_dict(keep_vars=True)  # tied weights appear under each name
+        for name, tensor in weights:  # in place, one tensor at a time
+            params[name].data.copy_(tensor)
+        self.weight_version = version
+
+    def sleep(self) -> None:
+        """The HF copy stays where it is (it is also what a checkpoint saves)."""
+
+    def close(self) -> None:
+        self.model = None
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seeds: list[int] | None, params: SamplingParams) -> Batch:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import os
@@ -52,7 +53,20 @@ def run_in_group(entry: str, args: tuple, rank: int, world_size: int, master_add
                  master_port: int, device: str, timeout_s: int, threads: int) -> Any:
     """Initialise the group, run `entry(*args)`, always tear the group down."""
     init_process_group(rank, world_size, master_addr, master_port, device, timeout_s, threads)
-    try:
+    with process_group_closed_on_exit():
         return resolve_entry(entry)(*args)
-    finally:
+
+
+@contextlib.contextmanager
+def process_group_closed_on_exit():
+    """Tear the group down when the block ends. After a clean run the ranks first meet at
+    a barrier, so that no rank (rank 0 hosts the rendezvous store) leaves while another
+    is still inside the group; after a failure each rank leaves at once (waiting for a
+    peer that died would hang until the collective timeout)."""
+    try:
+        yield
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    dist.barrier()
+    dist.destroy_process_group()

@@ -66,9 +66,10 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any])
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
-def save(path: Path, *, hf_model, tokenizer, actor, critic, step: int, loader_state: dict[str, int],
+def save(path: Path, *, hf_skeleton, tokenizer, actor, critic, step: int, loader_state: dict[str, int],
          metrics_file: Path | None, keep_last: int, algorithm_state: dict[str, float] | None = None) -> None:
     """Collective: every rank calls it with its own engines; rank 0 writes `path`.
+    `hf_skeleton`: a model of the policy's class and config (its weights unused).
     `algorithm_state`: numbers the algorithm carries across steps (the adaptive KL
     coefficient), the same on every rank."""
     actor_sd, actor_osd = _full_state(actor.model, actor.optimizer)
@@ -78,7 +79,8 @@ def save(path: Path, *, hf_model, tokenizer, actor, critic, step: int, loader_st
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        hf_model.save_pretrained(tmp, safe_serialization=True)  # the rollout copy: the latest full weights
+        # the policy as a HF folder, from the actor's weights (save_pretrained consumes the dict it gets)
+        hf_skeleton.save_pretrained(tmp, safe_serialization=True, state_dict=dict(actor_sd))
         tokenizer.save_pretrained(tmp)
         tensors, meta = _flatten_optimizer(actor_osd)
         save_file(tensors, tmp / "optimizer.safetensors")

@@ -32,10 +32,10 @@ from distflow.data.batch import Batch
 from distflow.data.dataset import PromptReader, ShardedDataset
 from distflow.data.loader import ShardedSampler
 from distflow.engines.actor import FSDPActor, OptimConfig, ReferenceModel, lr_factor
-from distflow.engines.common import load_causal_lm, load_tokenizer
+from distflow.engines.common import causal_lm_skeleton, load_causal_lm, load_tokenizer, resolve_model_path
 from distflow.engines.critic import FSDPCritic
 from distflow.engines.reward import RewardRunner
-from distflow.engines.rollout import HFRolloutEngine, SamplingParams
+from distflow.engines.rollout import HFRolloutEngine, RolloutEngine, SamplingParams
 from distflow.runtime import netns
 from distflow.runtime.centralized import run_commanded_step
 from distflow.trainer import checkpoint, nodes
@@ -85,6 +85,20 @@ class RefillPrompts:
         return batch
 
 
+def make_rollout_engine(cfg: Config, policy_path: str, tokenizer, device: torch.device) -> RolloutEngine:
+    """rollout.engine: HF generate on a full copy of the policy, or a colocated vLLM engine."""
+    r = cfg.rollout
+    if r.engine == "hf":
+        return HFRolloutEngine(load_causal_lm(policy_path, cfg.model.dtype, device), tokenizer, r.micro_batch_size)
+    from distflow.engines.vllm_rollout import VLLMRolloutEngine
+
+    return VLLMRolloutEngine(resolve_model_path(policy_path), tokenizer, tensor_parallel_size=r.tensor_parallel_size,
+                             dtype=cfg.model.dtype, max_model_len=cfg.data.max_prompt_length + r.max_new_tokens,
+                             seed=cfg.trainer.seed, gpu_memory_utilization=r.gpu_memory_utilization,
+                             kv_cache_memory_gb=r.kv_cache_memory_gb,
+                             release_memory_after_rollout=r.release_memory_after_rollout)
+
+
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, device: torch.device, progress: bool, relay=None):
         self.cfg, self.run_dir, self.device = cfg, run_dir, device
@@ -120,8 +134,8 @@ class Trainer:
         actor = FSDPActor(load_causal_lm(policy_path, cfg.model.dtype),
                           OptimConfig(lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay,
                                       grad_clip=cfg.actor.grad_clip), device, cfg.rollout.temperature)
-        rollout = HFRolloutEngine(load_causal_lm(policy_path, cfg.model.dtype, device), self.tokenizer,
-                                  cfg.rollout.micro_batch_size)
+        rollout = make_rollout_engine(cfg, policy_path, self.tokenizer, device)
+        self.policy_skeleton = causal_lm_skeleton(policy_path)  # what writes the policy into a checkpoint
         ref = (ReferenceModel(load_causal_lm(cfg.model.path, cfg.model.dtype), device, cfg.rollout.temperature)
                if "reference" in roles else None)
         critic = (FSDPCritic(load_causal_lm(cfg.model.path, cfg.model.dtype),
@@ -195,8 +209,8 @@ class Trainer:
         spans = (self.scheduler.run(self.ctx, store, step) if self.relay is None
                  else run_commanded_step(self.scheduler, self.ctx, store, step, self.relay))
         timer = StageTimer(step, self._status)
-        with timer("weight_sync"):  # the rollout copy gets the updated policy
-            self.rollout.load_weights(self.actor.full_state_dict())
+        with timer("weight_sync"):  # the rollout engine gets the updated policy, in place
+            self.rollout.update_weights(self.actor.iter_full_weights(), version=step)
         seconds = node_seconds(spans) | timer.seconds
         nodes.record_rollout_metrics(store.all(), acc)
         with self._status_lock:
@@ -228,9 +242,10 @@ class Trainer:
         and per `extra_info["level"]` where the rows have one (the built-in task's 1-3)."""
         rows, ids = [row for row, _ in self.val], [ids for _, ids in self.val]
         tally: dict[str, list[float]] = {}  # metric -> [correct, rows]
-        if rows:
+        if rows or self.rollout.tensor_parallel_size > 1:  # a tensor-parallel replica generates together
             out = self.rollout.generate(ids, None, SamplingParams(max_new_tokens=self.cfg.rollout.max_new_tokens,
                                                                   greedy=True))
+        if rows:
             out.meta.update({"ground_truth": [r.ground_truth for r in rows],
                              "data_source": [r.data_source for r in rows],
                              "extra_info": [r.extra_info for r in rows]})
@@ -331,7 +346,7 @@ class Trainer:
     def _save(self, name: str, step: int) -> None:
         """A resumable checkpoint (collective); its policy folder is a normal HF model."""
         with StageTimer(step, self._status)("checkpoint"):
-            checkpoint.save(self.run_dir / "checkpoints" / name, hf_model=self.rollout.model, tokenizer=self.tokenizer,
+            checkpoint.save(self.run_dir / "checkpoints" / name, hf_skeleton=self.policy_skeleton, tokenizer=self.tokenizer,
                             actor=self.actor, critic=self.ctx.critic, step=step,
                             loader_state=self.sampler.state_dict(step),
                             metrics_file=self.writer.path if self.writer is not None else None,
@@ -360,5 +375,6 @@ def run_worker(cfg_dict: dict, run_dir: str, progress: bool = False, relay=None)
         return trainer.fit()
     finally:
         trainer.scheduler.close()
+        trainer.rollout.close()
         for runner in {id(r): r for r in (trainer.ctx.reward_fn, trainer.ctx.accuracy_fn)}.values():
             runner.close()

@@ -107,11 +107,17 @@ def rollout(ctx: WorkerContext, batch: Batch) -> Iterator[tuple[range, Batch]]:
     seeds = [sample_seed(cfg.trainer.seed, ctx.step, uid, k) for uid, k in zip(batch["uid"], batch["sample_k"])]
     params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                             max_new_tokens=cfg.rollout.max_new_tokens)
-    size = cfg.scheduler.stream_chunk_size if ctx.overlap else max(len(prompts), 1)
-    for start in range(0, len(prompts), size):
-        rows = range(start, min(start + size, len(prompts)))
-        out = ctx.rollout.generate(prompts[rows.start:rows.stop], seeds[rows.start:rows.stop], params)
-        yield rows, Batch({k: out[k] for k in ("responses", "response_mask", "rollout_log_probs")})
+    if ctx.rollout.tensor_parallel_size > 1:  # the replica's ranks generate together: one call each, always
+        out = ctx.rollout.generate(prompts, seeds, params)
+        if prompts:
+            yield range(len(prompts)), Batch({k: out[k] for k in ("responses", "response_mask", "rollout_log_probs")})
+    else:
+        size = cfg.scheduler.stream_chunk_size if ctx.overlap else max(len(prompts), 1)
+        for start in range(0, len(prompts), size):
+            rows = range(start, min(start + size, len(prompts)))
+            out = ctx.rollout.generate(prompts[rows.start:rows.stop], seeds[rows.start:rows.stop], params)
+            yield rows, Batch({k: out[k] for k in ("responses", "response_mask", "rollout_log_probs")})
+    ctx.rollout.sleep()  # until the weight push (a no-op where the engine cannot release memory)
 
 
 def score_responses(tokenizer, batch: Batch, reward_fn: RewardRunner,

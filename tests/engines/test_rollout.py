@@ -31,7 +31,7 @@ def test_sampling_is_placement_invariant(random_model_dir):
     assert not torch.equal(other["responses"], together["responses"])
 
 
-def test_gumbel_sampler_matches_softmax_distribution():
+def test_seeded_sampler_matches_softmax_distribution():
     torch.manual_seed(0)
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     probs = torch.softmax(logits / 0.7, -1)[0]

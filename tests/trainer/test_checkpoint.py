@@ -46,7 +46,7 @@ def test_optimizer_and_rng_state_round_trip(tmp_path, random_model_dir):
     actor.optimizer.step()
     before = {k: {n: v.clone() for n, v in s.items()} for k, s in actor.optimizer.state.items()}
     rng = torch.get_rng_state()
-    checkpoint.save(tmp_path / "step_1", hf_model=actor.model, tokenizer=AutoTokenizer.from_pretrained(random_model_dir),
+    checkpoint.save(tmp_path / "step_1", hf_skeleton=actor.model, tokenizer=AutoTokenizer.from_pretrained(random_model_dir),
                     actor=actor, critic=None, step=1, loader_state={"epoch": 0, "offset": 4}, metrics_file=None,
                     keep_last=0)
     torch.rand(10)  # move the RNG on

