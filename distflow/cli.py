@@ -19,6 +19,7 @@ A config or input error prints one line and exits with code 2; a failed worker e
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -66,6 +67,10 @@ def check_inputs(cfg: Config) -> None:
 
         if not torch.cuda.is_available():
             raise ConfigError("runtime.device='cuda': no CUDA device is visible; use auto or cpu")
+    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        from distflow.engines.vllm_rollout import INSTALL_HINT
+
+        raise ConfigError(INSTALL_HINT)
 
 
 class LauncherProgress:
@@ -239,8 +244,6 @@ BENCHMARKS = {
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import importlib
-
     module = importlib.import_module(f"distflow.benchmarks.{BENCHMARKS[args.benchmark][0]}")
     return module.main(args.bench_args)
 

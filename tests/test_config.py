@@ -1,3 +1,4 @@
+import importlib.util
 import subprocess
 import sys
 
@@ -64,6 +65,16 @@ def test_a_data_file_that_is_not_parquet_is_one_line_before_anything_starts(tmp_
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and f"data.train_files: {bad}: not a readable parquet file" in lines[0]
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="checks the answer without vLLM")
+def test_the_vllm_engine_without_vllm_is_one_line_before_anything_starts(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "distflow.cli", "train", "rollout.engine=vllm"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("distflow: error: rollout.engine=vllm: vLLM is not importable in this Python")
     assert not (tmp_path / "runs").exists()
 
 

@@ -69,9 +69,9 @@ def _placement_log_probs_and_weight_sync(rank: int, world: int) -> dict:
     changed = engine.generate(prompts, seeds, params)
     engine.update_weights(iter(original.items()), version=2)
     restored = engine.generate(prompts, seeds, params)
+    few = engine.generate(many[::40], many_seeds[::40], params)["responses"]
     version = engine.weight_version
     engine.close()
-    few = engine.generate(many[::40], many_seeds[::40], params)["responses"]
     return {"alone": alone["responses"], "all": everything["responses"][mine], "gap": gap, "valid": int(mask.sum()),
             "crowded": torch.equal(crowded, few),
             "changed": not torch.equal(changed["responses"], everything["responses"]),

@@ -50,13 +50,15 @@ def test_a_reward_that_raises_or_hangs_scores_zero_and_the_run_goes_on(tmp_path)
     hostile = [f"open({str(escape)!r}, 'w').write('x')", "import socket; socket.create_connection(('127.0.0.1', 22))",
                "x = bytearray(8 * 1024 ** 3)"]
     (tmp_path / "flaky.py").write_text(
-        "import json, time\n"
+        "import json, os, time\n"
         "from distflow.engines.sandbox import code_score\n"
         f"HOSTILE = {hostile!r}\n"
+        f"HUNG = {str(tmp_path / 'hung')!r}\n"
         "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    if '3' in solution_str:\n"
         "        raise ValueError('cannot score a three')\n"
-        "    if '7' in solution_str:\n"
+        "    if not os.path.exists(HUNG):  # the first sample without a three hangs, whatever was sampled\n"
+        "        open(HUNG, 'w').close()\n"
         "        time.sleep(600)\n"
         "    if '5' in solution_str or '4' in solution_str:\n"
         "        program = HOSTILE[len(solution_str) % len(HOSTILE)]\n"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from distflow.config import ALGORITHMS
+from distflow.config import ALGORITHMS, load_config
 
 pytestmark = pytest.mark.slow
 # the built-in recipes, and one added by data alone (docs/ALGORITHMS.md's worked example)
@@ -45,6 +45,12 @@ def runs(tmp_path_factory):
     return base
 
 
+def one_token(name: str, record: dict) -> float:
+    """The weight of one response token in a step's token mean."""
+    cfg = load_config(None, [f"algorithm.name={name}", *COMMON])
+    return 1.01 / (cfg.data.train_batch_size * cfg.algorithm.group_size * record["response/length_mean"])
+
+
 def _metrics(path) -> list[dict]:
     return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
 
@@ -68,7 +74,10 @@ def test_recipe_gives_the_same_run_on_one_and_two_workers(runs, name):
         for key in ("reward/mean", "reward/accuracy", "response/length_mean", "tokens/total"):
             assert a[key] == b[key], (key, a["step"], a[key], b[key])
         for key in [k for k in a if k.startswith(("actor/", "critic/", "dynamic_sampling/", "reward_kl/"))]:
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (key, a["step"], a[key], b[key])
+            # a fraction of tokens past the clip bound: a ratio within float noise of the
+            # bound may land on either side, so one token's worth may differ
+            slack = one_token(name, a) if key.endswith("clip_frac") else 1e-6
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=slack), (key, a["step"], a[key], b[key])
     assert any(r.get("actor/clip_frac", 0) > 0 for r in one[1:]) or name == "gspo", "no clipping: ratios all 1"
     if name == "ppo":
         assert "critic/vf_loss" in one[-1]
