@@ -136,6 +136,10 @@ class ActorConfig:
     micro_batch_size: int = _spec(64, min=1, doc="sequences per forward/backward on one worker")
     use_dynamic_bsz: bool = _spec(False, doc="form micro-batches by token budget instead of count")
     max_tokens_per_micro_batch: int = _spec(4096, min=1, doc="token budget with use_dynamic_bsz")
+    strategy: str = _spec("auto", choices=("auto", "fsdp2", "ddp"),
+                          doc="ddp: a full replica per worker, gradients all-reduced once per mini-batch (the HF "
+                              "rollout then shares its weights); fsdp2: sharded per decoder layer; auto: ddp when "
+                              "16 bytes a parameter fit in a quarter of a worker's memory")
 
 
 @dataclass(kw_only=True)
@@ -143,6 +147,7 @@ class CriticConfig:
     lr: float = _spec(1e-4, min=0.0, doc="PPO's critic (value head on a copy of the policy)")
     value_clip: float = _spec(0.5, min=0.0, doc="clip range of the value loss")
     grad_clip: float = _spec(1.0, min=0.0)
+    strategy: str = _spec("auto", choices=("auto", "fsdp2", "ddp"), doc="as actor.strategy")
 
 
 @dataclass(kw_only=True)

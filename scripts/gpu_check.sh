@@ -9,7 +9,7 @@
 # workers sharing the GPU; the engines benchmark (HF vs vLLM tokens/s, start-up, weight
 # sync per 100 MB); a worker SIGKILLed mid-step under NCCL (Ray and torchrun), which must
 # be reported within 30 s. Per run: held-out accuracy before/after, tokens/s, mean
-# weight-sync seconds and the peak GPU memory of a step (metrics perf/gpu_peak_memory_gb).
+# weight-sync seconds and the peak GPU memory torch allocated in a step (metrics perf/gpu_peak_allocated_gb).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -67,9 +67,9 @@ for name in ("hf-1w", "hf-2w", "vllm-1w", "vllm-2w"):
     steps = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in steps if "time/weight_sync" in m]
     sync = sum(m["time/weight_sync"] for m in steps) / max(len(steps), 1)
-    peak = max((m.get("perf/gpu_peak_memory_gb", 0.0) for m in steps), default=0.0)
+    peak = max((m.get("perf/gpu_peak_allocated_gb", 0.0) for m in steps), default=0.0)
     print(f"{name}: held-out {s['heldout_accuracy_initial']:.3f} -> {s['heldout_accuracy_final']:.3f}, "
-          f"{s['tokens_per_second']:,.0f} tokens/s, weight sync {sync:.3f} s, peak GPU memory {peak:.2f} GB")
+          f"{s['tokens_per_second']:,.0f} tokens/s, weight sync {sync:.3f} s, peak torch GPU memory {peak:.2f} GB")
 engines = out / "engines.jsonl"
 for line in engines.read_text().splitlines() if engines.exists() else []:
     r = json.loads(line)

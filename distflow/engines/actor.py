@@ -1,16 +1,19 @@
-"""Training engine: the policy wrapped in FSDP2 (`fully_shard`), AdamW, grad clipping,
-micro-batch gradient accumulation. Also the frozen reference model.
+"""Training engine: the policy data-parallel over the workers, as DDP replicas or sharded
+with FSDP2 (`fully_shard`) by size (`actor.strategy`), AdamW, grad clipping, micro-batch
+gradient accumulation. Also the frozen reference model.
 
 Loss normalisation across ranks: the trainer's loss function divides each micro-batch's
 sum by the *global* token (or sequence) count of the mini-batch, so the sum over all
-micro-batches and ranks is exactly the full-batch loss. FSDP averages gradients over
-the data-parallel ranks, so the engine multiplies by the DP size before backward to turn
-that average back into the sum. Result: the same gradient for any number of workers.
+micro-batches and ranks is exactly the full-batch loss. DDP and FSDP average gradients
+over the data-parallel ranks, so the engine multiplies by the DP size before backward to
+turn that average back into the sum. Result: the same gradient for any number of workers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -18,6 +21,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from distflow.data.batch import Batch
 from distflow.engines.common import forward_response
@@ -76,13 +80,18 @@ def policy_forward(model, micro: Batch, train: bool, temperature: float = 1.0):
                             micro["response_mask"], with_entropy=train, temperature=temperature)
 
 
+def _micro(batch: Batch, rows: list[int]) -> Batch:
+    # An empty micro-batch still runs (FSDP's and DDP's collectives need every rank), on
+    # one row with its response masked out: its loss and gradient are exactly zero.
+    micro = batch.select(rows or [0])
+    if not rows:
+        micro.tensors["response_mask"] = torch.zeros_like(micro["response_mask"])
+    return micro
+
+
 def _forward_chunks(model, batch: Batch, micro_batches: MicroBatches, forward: Forward, train: bool):
     for rows in micro_batches:
-        # An empty micro-batch still runs (FSDP's collectives need every rank), on one
-        # row with its response masked out: its loss and gradient are exactly zero.
-        micro = batch.select(rows or [0])
-        if not rows:
-            micro.tensors["response_mask"] = torch.zeros_like(micro["response_mask"])
+        micro = _micro(batch, rows)
         out, extra = forward(model, micro, train)
         yield rows, micro, out, extra
 
@@ -96,22 +105,52 @@ def _gather_rows(batch: Batch, model, micro_batches: MicroBatches, forward: Forw
     return out
 
 
-class FSDPTrainable:
-    """A model sharded with FSDP2 and its optimizer: the actor, or the critic."""
+def resolve_strategy(strategy: str, model, device: torch.device) -> str:
+    """How a trainable model is spread over the data-parallel ranks: `none` (one rank),
+    `ddp` (a full replica per rank, gradients all-reduced once per mini-batch) or `fsdp2`
+    (parameters, gradients and optimizer state sharded per decoder layer). `auto` takes
+    DDP when weights, gradients and AdamW's two moments (16 bytes a parameter in fp32) fit
+    in a quarter of the device's memory (a GPU's, or a CPU worker's share of the host's),
+    FSDP2 otherwise."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return "none"
+    if strategy != "auto":
+        return strategy
+    need = 16 * sum(p.numel() for p in model.parameters())
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / dist.get_world_size()
+    return "ddp" if need <= memory / 4 else "fsdp2"
+
+
+class DataParallelTrainable:
+    """A model spread over the data-parallel ranks (resolve_strategy) and its optimizer:
+    the actor, or the critic. `module` is the model itself, unwrapped."""
 
     forward: Forward = staticmethod(policy_forward)
 
-    def __init__(self, model, optim: OptimConfig, device: torch.device):
+    def __init__(self, model, optim: OptimConfig, device: torch.device, strategy: str = "auto"):
         self.device = device
         self.dp_size = dist.get_world_size() if dist.is_initialized() else 1
-        self.model = model.to(device)
-        if hasattr(self.model, "config"):
-            self.model.config.use_cache = False
-        if dist.is_initialized():
-            shard_model(self.model)
+        self.module = model.to(device)
+        if hasattr(self.module, "config"):
+            self.module.config.use_cache = False
+        self.strategy = resolve_strategy(strategy, self.module, device)
+        if self.strategy == "fsdp2":
+            shard_model(self.module)
+        # buffers (rotary caches) are the same constants on every rank: no broadcast per forward
+        self.model = (DistributedDataParallel(self.module, device_ids=[device.index] if device.type == "cuda" else None,
+                                              broadcast_buffers=False)
+                      if self.strategy == "ddp" else self.module)
         self.optim = optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=optim.betas,
                                            weight_decay=optim.weight_decay)
+
+    @property
+    def holds_full_weights(self) -> bool:
+        """Every rank has the whole model as plain tensors (no sharding)."""
+        return self.strategy != "fsdp2"
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -125,15 +164,20 @@ class FSDPTrainable:
     def train_mini_batch(self, batch: Batch, micro_batches: MicroBatches, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over `batch` (this rank's share of a mini-batch).
 
-        Every rank must call this with the same number of micro-batches: FSDP's
+        Every rank must call this with the same number of micro-batches: FSDP's and DDP's
         collectives run in lockstep."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
-        for _, micro, out, extra in _forward_chunks(self.model, batch.to_device(self.device),
-                                                    micro_batches, self.forward, True):
-            loss, metrics = loss_fn(out, extra, micro)
-            (loss * self.dp_size).backward()
+        batch = batch.to_device(self.device)
+        for i, rows in enumerate(micro_batches):
+            # DDP all-reduces the gradients once, in the backward of the last micro-batch
+            last = i == len(micro_batches) - 1
+            with self.model.no_sync() if self.strategy == "ddp" and not last else contextlib.nullcontext():
+                micro = _micro(batch, rows)
+                out, extra = self.forward(self.model, micro, True)
+                loss, metrics = loss_fn(out, extra, micro)
+                (loss * self.dp_size).backward()
             for k, v in metrics.items():  # sums over micro-batches; a "*_max" metric keeps the largest
                 totals[k] = max(totals.get(k, v), v) if k.endswith("_max") else totals.get(k, 0.0) + v
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip)
@@ -150,9 +194,10 @@ class FSDPTrainable:
         return totals
 
 
-class FSDPActor(FSDPTrainable):
-    def __init__(self, model, optim: OptimConfig, device: torch.device, temperature: float = 1.0):
-        super().__init__(model, optim, device)
+class Actor(DataParallelTrainable):
+    def __init__(self, model, optim: OptimConfig, device: torch.device, temperature: float = 1.0,
+                 strategy: str = "auto"):
+        super().__init__(model, optim, device, strategy)
         self.forward = partial(policy_forward, temperature=temperature)  # the rollout's temperature, as verl
 
     def compute_log_probs(self, batch: Batch, micro_batches: MicroBatches) -> torch.Tensor:
@@ -162,8 +207,8 @@ class FSDPActor(FSDPTrainable):
         """Unsharded weights on every rank (an all-gather when sharded)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        if not dist.is_initialized():
-            return {k: v.detach() for k, v in self.model.state_dict().items()}
+        if self.holds_full_weights:
+            return {k: v.detach() for k, v in self.module.state_dict().items()}
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
 
     def iter_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -174,7 +219,7 @@ class FSDPActor(FSDPTrainable):
         from torch.distributed.tensor import DTensor
 
         seen: set[int] = set()
-        for name, tensor in self.model.state_dict().items():
+        for name, tensor in self.module.state_dict().items():
             if id(tensor) in seen:
                 continue
             seen.add(id(tensor))

@@ -1,5 +1,5 @@
-"""PPO's critic: the policy's transformer body with a scalar value head, trained with
-FSDP2 like the actor (verl initialises the critic from the actor's weights too).
+"""PPO's critic: the policy's transformer body with a scalar value head, trained
+data-parallel like the actor (verl initialises the critic from the actor's weights too).
 
 The value of response token t is read at the position that predicts it (the last
 prompt token for t = 0), the same alignment as the policy's log-probs.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from distflow.data.batch import Batch
-from distflow.engines.actor import FSDPTrainable, MicroBatches
+from distflow.engines.actor import DataParallelTrainable, MicroBatches
 from distflow.engines.common import trim_padding
 
 
@@ -40,11 +40,11 @@ def value_forward(model, micro: Batch, train: bool):
     return torch.nn.functional.pad(values, (0, full_width - values.shape[1])), None
 
 
-class FSDPCritic(FSDPTrainable):
+class Critic(DataParallelTrainable):
     forward = staticmethod(value_forward)
 
-    def __init__(self, causal_lm, optim, device: torch.device):
-        super().__init__(ValueModel(causal_lm), optim, device)
+    def __init__(self, causal_lm, optim, device: torch.device, strategy: str = "auto"):
+        super().__init__(ValueModel(causal_lm), optim, device, strategy)
 
     def compute_values(self, batch: Batch, micro_batches: MicroBatches) -> torch.Tensor:
         return self.compute(batch, micro_batches)

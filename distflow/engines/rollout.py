@@ -138,18 +138,25 @@ def response_mask_from(responses: torch.Tensor, eos_id: int) -> torch.Tensor:
 
 
 class HFRolloutEngine:
-    def __init__(self, model, tokenizer, micro_batch_size: int = 128):
+    """`shares_trainer_weights`: `model` is the actor's own module (a DDP replica, or one
+    worker's), so the engine always generates with the latest weights and a weight push
+    has nothing to copy."""
+
+    def __init__(self, model, tokenizer, micro_batch_size: int = 128, shares_trainer_weights: bool = False):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size
+        self.shares_trainer_weights = shares_trainer_weights
         self.weight_version, self.tensor_parallel_size = 0, 1
-        for p in self.model.parameters():
-            p.requires_grad_(False)
+        if not shares_trainer_weights:
+            for p in self.model.parameters():
+                p.requires_grad_(False)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        params = self.model.state_dict(keep_vars=True)  # tied weights appear under each name
-        for name, tensor in weights:  # in place, one tensor at a time
-            params[name].data.copy_(tensor)
+        if not self.shares_trainer_weights:
+            params = self.model.state_dict(keep_vars=True)  # tied weights appear under each name
+            for name, tensor in weights:  # in place, one tensor at a time
+                params[name].data.copy_(tensor)
         self.weight_version = version
 
     def sleep(self) -> None:
@@ -176,6 +183,7 @@ class HFRolloutEngine:
     def _generate_chunk(self, prompts: list[list[int]], seeds: list[int] | None, params: SamplingParams):
         from transformers import GenerationConfig, LogitsProcessorList
 
+        self.model.eval()  # a shared module comes back from training in train mode; training sets it again
         device = next(self.model.parameters()).device
         ids, mask = left_pad(prompts, self.tokenizer.pad_token_id)
         processors = LogitsProcessorList()
@@ -185,7 +193,7 @@ class HFRolloutEngine:
         # An explicit config: a model's own generation_config (repetition penalty, top-k,
         # ...) must not silently change the policy's distribution in RL.
         # (HF fills every field left unset from the model's config, so neutral values are explicit.)
-        config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=params.max_new_tokens,
+        config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=params.max_new_tokens, use_cache=True,
                                   min_new_tokens=0, repetition_penalty=1.0, no_repeat_ngram_size=0,
                                   pad_token_id=self.tokenizer.pad_token_id,
                                   eos_token_id=self.tokenizer.eos_token_id)

@@ -31,9 +31,17 @@ def resolve_entry(entry: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), name)
 
 
+def group_backend(use_cuda: bool) -> str:
+    """On GPU one group with two backends: CUDA tensors (FSDP/DDP, GPU payloads) over NCCL,
+    CPU tensors (the coordinator's metadata and shared-memory handshakes, metrics,
+    object collectives) over gloo; subgroups inherit both. NCCL alone refuses CPU tensors."""
+    return "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
+
+
 def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int,
                        device: str, timeout_s: int, threads: int) -> torch.device:
-    """Join the job's process group (gloo on CPU, NCCL on GPU); returns this rank's device."""
+    """Join the job's process group (gloo on CPU; gloo and NCCL on GPU, see group_backend);
+    returns this rank's device."""
     os.environ.update(WORKER_ENV)
     use_cuda = device != "cpu" and torch.cuda.is_available()
     if not use_cuda:
@@ -41,7 +49,7 @@ def init_process_group(rank: int, world_size: int, master_addr: str, master_port
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     dist.init_process_group(
-        backend="nccl" if use_cuda else "gloo",
+        backend=group_backend(use_cuda),
         init_method=f"tcp://{master_addr}:{master_port}",
         rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),

@@ -31,9 +31,9 @@ from distflow.dag.scheduler import Scheduler, chrome_trace, node_seconds
 from distflow.data.batch import Batch
 from distflow.data.dataset import PromptReader, ShardedDataset
 from distflow.data.loader import ShardedSampler
-from distflow.engines.actor import FSDPActor, OptimConfig, ReferenceModel, lr_factor
+from distflow.engines.actor import Actor, OptimConfig, ReferenceModel, lr_factor
 from distflow.engines.common import causal_lm_skeleton, load_causal_lm, load_tokenizer, resolve_model_path
-from distflow.engines.critic import FSDPCritic
+from distflow.engines.critic import Critic
 from distflow.engines.reward import RewardRunner
 from distflow.engines.rollout import HFRolloutEngine, RolloutEngine, SamplingParams
 from distflow.runtime import netns
@@ -85,9 +85,12 @@ class RefillPrompts:
         return batch
 
 
-def make_rollout_engine(cfg: Config, policy_path: str, tokenizer, device: torch.device) -> RolloutEngine:
-    """rollout.engine: HF generate on a full copy of the policy, or a colocated vLLM engine."""
+def make_rollout_engine(cfg: Config, policy_path: str, tokenizer, device: torch.device, actor: Actor) -> RolloutEngine:
+    """rollout.engine: HF generate on the policy (the actor's own weights when every worker
+    holds them whole, else a full copy), or a colocated vLLM engine."""
     r = cfg.rollout
+    if r.engine == "hf" and actor.holds_full_weights:  # DDP or one worker: nothing to copy, ever
+        return HFRolloutEngine(actor.module, tokenizer, r.micro_batch_size, shares_trainer_weights=True)
     if r.engine == "hf":
         return HFRolloutEngine(load_causal_lm(policy_path, cfg.model.dtype, device), tokenizer, r.micro_batch_size)
     from distflow.engines.vllm_rollout import VLLMRolloutEngine
@@ -131,15 +134,15 @@ class Trainer:
         self.resume_from = checkpoint.resolve(cfg.trainer.resume, run_dir)
         policy_path = str(self.resume_from) if self.resume_from else cfg.model.path
         # the actor and the reference score at the rollout's temperature: the distribution sampled from
-        actor = FSDPActor(load_causal_lm(policy_path, cfg.model.dtype),
-                          OptimConfig(lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay,
-                                      grad_clip=cfg.actor.grad_clip), device, cfg.rollout.temperature)
-        rollout = make_rollout_engine(cfg, policy_path, self.tokenizer, device)
+        actor = Actor(load_causal_lm(policy_path, cfg.model.dtype),
+                      OptimConfig(lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay, grad_clip=cfg.actor.grad_clip),
+                      device, cfg.rollout.temperature, cfg.actor.strategy)
+        rollout = make_rollout_engine(cfg, policy_path, self.tokenizer, device, actor)
         self.policy_skeleton = causal_lm_skeleton(policy_path)  # what writes the policy into a checkpoint
         ref = (ReferenceModel(load_causal_lm(cfg.model.path, cfg.model.dtype), device, cfg.rollout.temperature)
                if "reference" in roles else None)
-        critic = (FSDPCritic(load_causal_lm(cfg.model.path, cfg.model.dtype),
-                             OptimConfig(lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip), device)
+        critic = (Critic(load_causal_lm(cfg.model.path, cfg.model.dtype),
+                         OptimConfig(lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip), device, cfg.critic.strategy)
                   if roles & {"critic_forward", "critic_train"} else None)
         reward_fn = RewardRunner(cfg.reward.custom_fn, cfg.reward.timeout_s, gsm8k_mode=cfg.reward.gsm8k_mode)
         accuracy_fn = (reward_fn if cfg.reward.custom_fn is None and cfg.reward.gsm8k_mode == "strict"
@@ -204,6 +207,8 @@ class Trainer:
         self.actor.set_lr(lr)
         acc.add("actor/lr", lr, 1.0)
         self.placement.stats = TransferStats()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         store.clear()
         store.put(sources)
         spans = (self.scheduler.run(self.ctx, store, step) if self.relay is None
@@ -224,6 +229,8 @@ class Trainer:
             acc.add_total(name, value if self.rank == 0 else 0.0)  # the same on every worker
         for node, secs in seconds.items():
             acc.add_max(f"time/{node}", secs)
+        if self.device.type == "cuda":  # torch's allocations in this worker (vLLM's pool is its own)
+            acc.add_max("perf/gpu_peak_allocated_gb", torch.cuda.max_memory_allocated(self.device) / 2**30)
         if step in self.trace_steps:
             path = self.run_dir / "traces" / f"step_{step}_rank_{self.rank}.json"
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -37,9 +37,9 @@ from distflow.config import Config
 from distflow.coordinator.microbatch import local_micro_batches, plan_micro_batches
 from distflow.data.batch import Batch, sequence_lengths
 from distflow.data.dataset import PromptRow
-from distflow.engines.actor import FSDPActor
+from distflow.engines.actor import Actor
 from distflow.engines.common import LogProbModel
-from distflow.engines.critic import FSDPCritic
+from distflow.engines.critic import Critic
 from distflow.engines.reward import FAILED, TIMED_OUT, RewardRunner
 from distflow.engines.rollout import RolloutEngine, SamplingParams, left_pad, sample_seed
 from distflow.plugins import load_callable
@@ -53,9 +53,9 @@ class WorkerContext:
     cfg: Config
     tokenizer: Any
     rollout: RolloutEngine
-    actor: FSDPActor
+    actor: Actor
     ref: LogProbModel | None = None
-    critic: FSDPCritic | None = None
+    critic: Critic | None = None
     reward_fn: RewardRunner | None = None  # the configured reward, run safely
     accuracy_fn: RewardRunner | None = None  # the default (strict) reward: the accuracy metric
     overlap: bool = False  # scheduler.overlap as resolved for this worker: stream the rollout in chunks

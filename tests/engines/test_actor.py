@@ -1,5 +1,5 @@
-"""FSDP2 actor on 2 gloo ranks == the same actor in one process (the loss normalisation
-and FSDP's gradient averaging cancel exactly)."""
+"""The actor on 2 gloo ranks, as DDP replicas or FSDP2 shards, == the same actor in one
+process (the loss normalisation and the gradient averaging cancel exactly)."""
 
 import math
 
@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from distflow.config import load_config
 from distflow.data.batch import Batch
-from distflow.engines.actor import FSDPActor, OptimConfig
+from distflow.engines.actor import Actor, OptimConfig
 from distflow.engines.common import load_causal_lm, load_tokenizer
 from distflow.engines.rollout import HFRolloutEngine, SamplingParams
 from distflow.trainer.nodes import make_policy_loss
@@ -37,22 +37,27 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _train(rank: int, world: int, model_dir: str):
+def _train(rank: int, world: int, model_dir: str, strategy: str = "auto"):
     cfg = load_config(None, [f"runtime.num_workers={world}", "data.train_batch_size=4",
                              "actor.ppo_mini_batch_size=4", "algorithm.kl_coef=0.1"])
     batch = _batch(model_dir)
     local = batch.select(list(range(rank, len(batch), world)))
     num_tokens, num_seqs = float(batch["response_mask"].sum()), float(len(batch))
-    actor = FSDPActor(load_causal_lm(model_dir), OptimConfig(lr=1e-3, grad_clip=1e9), torch.device("cpu"))
+    actor = Actor(load_causal_lm(model_dir), OptimConfig(lr=1e-3, grad_clip=1e9), torch.device("cpu"),
+                  strategy=strategy)
+    # two micro-batches per rank: DDP all-reduces once, in the second backward
     sums = actor.train_mini_batch(local, [[i] for i in range(len(local))], make_policy_loss(cfg, num_tokens, num_seqs))
     state = {k: v.clone() for k, v in actor.full_state_dict().items()}
-    return _grads(actor.model), sums["grad_norm"], state
+    return _grads(actor.module), sums["grad_norm"], state, actor.strategy
 
 
-def test_two_ranks_match_one_process(random_model_dir):
-    ref_grads, ref_norm, ref_state = _train(0, 1, random_model_dir)
-    results = run_gloo(_train, 2, random_model_dir)
-    for grads, norm, state in results:
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "auto"])
+def test_two_ranks_match_one_process(random_model_dir, strategy):
+    ref_grads, ref_norm, ref_state, alone = _train(0, 1, random_model_dir)
+    assert alone == "none"
+    results = run_gloo(_train, 2, random_model_dir, strategy)
+    for grads, norm, state, used in results:
+        assert used == ("ddp" if strategy == "auto" else strategy)  # auto: a 0.1M-parameter model fits anywhere
         assert abs(norm - ref_norm) < 1e-4 * max(1.0, ref_norm)
         assert ref_norm > 0
         for name, g in ref_grads.items():
@@ -61,8 +66,8 @@ def test_two_ranks_match_one_process(random_model_dir):
             assert torch.allclose(state[name], w, atol=1e-6), name
 
 
-def _load_full_state(rank, world, model_dir):
-    actor = FSDPActor(load_causal_lm(model_dir), OptimConfig(lr=1e-3), torch.device("cpu"))
+def _load_full_state(rank, world, model_dir, strategy):
+    actor = Actor(load_causal_lm(model_dir), OptimConfig(lr=1e-3), torch.device("cpu"), strategy=strategy)
     full = actor.full_state_dict()
     plain = load_causal_lm(model_dir)
     with torch.no_grad():
@@ -74,15 +79,16 @@ def _load_full_state(rank, world, model_dir):
     return differ, sorted(full) == sorted(original), dist.get_world_size()
 
 
-def test_full_state_dict_loads_into_plain_model(random_model_dir):
-    for differ, same_keys, world in run_gloo(_load_full_state, 2, random_model_dir):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_full_state_dict_loads_into_plain_model(random_model_dir, strategy):
+    for differ, same_keys, world in run_gloo(_load_full_state, 2, random_model_dir, strategy):
         assert differ == [] and same_keys and world == 2
 
 
 def test_a_non_finite_update_leaves_weights_and_adamw_moments_untouched(random_model_dir):
     cfg = load_config(None, ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4"])
     batch = _batch(random_model_dir)
-    actor = FSDPActor(load_causal_lm(random_model_dir), OptimConfig(lr=1e-2), torch.device("cpu"))
+    actor = Actor(load_causal_lm(random_model_dir), OptimConfig(lr=1e-2), torch.device("cpu"))
     micro = [[0, 1], [2, 3]]
     loss = make_policy_loss(cfg, float(batch["response_mask"].sum()), float(len(batch)))
     assert actor.train_mini_batch(batch, micro, loss)["skipped"] == 0.0  # a real step: moments exist

@@ -107,14 +107,14 @@ def test_the_trainer_scores_at_the_rollouts_temperature(random_model_dir):
     """At temperature 2 the actor and the reference score the sampled tokens under the
     distribution the engine sampled from, so PPO's ratio and the rollout correction
     compare like with like (verl divides the actor's logits by the temperature too)."""
-    from distflow.engines.actor import FSDPActor, OptimConfig, ReferenceModel
+    from distflow.engines.actor import Actor, OptimConfig, ReferenceModel
 
     engine, tok = _engine(random_model_dir)
     prompts = _prompts(tok, ["Ann has 3 pens.\nA: ", "Bo buys 4 bags of 5 cups. How many?\nA: "])
     out = engine.generate(prompts, [sample_seed(2, i) for i in range(2)],
                           SamplingParams(max_new_tokens=10, temperature=2.0))
     mask = out["response_mask"].bool()
-    actor = FSDPActor(load_causal_lm(random_model_dir), OptimConfig(lr=1e-3), torch.device("cpu"), temperature=2.0)
+    actor = Actor(load_causal_lm(random_model_dir), OptimConfig(lr=1e-3), torch.device("cpu"), temperature=2.0)
     ref = ReferenceModel(load_causal_lm(random_model_dir), torch.device("cpu"), temperature=2.0)
     for scorer in (actor, ref):
         scored = scorer.compute_log_probs(out, [[0, 1]])

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from distflow.engines.actor import FSDPActor, OptimConfig
+from distflow.engines.actor import Actor, OptimConfig
 from distflow.engines.common import load_causal_lm
 from distflow.trainer import checkpoint
 
@@ -40,7 +40,7 @@ def test_optimizer_and_rng_state_round_trip(tmp_path, random_model_dir):
     from transformers import AutoTokenizer
 
     torch.manual_seed(0)
-    actor = FSDPActor(load_causal_lm(random_model_dir), OptimConfig(lr=1e-2), torch.device("cpu"))
+    actor = Actor(load_causal_lm(random_model_dir), OptimConfig(lr=1e-2), torch.device("cpu"))
     loss = sum((p * p).sum() for p in actor.model.parameters())
     loss.backward()
     actor.optimizer.step()
@@ -50,7 +50,7 @@ def test_optimizer_and_rng_state_round_trip(tmp_path, random_model_dir):
                     actor=actor, critic=None, step=1, loader_state={"epoch": 0, "offset": 4}, metrics_file=None,
                     keep_last=0)
     torch.rand(10)  # move the RNG on
-    fresh = FSDPActor(load_causal_lm(str(tmp_path / "step_1")), OptimConfig(lr=1e-2), torch.device("cpu"))
+    fresh = Actor(load_causal_lm(str(tmp_path / "step_1")), OptimConfig(lr=1e-2), torch.device("cpu"))
     state = checkpoint.restore(tmp_path / "step_1", actor=fresh, critic=None)
     assert state["step"] == 1 and state["dataloader"] == {"epoch": 0, "offset": 4}
     assert torch.equal(torch.get_rng_state(), rng)
@@ -108,9 +108,12 @@ def test_killed_while_checkpointing_then_resumed_matches_an_uninterrupted_run(tm
 def test_ppo_resumes_from_a_path_on_another_worker_count_like_an_uninterrupted_run(tmp_path):
     """PPO's critic and both optimizers, the adaptive KL-in-reward coefficient, two
     mini-batches per step, and a resume with trainer.resume=PATH into a new run folder on
-    2 workers from a checkpoint written by 1: steps 3-4 equal the uninterrupted run's."""
+    2 workers from a checkpoint written by 1: steps 3-4 equal the uninterrupted run's.
+    The 2-worker runs shard the actor and critic with FSDP2."""
+    # sharded on 2 workers (FSDP2; the other resume test runs the default, DDP replicas)
     common = ["algorithm.name=ppo", "algorithm.use_kl_in_reward=true", "algorithm.reward_kl_ctrl=adaptive",
-              "algorithm.reward_kl_target=0.0001", "algorithm.reward_kl_horizon=10", "trainer.total_steps=4"]
+              "algorithm.reward_kl_target=0.0001", "algorithm.reward_kl_horizon=10", "trainer.total_steps=4",
+              "actor.strategy=fsdp2", "critic.strategy=fsdp2"]
     straight, first, second = tmp_path / "straight", tmp_path / "first", tmp_path / "second"
     assert _train([*common, "runtime.num_workers=2", f"trainer.output_dir={straight}"], tmp_path).returncode == 0
     proc = _train([*common, "runtime.num_workers=1", "trainer.total_steps=2", f"trainer.output_dir={first}"],
