@@ -9,6 +9,7 @@
     distflow bench project [--records benchmarks/e2e.jsonl] [--plot FILE]
     distflow bench soak [--steps 200] [--workers 4] [--json FILE]
     distflow bench engines [--quick] [--json FILE] [--results-md FILE]
+    distflow bench trl [--steps 60] [--json FILE] [--results-md FILE]
     distflow cluster up|down|status [--hosts 5] [--rate-mbit 400] [--delay-ms 0]
     distflow dag show [RECIPE] [--out PATH] [--config FILE] [section.key=value ...]
     distflow dag recipes
@@ -240,6 +241,7 @@ BENCHMARKS = {
     "project": ("projection", "a model fitted to the e2e records: step time at 8-512 GPUs, both modes"),
     "soak": ("soak", "many steps of the default task; host-memory slope per process"),
     "engines": ("engines", "rollout engines: HF generate vs vLLM, tokens/s, start-up, weight sync (needs vLLM)"),
+    "trl": ("peer_trl", "distflow train vs TRL's GRPOTrainer, same model, data, reward and wall budget (needs TRL)"),
 }
 
 
