@@ -61,7 +61,8 @@ class DataConfig:
 @dataclass(kw_only=True)
 class RolloutConfig:
     engine: str = _spec("hf", choices=("hf", "vllm"),
-                        doc="hf: HuggingFace generate on a full copy of the policy in each worker; vllm: a vLLM "
+                        doc="hf: HuggingFace generate in each worker, on the actor's own weights under DDP, "
+                            "else on a full copy; vllm: a vLLM "
                             "engine colocated in each worker, weights pushed in place (README: Rollout on vLLM)")
     tensor_parallel_size: int = _spec(1, min=1, doc="vllm: ranks per engine, each holding 1/k of every layer "
                                                     "(sets rollout.replica_size); the HF engine refuses k > 1")

@@ -1,21 +1,21 @@
-"""Rollout with HuggingFace `generate` on a plain (unsharded) copy of the policy.
+"""Rollout with HuggingFace `generate` on a plain (unsharded) copy of the policy: the
+actor's own module when every worker holds the whole model (DDP replicas, or one
+worker), else a copy of its own that takes fresh weights after each update.
 
-Every worker owns a full copy of the policy for generation, so generation never runs a
-collective per token (DESIGN.md); fresh weights arrive after each update.
-
-Sampling is *placement-invariant*: each sequence draws its randomness from its own
-seed, from (run seed, step, prompt id, sample number), inside a logits processor that
-draws all rows at once: one counter-based uniform per row and token, turned into a
-token by inverting the CDF of softmax(logits / T): an exact sample. So the same prompt yields the same responses whichever worker
-generates it and whatever else shares its batch; this is what lets 1 and 2 workers
-produce the same training run.
+Generation never runs a collective per token (DESIGN.md). Sampling is
+*placement-invariant*: each sequence draws its randomness from its own seed, from (run
+seed, step, prompt id, sample number), inside a logits processor that draws all rows at
+once: one counter-based uniform per row and token, turned into a token by inverting the
+CDF of softmax(logits / T), an exact sample. So the same prompt yields the same responses
+whichever worker generates it and whatever else shares its batch; this is what lets 1
+and 2 workers produce the same training run.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -160,7 +160,7 @@ class HFRolloutEngine:
         self.weight_version = version
 
     def sleep(self) -> None:
-        """The HF copy stays where it is (it is also what a checkpoint saves)."""
+        """Nothing to release: the HF model stays resident."""
 
     def close(self) -> None:
         self.model = None
