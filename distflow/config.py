@@ -42,7 +42,9 @@ ALGORITHMS = tuple(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
 @dataclass(kw_only=True)
 class ModelConfig:
     path: str = _spec(BUILTIN_MODEL, doc="local HuggingFace causal-LM folder, or builtin:tiny-arith")
-    dtype: str = _spec("float32", choices=("float32", "bfloat16"))
+    dtype: str = _spec("float32", choices=("float32", "bfloat16"),
+                       doc="compute dtype: the rollout and the reference run in it, the actor and the critic "
+                           "compute in it on fp32 master weights and AdamW state")
 
 
 @dataclass(kw_only=True)

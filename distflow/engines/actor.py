@@ -57,15 +57,18 @@ def _decoder_layer_classes(model) -> tuple[type, ...]:
     return tuple({type(m) for m in model.modules() if type(m).__name__ in names})
 
 
-def shard_model(model) -> None:
-    """FSDP2: one unit per decoder layer (HF's `_no_split_modules`), then the root."""
-    from torch.distributed.fsdp import fully_shard
+def shard_model(model, compute_dtype: torch.dtype = torch.float32) -> None:
+    """FSDP2: one unit per decoder layer (HF's `_no_split_modules`), then the root. A
+    lower `compute_dtype` gathers the parameters in it for the forward and backward while
+    the shards (the master weights) and the gradient reduction stay in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     layer_types = _decoder_layer_classes(model)
     for module in model.modules():
         if layer_types and isinstance(module, layer_types):
-            fully_shard(module)
-    fully_shard(model)
+            fully_shard(module, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
 
 
 MicroBatches = list[list[int]]  # row indices per micro-batch; [] = a lockstep-only pass
@@ -126,22 +129,28 @@ def resolve_strategy(strategy: str, model, device: torch.device) -> str:
 
 class DataParallelTrainable:
     """A model spread over the data-parallel ranks (resolve_strategy) and its optimizer:
-    the actor, or the critic. `module` is the model itself, unwrapped."""
+    the actor, or the critic. `module` is the model itself, unwrapped.
+
+    Mixed precision: the weights and AdamW's state are fp32 (the master copy); with
+    `compute_dtype=torch.bfloat16` the forwards and backwards run in bf16 (FSDP2's
+    MixedPrecisionPolicy, or autocast for DDP and one worker) and the gradients are
+    reduced and applied in fp32."""
 
     forward: Forward = staticmethod(policy_forward)
 
-    def __init__(self, model, optim: OptimConfig, device: torch.device, strategy: str = "auto"):
-        self.device = device
+    def __init__(self, model, optim: OptimConfig, device: torch.device, strategy: str = "auto",
+                 compute_dtype: torch.dtype = torch.float32):
+        self.device, self.compute_dtype = device, compute_dtype
         self.dp_size = dist.get_world_size() if dist.is_initialized() else 1
-        self.module = model.to(device)
+        self.module = model.to(device=device, dtype=torch.float32)
         if hasattr(self.module, "config"):
             self.module.config.use_cache = False
         self.strategy = resolve_strategy(strategy, self.module, device)
         if self.strategy == "fsdp2":
-            shard_model(self.module)
+            shard_model(self.module, compute_dtype)
         # buffers (rotary caches) are the same constants on every rank: no broadcast per forward
         self.model = (DistributedDataParallel(self.module, device_ids=[device.index] if device.type == "cuda" else None,
-                                              broadcast_buffers=False)
+                                              forward_sync_buffers=False)
                       if self.strategy == "ddp" else self.module)
         self.optim = optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=optim.betas,
@@ -156,10 +165,17 @@ class DataParallelTrainable:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
+    def _autocast(self):
+        """bf16 compute on the fp32 master weights, where FSDP2 does not cast them itself."""
+        if self.compute_dtype == torch.float32 or self.strategy == "fsdp2":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
     @torch.no_grad()
     def compute(self, batch: Batch, micro_batches: MicroBatches) -> torch.Tensor:
         self.model.eval()
-        return _gather_rows(batch.to_device(self.device), self.model, micro_batches, self.forward)
+        with self._autocast():
+            return _gather_rows(batch.to_device(self.device), self.model, micro_batches, self.forward)
 
     def train_mini_batch(self, batch: Batch, micro_batches: MicroBatches, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over `batch` (this rank's share of a mini-batch).
@@ -175,7 +191,8 @@ class DataParallelTrainable:
             last = i == len(micro_batches) - 1
             with self.model.no_sync() if self.strategy == "ddp" and not last else contextlib.nullcontext():
                 micro = _micro(batch, rows)
-                out, extra = self.forward(self.model, micro, True)
+                with self._autocast():
+                    out, extra = self.forward(self.model, micro, True)
                 loss, metrics = loss_fn(out, extra, micro)
                 (loss * self.dp_size).backward()
             for k, v in metrics.items():  # sums over micro-batches; a "*_max" metric keeps the largest
@@ -196,8 +213,8 @@ class DataParallelTrainable:
 
 class Actor(DataParallelTrainable):
     def __init__(self, model, optim: OptimConfig, device: torch.device, temperature: float = 1.0,
-                 strategy: str = "auto"):
-        super().__init__(model, optim, device, strategy)
+                 strategy: str = "auto", compute_dtype: torch.dtype = torch.float32):
+        super().__init__(model, optim, device, strategy, compute_dtype)
         self.forward = partial(policy_forward, temperature=temperature)  # the rollout's temperature, as verl
 
     def compute_log_probs(self, batch: Batch, micro_batches: MicroBatches) -> torch.Tensor:

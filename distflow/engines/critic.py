@@ -43,8 +43,9 @@ def value_forward(model, micro: Batch, train: bool):
 class Critic(DataParallelTrainable):
     forward = staticmethod(value_forward)
 
-    def __init__(self, causal_lm, optim, device: torch.device, strategy: str = "auto"):
-        super().__init__(ValueModel(causal_lm), optim, device, strategy)
+    def __init__(self, causal_lm, optim, device: torch.device, strategy: str = "auto",
+                 compute_dtype: torch.dtype = torch.float32):
+        super().__init__(ValueModel(causal_lm), optim, device, strategy, compute_dtype)
 
     def compute_values(self, batch: Batch, micro_batches: MicroBatches) -> torch.Tensor:
         return self.compute(batch, micro_batches)

@@ -134,15 +134,17 @@ class Trainer:
         self.resume_from = checkpoint.resolve(cfg.trainer.resume, run_dir)
         policy_path = str(self.resume_from) if self.resume_from else cfg.model.path
         # the actor and the reference score at the rollout's temperature: the distribution sampled from
-        actor = Actor(load_causal_lm(policy_path, cfg.model.dtype),
+        # the actor and the critic keep fp32 master weights and compute in model.dtype
+        compute_dtype = getattr(torch, cfg.model.dtype)
+        actor = Actor(load_causal_lm(policy_path),
                       OptimConfig(lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay, grad_clip=cfg.actor.grad_clip),
-                      device, cfg.rollout.temperature, cfg.actor.strategy)
+                      device, cfg.rollout.temperature, cfg.actor.strategy, compute_dtype)
         rollout = make_rollout_engine(cfg, policy_path, self.tokenizer, device, actor)
         self.policy_skeleton = causal_lm_skeleton(policy_path)  # what writes the policy into a checkpoint
         ref = (ReferenceModel(load_causal_lm(cfg.model.path, cfg.model.dtype), device, cfg.rollout.temperature)
                if "reference" in roles else None)
-        critic = (Critic(load_causal_lm(cfg.model.path, cfg.model.dtype),
-                         OptimConfig(lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip), device, cfg.critic.strategy)
+        critic = (Critic(load_causal_lm(cfg.model.path), OptimConfig(lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip),
+                         device, cfg.critic.strategy, compute_dtype)
                   if roles & {"critic_forward", "critic_train"} else None)
         reward_fn = RewardRunner(cfg.reward.custom_fn, cfg.reward.timeout_s, gsm8k_mode=cfg.reward.gsm8k_mode)
         accuracy_fn = (reward_fn if cfg.reward.custom_fn is None and cfg.reward.gsm8k_mode == "strict"

@@ -114,3 +114,34 @@ def test_lr_schedule_hand_values():
     assert lr_factor(10, 10, 3, "linear", 0.1) == pytest.approx(0.1)
     assert lr_factor(6, 10, 0, "linear", 0.0) == pytest.approx(0.4)
     assert lr_factor(7, 10, 3, "constant", 0.1) == 1.0
+
+
+def _train_bf16(rank: int, world: int, model_dir: str, strategy: str):
+    """One update with bf16 compute; what stays fp32 and what the forward computes in."""
+    cfg = load_config(None, [f"runtime.num_workers={world}", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4"])
+    batch = _batch(model_dir)
+    local = batch.select(list(range(rank, len(batch), world)))
+    actor = Actor(load_causal_lm(model_dir), OptimConfig(lr=1e-3), torch.device("cpu"), strategy=strategy,
+                  compute_dtype=torch.bfloat16)
+    fp32 = Actor(load_causal_lm(model_dir), OptimConfig(lr=1e-3), torch.device("cpu"), strategy=strategy)
+    micro = [[i] for i in range(len(local))]
+    gap = (actor.compute(local, micro) - fp32.compute(local, micro)).abs().max().item()
+    before = {k: v.clone() for k, v in actor.full_state_dict().items()}
+    sums = actor.train_mini_batch(local, micro, make_policy_loss(cfg, float(batch["response_mask"].sum()),
+                                                                  float(len(batch))))
+    after = actor.full_state_dict()
+    moments = [s["exp_avg"].dtype for s in actor.optimizer.state.values()]
+    return {"gap": gap, "strategy": actor.strategy, "grad_norm": sums["grad_norm"],
+            "dtypes": {v.dtype for v in after.values()}, "moments": set(moments),
+            "moved": any(not torch.equal(before[k], after[k]) for k in after)}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_bf16_compute_keeps_fp32_master_weights_and_moments(random_model_dir, strategy):
+    """model.dtype=bfloat16: the log-probs come from a bf16 forward (they differ from the
+    fp32 ones by bf16 rounding, not more), the update lands on fp32 weights, AdamW's
+    moments are fp32."""
+    for out in run_gloo(_train_bf16, 2, random_model_dir, strategy):
+        assert out["strategy"] == strategy and out["grad_norm"] > 0 and out["moved"]
+        assert 1e-4 < out["gap"] < 0.1, out["gap"]  # bf16 really ran, and only its rounding shows
+        assert out["dtypes"] == {torch.float32} and out["moments"] == {torch.float32}

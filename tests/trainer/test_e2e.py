@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.slow
 
@@ -195,3 +196,17 @@ def test_rollout_correction_runs_end_to_end_and_measures_the_mismatch(tmp_path):
         assert record["rollout_correction/weight_mean"] == pytest.approx(1.0, abs=1e-3)
         assert record["rollout_correction/weight_max"] == pytest.approx(1.0, abs=1e-2)
         assert record["rollout_correction/corrected_fraction"] == 0.0
+
+
+def test_bf16_compute_trains_on_fp32_master_weights_end_to_end(tmp_path):
+    """model.dtype=bfloat16 on 2 workers: the run trains (the KL to the bf16 reference
+    grows from bf16 rounding at step 1) and the saved policy is the fp32 master copy."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "bf16"
+    _distflow([*SMALL, "runtime.launcher=torchrun", "model.dtype=bfloat16", f"trainer.output_dir={out}"], tmp_path)
+    steps = _metrics(out)[1:]
+    assert len(steps) == 3 and all(s["actor/grad_norm"] > 0 for s in steps)
+    assert 0 < steps[0]["actor/kl"] < steps[-1]["actor/kl"]
+    weights = load_file(out / "checkpoints" / "final" / "model.safetensors")
+    assert {w.dtype for w in weights.values()} == {torch.float32}
