@@ -14,7 +14,7 @@ Sampling uses vLLM's per-request seeds (the same seeds as the HF engine), so the
 do not depend on which worker or batch a prompt lands in. Log-probs are vLLM's
 `processed_logprobs`: after temperature (and top-p, when top_p < 1).
 
-Weights go from the FSDP actor into the running engine in place, one tensor at a time
+Weights go from the actor (DDP or FSDP2) into the running engine in place, one tensor at a time
 (`reload_weights` with a tensor stream; never through disk); the prefix cache is reset
 with them. On GPU the engine sleeps after each rollout (weights offloaded, KV cache
 dropped: `rollout.release_memory_after_rollout`) and wakes for the weight push; vLLM's
@@ -101,7 +101,7 @@ class VLLMRolloutEngine:
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         sampling = [VLLMSamplingParams(temperature=0.0 if params.greedy else params.temperature,
                                        top_p=1.0 if params.greedy else params.top_p, top_k=0,
-                                       max_tokens=params.max_new_tokens, seed=None if params.greedy else seed,
+                                       max_tokens=params.max_new_tokens, seed=seed,
                                        stop_token_ids=[eos], logprobs=0, detokenize=False,
                                        repetition_penalty=1.0)
                     for seed in (seeds if not params.greedy else [None] * len(prompts))]
