@@ -90,6 +90,8 @@ class LauncherProgress:
         """Reads only what was appended since the last poll, whole lines only."""
         if self.bar is None or not self.path.exists():
             return
+        from distflow.trainer.metrics import progress_postfix
+
         text = self.meter.read_text(self.path, self.offset)
         complete = text[:text.rfind("\n") + 1]
         self.offset += len(complete.encode())
@@ -98,7 +100,7 @@ class LauncherProgress:
             self.last_val = record.get("val/accuracy", self.last_val)
             if record.get("step", 0) > 0:
                 self.bar.update(1)
-                self.bar.set_postfix(reward=f"{record['reward/mean']:.3f}", heldout=f"{self.last_val:.3f}")
+                self.bar.set_postfix(progress_postfix(record, self.last_val))
 
     def close(self) -> None:  # the launcher polled once more when the workers finished
         if self.bar is not None:
@@ -210,6 +212,13 @@ def _print_summary(summary: dict) -> None:
     print("  ".join(f"{k}={summary[k]:.4g}" if isinstance(summary[k], float) else f"{k}={summary[k]}"
                     for k in keys if k in summary))
     print(f"run folder: {summary['run_dir']}")
+    print("  " + ", ".join(run_files(Path(summary["run_dir"]))))
+
+
+def run_files(run_dir: Path) -> list[str]:
+    """What a finished run left for a person to open."""
+    names = ["metrics.jsonl", "reward.png", "summary.json", "checkpoints/final", "tensorboard", "wandb", "mlflow.db"]
+    return [str(run_dir / n) for n in names if (run_dir / n).exists()]
 
 
 def cmd_build_tiny_model(args: argparse.Namespace) -> int:
@@ -294,6 +303,39 @@ def cmd_dag_recipes(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_runs(args: argparse.Namespace) -> int:
+    """The run folders under `root` (newest first), one line each."""
+    from distflow.trainer.report import run_summary_row
+
+    root = Path(args.root)
+    newest_first = sorted(root.glob("*/metrics.jsonl"), key=lambda p: p.stat().st_mtime, reverse=True)
+    folders = [p.parent for p in newest_first]
+    if not folders:
+        return _fail(f"{root}: no run folders (folders with a metrics.jsonl)")
+    print(f"{'run':<40} {'algorithm':<28} {'steps':>5}  {'status':<10} {'held-out':<15} {'reward':>7} {'wall':>7}")
+    for folder in folders:
+        r = run_summary_row(folder)
+        heldout = f"{r['heldout'][0]:.1%} -> {r['heldout'][1]:.1%}" if r["heldout"] else "-"
+        reward = f"{r['reward_last']:.3f}" if r["reward_last"] is not None else "-"
+        wall = f"{r['wall_s']:.0f} s" if r["wall_s"] is not None else "-"
+        print(f"{folder.name:<40} {Path(r['algorithm']).stem:<28} {r['steps']:>5}  {r['status']:<10} "
+              f"{heldout:<15} {reward:>7} {wall:>7}")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """Several runs' reward and held-out accuracy overlaid in one PNG."""
+    from distflow.trainer.report import read_history, write_overlay
+
+    try:
+        runs = {Path(run).resolve().name: read_history(Path(run)) for run in args.runs}
+    except ValueError as e:
+        return _fail(str(e))
+    write_overlay(runs, Path(args.out))
+    print(f"wrote {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="distflow", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -335,6 +377,13 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(fn=cmd_dag_show)
     table = dag_sub.add_parser("recipes", help="the built-in recipes as a markdown table (made from their files)")
     table.set_defaults(fn=cmd_dag_recipes)
+    runs = sub.add_parser("runs", help="list run folders with their summary")
+    runs.add_argument("root", nargs="?", default="runs", help="the folder holding run folders (default: runs)")
+    runs.set_defaults(fn=cmd_runs)
+    plot = sub.add_parser("plot", help="overlay several runs' reward and held-out accuracy in one PNG")
+    plot.add_argument("runs", nargs="+", help="run folders")
+    plot.add_argument("--out", default="runs.png")
+    plot.set_defaults(fn=cmd_plot)
     return parser
 
 

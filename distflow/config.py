@@ -33,6 +33,7 @@ def _spec(default: Any, *, min: float | None = None, max: float | None = None,
 
 
 BUILTIN_MODEL = "builtin:tiny-arith"
+TRACKERS = ("tensorboard", "wandb", "mlflow")  # distflow.trainer.tracking
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs", "k1+", "k3+", "low_var_kl+")  # distflow.algos.kl
 # The built-in recipes: one YAML file each (distflow/recipes/NAME.yaml).
 RECIPES_DIR = Path(__file__).parent / "recipes"
@@ -184,6 +185,12 @@ class TrainerConfig:
     resume: str = _spec("auto", doc="auto (the run folder's latest checkpoint, if any) | off | PATH")
     progress: bool = _spec(True)
     trace_steps: str = _spec("", doc="comma-separated steps to write a Chrome trace of (run_dir/traces)")
+    logger: str = _spec("jsonl", doc="comma-separated: jsonl (metrics.jsonl, always) plus any of " + ", ".join(TRACKERS)
+                        + " (run_dir/tensorboard, run_dir/wandb, run_dir/mlflow.db; rank 0 writes)")
+    project_name: str = _spec("distflow", doc="the W&B project and the MLflow experiment")
+    experiment_name: str | None = _spec(None, doc="the W&B / MLflow run name; default: the run folder's name")
+    wandb_mode: str = _spec("offline", choices=("offline", "online"),
+                            doc="offline: no network, `wandb sync run_dir/wandb/offline-run-*` uploads later")
 
 
 @dataclass(kw_only=True)
@@ -325,9 +332,29 @@ def _check_field(cfg: Config, key: str) -> None:
         raise ConfigError(f"{key}={value!r}: must be <= {meta['max']}")
 
 
+def _validate_logger(cfg: Config) -> None:
+    """trainer.logger: known names, jsonl among them, and each tracker's package installed."""
+    import importlib.util
+
+    value = cfg.trainer.logger
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    for name in names:
+        if name not in ("jsonl", *TRACKERS):
+            raise ConfigError(f"trainer.logger={value!r}: unknown logger {name!r}; choose from jsonl, "
+                              + ", ".join(TRACKERS))
+    if "jsonl" not in names:
+        raise ConfigError(f"trainer.logger={value!r}: must include jsonl (metrics.jsonl feeds the progress bar, "
+                          f"resume and the plots), e.g. trainer.logger=jsonl,{names[0] if names else 'tensorboard'}")
+    for name in names:  # each tracker's package has its name
+        if name != "jsonl" and importlib.util.find_spec(name) is None:
+            raise ConfigError(f"trainer.logger={value!r}: the {name} package is not installed; "
+                              'pip install "distflow[tracking]"')
+
+
 def _validate_cross(cfg: Config) -> None:
     n_workers, batch = cfg.runtime.num_workers, cfg.data.train_batch_size
     _validate_engine(cfg)
+    _validate_logger(cfg)
     size = cfg.rollout.replica_size
     if n_workers % size:
         raise ConfigError(f"rollout.replica_size={size}: must divide runtime.num_workers={n_workers}")

@@ -39,9 +39,10 @@ from distflow.engines.rollout import HFRolloutEngine, RolloutEngine, SamplingPar
 from distflow.runtime import netns
 from distflow.runtime.centralized import run_commanded_step
 from distflow.trainer import checkpoint, nodes
-from distflow.trainer.metrics import MeanAccumulator, MetricsWriter, StageTimer
+from distflow.trainer.metrics import MeanAccumulator, MetricsWriter, StageTimer, progress_postfix
 from distflow.trainer.recipes import build_graph
 from distflow.trainer.report import write_plot
+from distflow.trainer.tracking import Trackers
 
 
 def resolve_overlap(cfg: Config, device: torch.device) -> bool:
@@ -166,6 +167,7 @@ class Trainer:
         self.trace_steps = {int(s) for s in str(cfg.trainer.trace_steps).replace(" ", "").split(",") if s}
         self.store = LocalStore()
         self.writer = MetricsWriter(run_dir / "metrics.jsonl") if self.rank == 0 else None
+        self.trackers = Trackers(cfg, run_dir, self.rank)  # TensorBoard, W&B, MLflow (trainer.logger)
         self.progress = progress and self.rank == 0
         self.start_step, self.history, self.bad_steps = 0, [], 0
         if self.resume_from is not None:
@@ -308,7 +310,7 @@ class Trainer:
                 self._save(f"step_{step}", step)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", val=f"{final:.3f}")
+                bar.set_postfix(progress_postfix(metrics, final))
         if bar is not None:
             bar.close()
         if cfg.trainer.save_final and self.start_step < total:
@@ -351,6 +353,7 @@ class Trainer:
     def _log(self, record: dict) -> None:
         if self.writer is not None:
             self.writer.write(record)
+        self.trackers.log(record)
 
     def _save(self, name: str, step: int) -> None:
         """A resumable checkpoint (collective); its policy folder is a normal HF model."""
@@ -385,5 +388,6 @@ def run_worker(cfg_dict: dict, run_dir: str, progress: bool = False, relay=None)
     finally:
         trainer.scheduler.close()
         trainer.rollout.close()
+        trainer.trackers.close()
         for runner in {id(r): r for r in (trainer.ctx.reward_fn, trainer.ctx.accuracy_fn)}.values():
             runner.close()

