@@ -13,6 +13,9 @@
     distflow cluster up|down|status [--hosts 5] [--rate-mbit 400] [--delay-ms 0]
     distflow dag show [RECIPE] [--out PATH] [--config FILE] [section.key=value ...]
     distflow dag recipes
+    distflow eval [--k K] model.path=DIR data.val_files=FILE [section.key=value ...]
+    distflow runs [ROOT]
+    distflow plot RUN [RUN ...] [--out FILE]
 
 A config or input error prints one line and exits with code 2; a failed worker exits 1.
 """
@@ -33,6 +36,7 @@ from distflow.runtime import netns
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
 WORKER_ENTRY = "distflow.trainer.loop:run_worker"
+EVAL_ENTRY = "distflow.trainer.loop:run_eval_worker"
 
 
 def _fail(message: str, code: int = EXIT_USAGE) -> int:
@@ -126,71 +130,121 @@ def _driver_graph(cfg: Config, graph) -> list | None:
             for n in graph.order]
 
 
+def _loopback_rerun(cfg: Config, command: list[str]) -> int | None:
+    """runtime.network: the same command again inside a loopback-only network namespace
+    (its exit code), or None to go on here (inside one already, or on the host network)."""
+    if cfg.runtime.ray_address is not None or cfg.runtime.network == "host" or netns.inside():
+        return None
+    try:
+        return netns.run_in_loopback_namespace(["-m", "distflow.cli", *command])
+    except netns.NamespaceUnavailable as e:
+        if cfg.runtime.network == "loopback":
+            return _fail(f"runtime.network=loopback: this machine cannot make a network namespace ({e}; it "
+                         "needs root or unprivileged user namespaces); use runtime.network=host")
+        print(f"distflow: no loopback-only network namespace here ({e}); on the host network", file=sys.stderr)
+        return None
+
+
+def _config_argv(args: argparse.Namespace) -> list[str]:
+    return [*(["--config", args.config] if args.config else []), *args.overrides]
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         check_inputs(cfg)
     except ValueError as e:  # ConfigError
         return _fail(str(e))
-    if cfg.runtime.ray_address is None and cfg.runtime.network != "host" and not netns.inside():
-        # the same command again in a loopback-only namespace, which checks the graph itself
-        argv = ["-m", "distflow.cli", "train", *(["--config", args.config] if args.config else []), *args.overrides]
-        try:
-            return netns.run_in_loopback_namespace(argv)
-        except netns.NamespaceUnavailable as e:
-            if cfg.runtime.network == "loopback":
-                return _fail(f"runtime.network=loopback: this machine cannot make a network namespace ({e}; it "
-                             "needs root or unprivileged user namespaces); use runtime.network=host")
-            print(f"distflow: no loopback-only network namespace here ({e}); on the host network",
-                  file=sys.stderr)
+    code = _loopback_rerun(cfg, ["train", *_config_argv(args)])  # which checks the graph itself
+    if code is not None:
+        return code
     try:
         graph = _graph(cfg)
         if cfg.runtime.mode == "centralized" and any(n.role == "filter" for n in graph.nodes):
             raise ConfigError(f"runtime.mode='centralized': the graph of {cfg.algorithm.name} has a filter "
                               f"(dynamic sampling); filters run in distributed mode only")
+        _check_cluster(cfg)
     except ValueError as e:  # ConfigError, GraphError
         return _fail(str(e))
-    if cfg.runtime.ray_address is not None:  # a cluster: host network, and it must answer now
-        from distflow.runtime.ray_launcher import check_ray_address
-
-        try:
-            check_ray_address(cfg.runtime.ray_address)
-        except ValueError as e:
-            return _fail(str(e))
     run_dir = new_run_dir(cfg)
     cfg.trainer.output_dir = str(run_dir)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     print(f"distflow: run folder {run_dir}", file=sys.stderr)
     if cfg.runtime.launcher == "torchrun":
-        return _exec_torchrun(cfg, args)
+        return _exec_torchrun(cfg, _config_argv(args))
     from distflow.runtime.meter import LauncherMeter
-    from distflow.runtime.ray_launcher import ClusterTooSmall, WorkerFailed, launch_ray
 
     meter = LauncherMeter()  # everything this process receives from the run, files included
     progress = LauncherProgress(run_dir, cfg.trainer.total_steps, cfg.trainer.progress, meter)
     try:
-        results = launch_ray(WORKER_ENTRY, (cfg.to_dict(), str(run_dir), False), run_dir=run_dir,
-                             num_workers=cfg.runtime.num_workers, device=cfg.runtime.device,
-                             collective_timeout_s=cfg.runtime.collective_timeout_s,
-                             threads=cfg.runtime.threads_per_worker, on_poll=progress.poll,
-                             ray_address=cfg.runtime.ray_address, centralized=_driver_graph(cfg, graph),
-                             meter=meter)
-    except WorkerFailed as e:
+        results = _launch(cfg, run_dir, WORKER_ENTRY, (cfg.to_dict(), str(run_dir), False), progress.poll, meter,
+                          _driver_graph(cfg, graph))
+    finally:
         progress.close()
-        return _fail(str(e), EXIT_FAILED)
-    except ClusterTooSmall as e:
-        progress.close()
-        return _fail(str(e))
-    progress.close()
+    if isinstance(results, int):
+        return results
     _print_summary(results[0])
     return 0
 
 
-def _exec_torchrun(cfg: Config, args: argparse.Namespace) -> int:
+def _check_cluster(cfg: Config) -> None:
+    """A cluster must answer now (host network)."""
+    if cfg.runtime.ray_address is not None:
+        from distflow.runtime.ray_launcher import check_ray_address
+
+        check_ray_address(cfg.runtime.ray_address)
+
+
+def _launch(cfg: Config, run_dir: Path, entry: str, entry_args: tuple, on_poll, meter, centralized=None):
+    """Every worker runs `entry(*entry_args)` under Ray; their results, or the exit code of a failure."""
+    from distflow.runtime.ray_launcher import ClusterTooSmall, WorkerFailed, launch_ray
+
+    try:
+        return launch_ray(entry, entry_args, run_dir=run_dir, num_workers=cfg.runtime.num_workers,
+                          device=cfg.runtime.device, collective_timeout_s=cfg.runtime.collective_timeout_s,
+                          threads=cfg.runtime.threads_per_worker, on_poll=on_poll,
+                          ray_address=cfg.runtime.ray_address, centralized=centralized, meter=meter)
+    except WorkerFailed as e:
+        return _fail(str(e), EXIT_FAILED)
+    except ClusterTooSmall as e:
+        return _fail(str(e))
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Evaluate model.path (any HF folder or checkpoint) on data.val_files, on the workers."""
+    try:
+        if args.k < 0:
+            raise ConfigError(f"--k={args.k}: must be >= 0 (0 = greedy only)")
+        cfg = load_config(args.config, args.overrides)
+        check_inputs(cfg)
+        _check_cluster(cfg)
+    except ValueError as e:
+        return _fail(str(e))
+    code = _loopback_rerun(cfg, ["eval", f"--k={args.k}", *_config_argv(args)])
+    if code is not None:
+        return code
+    if cfg.trainer.output_dir is None:
+        cfg.trainer.output_dir = str(Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-eval")
+    run_dir = new_run_dir(cfg)
+    cfg.trainer.output_dir = str(run_dir)
+    report = run_dir / "eval.json"
+    if cfg.runtime.launcher == "torchrun":
+        return _exec_torchrun(cfg, [f"--eval-k={args.k}", *_config_argv(args)])
+    from distflow.runtime.meter import LauncherMeter
+    from distflow.trainer.evaluation import table
+
+    results = _launch(cfg, run_dir, EVAL_ENTRY, (cfg.to_dict(), str(report), args.k), None, LauncherMeter())
+    if isinstance(results, int):
+        return results
+    print(table(results[0], args.k))
+    print(f"report: {report}")
+    return 0
+
+
+def _exec_torchrun(cfg: Config, argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={cfg.runtime.num_workers}", "-m", "distflow.train"]
-    cmd += (["--config", args.config] if args.config else []) + list(args.overrides)
-    cmd += [f"trainer.output_dir={cfg.trainer.output_dir}"]
+    cmd += argv + [f"trainer.output_dir={cfg.trainer.output_dir}"]
     code = subprocess.call(cmd)
     if code != 0:  # torchrun has printed the failed ranks; add where each worker was
         return _fail(f"torchrun workers failed (exit {code}); last stage per worker: "
@@ -377,6 +431,12 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(fn=cmd_dag_show)
     table = dag_sub.add_parser("recipes", help="the built-in recipes as a markdown table (made from their files)")
     table.set_defaults(fn=cmd_dag_recipes)
+    ev = sub.add_parser("eval", help="evaluate a HF model folder or checkpoint (model.path) on data.val_files: "
+                                     "greedy accuracy, mean@k and pass@k, per data source and level")
+    ev.add_argument("--k", type=int, default=0, help="samples per prompt at rollout.temperature (0: greedy only)")
+    ev.add_argument("--config", help="YAML config")
+    ev.add_argument("overrides", nargs="*", help="section.key=value, e.g. model.path=runs/x/checkpoints/final")
+    ev.set_defaults(fn=cmd_eval)
     runs = sub.add_parser("runs", help="list run folders with their summary")
     runs.add_argument("root", nargs="?", default="runs", help="the folder holding run folders (default: runs)")
     runs.set_defaults(fn=cmd_runs)

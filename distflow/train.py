@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distflow.train")
     parser.add_argument("--config")
     parser.add_argument("--runs", help="JSON file: a list of override lists, run one after another")
+    parser.add_argument("--eval-k", type=int, default=None,
+                        help="evaluate model.path instead of training (distflow eval): k samples per prompt")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -41,7 +43,10 @@ def main(argv: list[str] | None = None) -> int:
                        cfg.runtime.collective_timeout_s, cfg.runtime.threads_per_worker)
     with process_group_closed_on_exit():
         from distflow.cli import new_run_dir
-        from distflow.trainer.loop import run_worker
+        from distflow.trainer.loop import run_eval_worker, run_worker
+
+        if args.eval_k is not None:
+            return _evaluate(cfg, args.eval_k, rank, run_eval_worker)
 
         for cfg in configs:
             holder = [str(new_run_dir(cfg)) if rank == 0 else None]
@@ -51,6 +56,19 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 print(f"heldout_accuracy_initial={summary['heldout_accuracy_initial']:.3f} "
                       f"heldout_accuracy_final={summary['heldout_accuracy_final']:.3f} run folder: {holder[0]}")
+    return 0
+
+
+def _evaluate(cfg, k: int, rank: int, run_eval_worker) -> int:
+    from pathlib import Path
+
+    from distflow.trainer.evaluation import table
+
+    report_path = Path(cfg.trainer.output_dir) / "eval.json"
+    report = run_eval_worker(cfg.to_dict(), str(report_path), k)
+    if rank == 0:
+        print(table(report, k))
+        print(f"report: {report_path}")
     return 0
 
 

@@ -43,26 +43,24 @@ def write_task(folder: Path) -> tuple[str, str]:
 
 
 def heldout_accuracy(model_path: str, test_file: str) -> float:
-    """Greedy accuracy on the held-out parquet: DistFlow's HF engine and reward."""
+    """Greedy accuracy on the held-out parquet: DistFlow's evaluation (HF engine, strict reward)."""
     from distflow.data.dataset import PromptReader, ShardedDataset
     from distflow.engines.common import load_causal_lm, load_tokenizer
     from distflow.engines.reward import RewardRunner
-    from distflow.engines.rollout import HFRolloutEngine, SamplingParams
-    from distflow.trainer.nodes import encode_prompt, score_responses
+    from distflow.engines.rollout import HFRolloutEngine
+    from distflow.trainer.evaluation import EvalSettings, evaluate
+    from distflow.trainer.nodes import encode_prompt
 
     tok = load_tokenizer(model_path)
     rows, _ = PromptReader(ShardedDataset(test_file), 192, "error", "error").take(
         list(range(HELDOUT_ROWS)), lambda row: encode_prompt(tok, row), replace=False)
-    engine = HFRolloutEngine(load_causal_lm(model_path), tok)
-    out = engine.generate([ids for _, ids in rows], None, SamplingParams(max_new_tokens=MAX_NEW_TOKENS, greedy=True))
-    out.meta.update({"ground_truth": [r.ground_truth for r, _ in rows], "data_source": [r.data_source for r, _ in rows],
-                     "extra_info": [r.extra_info for r, _ in rows]})
     runner = RewardRunner(None, 30.0)
     try:
-        _, correct, _ = score_responses(tok, out, runner, runner)
+        report = evaluate(HFRolloutEngine(load_causal_lm(model_path), tok), tok, [r for r, _ in rows],
+                          [ids for _, ids in rows], runner, runner, EvalSettings(max_new_tokens=MAX_NEW_TOKENS))
     finally:
         runner.close()
-    return float(correct.mean())
+    return report["accuracy"]
 
 
 def run_distflow(work: Path, train: str, test: str, steps: int) -> dict:

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from distflow.algos.kl import make_kl_controller
-from distflow.collectives import all_gather_objects
 from distflow.config import Config, from_dict
 from distflow.coordinator.double_buffer import DoubleBuffer
 from distflow.coordinator.executor import TransferStats
@@ -35,10 +34,11 @@ from distflow.engines.actor import Actor, OptimConfig, ReferenceModel, lr_factor
 from distflow.engines.common import causal_lm_skeleton, load_causal_lm, load_tokenizer, resolve_model_path
 from distflow.engines.critic import Critic
 from distflow.engines.reward import RewardRunner
-from distflow.engines.rollout import HFRolloutEngine, RolloutEngine, SamplingParams
+from distflow.engines.rollout import HFRolloutEngine, RolloutEngine
 from distflow.runtime import netns
 from distflow.runtime.centralized import run_commanded_step
 from distflow.trainer import checkpoint, nodes
+from distflow.trainer.evaluation import EvalSettings, evaluate, write_report
 from distflow.trainer.metrics import MeanAccumulator, MetricsWriter, StageTimer, progress_postfix
 from distflow.trainer.recipes import build_graph
 from distflow.trainer.report import write_plot
@@ -86,11 +86,12 @@ class RefillPrompts:
         return batch
 
 
-def make_rollout_engine(cfg: Config, policy_path: str, tokenizer, device: torch.device, actor: Actor) -> RolloutEngine:
+def make_rollout_engine(cfg: Config, policy_path: str, tokenizer, device: torch.device,
+                        actor: Actor | None) -> RolloutEngine:
     """rollout.engine: HF generate on the policy (the actor's own weights when every worker
-    holds them whole, else a full copy), or a colocated vLLM engine."""
+    holds them whole, else a full copy; `actor` None: evaluation only), or a colocated vLLM engine."""
     r = cfg.rollout
-    if r.engine == "hf" and actor.holds_full_weights:  # DDP or one worker: nothing to copy, ever
+    if r.engine == "hf" and actor is not None and actor.holds_full_weights:  # DDP or one worker: nothing to copy
         return HFRolloutEngine(actor.module, tokenizer, r.micro_batch_size, shares_trainer_weights=True)
     if r.engine == "hf":
         return HFRolloutEngine(load_causal_lm(policy_path, cfg.model.dtype, device), tokenizer, r.micro_batch_size)
@@ -101,6 +102,26 @@ def make_rollout_engine(cfg: Config, policy_path: str, tokenizer, device: torch.
                              seed=cfg.trainer.seed, gpu_memory_utilization=r.gpu_memory_utilization,
                              kv_cache_memory_gb=r.kv_cache_memory_gb,
                              release_memory_after_rollout=r.release_memory_after_rollout)
+
+
+def make_reward_runners(cfg: Config) -> tuple[RewardRunner, RewardRunner]:
+    """(the configured reward, the strict accuracy metric): one runner when they are the same function."""
+    reward_fn = RewardRunner(cfg.reward.custom_fn, cfg.reward.timeout_s, gsm8k_mode=cfg.reward.gsm8k_mode)
+    accuracy_fn = (reward_fn if cfg.reward.custom_fn is None and cfg.reward.gsm8k_mode == "strict"
+                   else RewardRunner(None, cfg.reward.timeout_s))
+    return reward_fn, accuracy_fn
+
+
+def close_reward_runners(*runners: RewardRunner) -> None:
+    for runner in {id(r): r for r in runners}.values():
+        runner.close()
+
+
+def worker_device(cfg: Config) -> torch.device:
+    """This worker's device: the GPU the runtime bound it to, unless runtime.device=cpu."""
+    if torch.cuda.is_available() and cfg.runtime.device != "cpu":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class Trainer:
@@ -147,9 +168,7 @@ class Trainer:
         critic = (Critic(load_causal_lm(cfg.model.path), OptimConfig(lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip),
                          device, cfg.critic.strategy, compute_dtype)
                   if roles & {"critic_forward", "critic_train"} else None)
-        reward_fn = RewardRunner(cfg.reward.custom_fn, cfg.reward.timeout_s, gsm8k_mode=cfg.reward.gsm8k_mode)
-        accuracy_fn = (reward_fn if cfg.reward.custom_fn is None and cfg.reward.gsm8k_mode == "strict"
-                       else RewardRunner(None, cfg.reward.timeout_s))
+        reward_fn, accuracy_fn = make_reward_runners(cfg)
         a = cfg.algorithm
         reward_kl = (make_kl_controller(a.reward_kl_ctrl, a.reward_kl_coef, a.reward_kl_target, a.reward_kl_horizon)
                      if a.use_kl_in_reward else None)
@@ -251,29 +270,10 @@ class Trainer:
     def _evaluate(self) -> dict[str, float]:
         """Greedy held-out accuracy over all workers (validation rows interleaved), overall
         and per `extra_info["level"]` where the rows have one (the built-in task's 1-3)."""
-        rows, ids = [row for row, _ in self.val], [ids for _, ids in self.val]
-        tally: dict[str, list[float]] = {}  # metric -> [correct, rows]
-        if rows or self.rollout.tensor_parallel_size > 1:  # a tensor-parallel replica generates together
-            out = self.rollout.generate(ids, None, SamplingParams(max_new_tokens=self.cfg.rollout.max_new_tokens,
-                                                                  greedy=True))
-        if rows:
-            out.meta.update({"ground_truth": [r.ground_truth for r in rows],
-                             "data_source": [r.data_source for r in rows],
-                             "extra_info": [r.extra_info for r in rows]})
-            _, acc, _ = nodes.score_responses(self.tokenizer, out, self.ctx.reward_fn, self.ctx.accuracy_fn)
-            for row, correct in zip(rows, acc.tolist()):
-                level = row.extra_info.get("level") if isinstance(row.extra_info, dict) else None
-                for name in ["val/accuracy"] + ([f"val/accuracy/level_{level}"] if level is not None else []):
-                    tally.setdefault(name, [0.0, 0.0])
-                    tally[name][0] += correct
-                    tally[name][1] += 1
-        totals: dict[str, list[float]] = {"val/accuracy": [0.0, 0.0]}
-        for part in all_gather_objects(tally):  # a few numbers per worker
-            for name, (correct, count) in part.items():
-                totals.setdefault(name, [0.0, 0.0])
-                totals[name][0] += correct
-                totals[name][1] += count
-        return {name: correct / count if count else float("nan") for name, (correct, count) in sorted(totals.items())}
+        report = evaluate(self.rollout, self.tokenizer, [row for row, _ in self.val], [ids for _, ids in self.val],
+                          self.ctx.reward_fn, self.ctx.accuracy_fn,
+                          EvalSettings(max_new_tokens=self.cfg.rollout.max_new_tokens))
+        return {f"val/{name}": value for name, value in report.items() if name.startswith("accuracy")}
 
     # ------------------------------------------------------------------ the run
 
@@ -379,15 +379,40 @@ def run_worker(cfg_dict: dict, run_dir: str, progress: bool = False, relay=None)
     is already initialised by the runtime. `relay`: this worker's end of the driver in
     runtime.mode=centralized (the driver runs each step's graph)."""
     cfg = from_dict(cfg_dict)
-    device = torch.device("cpu")
-    if torch.cuda.is_available() and cfg.runtime.device != "cpu":
-        device = torch.device("cuda", torch.cuda.current_device())
-    trainer = Trainer(cfg, Path(run_dir), device, progress, relay)
+    trainer = Trainer(cfg, Path(run_dir), worker_device(cfg), progress, relay)
     try:
         return trainer.fit()
     finally:
         trainer.scheduler.close()
         trainer.rollout.close()
         trainer.trackers.close()
-        for runner in {id(r): r for r in (trainer.ctx.reward_fn, trainer.ctx.accuracy_fn)}.values():
-            runner.close()
+        close_reward_runners(trainer.ctx.reward_fn, trainer.ctx.accuracy_fn)
+
+
+def run_eval_worker(cfg_dict: dict, report_path: str, k: int) -> dict | None:
+    """Entry point of every worker of `distflow eval`: the policy at model.path on
+    data.val_files (every world-th row here), scored as in training; rank 0 writes the
+    JSON report and returns the metrics."""
+    cfg = from_dict(cfg_dict)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    device = worker_device(cfg)
+    tokenizer = load_tokenizer(cfg.model.path)
+    data = ShardedDataset(cfg.data.val_files)
+    indices = list(range(min(len(data), cfg.data.val_max_samples)))[rank::world]
+    taken, _ = PromptReader(data, cfg.data.max_prompt_length, cfg.data.on_bad_row, cfg.data.on_long_prompt
+                            ).take(indices, partial(nodes.encode_prompt, tokenizer), replace=False)
+    engine = make_rollout_engine(cfg, cfg.model.path, tokenizer, device, actor=None)
+    reward_fn, accuracy_fn = make_reward_runners(cfg)
+    try:
+        r = cfg.rollout
+        report = evaluate(engine, tokenizer, [row for row, _ in taken], [ids for _, ids in taken], reward_fn,
+                          accuracy_fn, EvalSettings(max_new_tokens=r.max_new_tokens, k=k, temperature=r.temperature,
+                                                    top_p=r.top_p, seed=cfg.trainer.seed), by_source=True)
+    finally:
+        engine.close()
+        close_reward_runners(reward_fn, accuracy_fn)
+    if rank != 0:
+        return None
+    write_report(Path(report_path), report, {"model": cfg.model.path, "files": cfg.data.val_files, "k": k,
+                                             "temperature": cfg.rollout.temperature, "workers": world})
+    return report

@@ -1,0 +1,137 @@
+"""Evaluating a policy on held-out prompts, the same code in training and in `distflow eval`.
+
+Greedy accuracy, and with `k` samples per prompt at a temperature mean@k (the mean
+accuracy of the samples) and pass@k (a prompt counts when any of its k samples is
+right), overall, per `data_source` and per `extra_info["level"]` where rows have one,
+plus response-length statistics. Each worker scores its own rows (every world-th of the
+file's), and one object all-gather of a few sums per worker combines them: no worker
+sees another's responses. Samples are seeded per (run seed, row, sample), so the numbers
+do not depend on the number of workers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from distflow.collectives import all_gather_objects
+from distflow.data.dataset import PromptRow
+from distflow.engines.reward import RewardRunner
+from distflow.engines.rollout import RolloutEngine, SamplingParams, sample_seed
+from distflow.trainer.nodes import score_responses
+
+Tally = dict[str, list[float]]  # metric -> [sum, count]; summed over workers
+_EVAL_STREAM = 7_340_033  # seeds of evaluation samples never equal a training step's
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalSettings:
+    max_new_tokens: int
+    k: int = 0  # samples per prompt for mean@k / pass@k; 0 = greedy only
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 1
+
+
+def _groups(row: PromptRow, by_source: bool) -> list[str]:
+    """The slices a row counts in: all rows, its level (if any) and its data source."""
+    level = row.extra_info.get("level") if isinstance(row.extra_info, dict) else None
+    return ([""] + ([f"/level_{level}"] if level is not None else [])
+            + ([f"/data_source/{row.data_source}"] if by_source else []))
+
+
+def _add(tally: Tally, name: str, value: float) -> None:
+    entry = tally.setdefault(name, [0.0, 0.0])
+    entry[0] += value
+    entry[1] += 1
+
+
+def _scored(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[list[int]], seeds, params,
+            reward_fn: RewardRunner, accuracy_fn: RewardRunner) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(correct (B,), response lengths (B,), ended with EOS (B,)) of one generation."""
+    nothing = torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.bool)
+    if not rows and engine.tensor_parallel_size == 1:
+        return nothing
+    out = engine.generate(ids, seeds, params)  # a tensor-parallel replica generates together, rows or not
+    if not rows:
+        return nothing
+    out.meta.update({"ground_truth": [r.ground_truth for r in rows], "data_source": [r.data_source for r in rows],
+                     "extra_info": [r.extra_info for r in rows]})
+    _, correct, _ = score_responses(tokenizer, out, reward_fn, accuracy_fn)
+    lengths = out["response_mask"].sum(-1)
+    ended = (out["responses"] == tokenizer.eos_token_id).any(-1)
+    return correct, lengths, ended
+
+
+def evaluate(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[list[int]],
+             reward_fn: RewardRunner, accuracy_fn: RewardRunner, settings: EvalSettings,
+             by_source: bool = False) -> dict[str, float]:
+    """This worker's rows scored, combined over all workers (collective: every worker
+    calls it, a worker of a tensor-parallel replica even with no rows)."""
+    tally: Tally = {}
+    greedy = SamplingParams(max_new_tokens=settings.max_new_tokens, greedy=True)
+    correct, lengths, ended = _scored(engine, tokenizer, rows, ids, None, greedy, reward_fn, accuracy_fn)
+    for row, c, n, e in zip(rows, correct.tolist(), lengths.tolist(), ended.tolist()):
+        for group in _groups(row, by_source):
+            _add(tally, f"accuracy{group}", c)
+        _add(tally, "response_length/mean", n)
+        _add(tally, "response_length/clip_ratio", 0.0 if e else 1.0)
+        tally["response_length/max"] = [max(tally.get("response_length/max", [0.0])[0], n), 1.0]
+    if settings.k:
+        _sampled(engine, tokenizer, rows, ids, reward_fn, accuracy_fn, settings, by_source, tally)
+    return _combine(tally)
+
+
+def _sampled(engine, tokenizer, rows, ids, reward_fn, accuracy_fn, settings: EvalSettings, by_source: bool,
+             tally: Tally) -> None:
+    k = settings.k
+    seeds = [sample_seed(settings.seed, _EVAL_STREAM, row.index, j) for row in rows for j in range(k)]
+    params = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                            top_p=settings.top_p)
+    correct, _, _ = _scored(engine, tokenizer, [r for r in rows for _ in range(k)],
+                            [p for p in ids for _ in range(k)], seeds, params, reward_fn, accuracy_fn)
+    per_row = correct.view(len(rows), k) if rows else correct.view(0, k)
+    for row, samples in zip(rows, per_row.tolist()):
+        for group in _groups(row, by_source):
+            _add(tally, f"mean@{k}{group}", sum(samples) / k)
+            _add(tally, f"pass@{k}{group}", 1.0 if max(samples) > 0.5 else 0.0)
+
+
+def _combine(tally: Tally) -> dict[str, float]:
+    totals: Tally = {}
+    for part in all_gather_objects(tally):  # a few numbers per worker
+        for name, (value, count) in part.items():
+            entry = totals.setdefault(name, [0.0, 0.0])
+            if name.endswith("/max"):
+                entry[0], entry[1] = max(entry[0], value), 1.0
+            else:
+                entry[0] += value
+                entry[1] += count
+    if "accuracy" not in totals:
+        totals["accuracy"] = [0.0, 0.0]
+    totals["rows"] = [totals["accuracy"][1], 1.0]
+    return {name: value / count if count else float("nan") for name, (value, count) in sorted(totals.items())}
+
+
+def table(report: dict[str, float], k: int) -> str:
+    """One screen: a line per slice with greedy accuracy, mean@k and pass@k, and the lengths."""
+    slices = [""] + sorted({name[len("accuracy"):] for name in report if name.startswith("accuracy/")})
+    head = f"{'slice':<28} {'greedy':>8}" + (f" {f'mean@{k}':>8} {f'pass@{k}':>8}" if k else "")
+    lines = [head]
+    for s in slices:
+        line = f"{s.lstrip('/') or 'all':<28} {report[f'accuracy{s}']:>8.1%}"
+        if k:
+            line += f" {report[f'mean@{k}{s}']:>8.1%} {report[f'pass@{k}{s}']:>8.1%}"
+        lines.append(line)
+    lines.append(f"{int(report['rows'])} prompts; greedy responses: {report['response_length/mean']:.1f} tokens on "
+                 f"average, at most {report['response_length/max']:.0f}, "
+                 f"{report['response_length/clip_ratio']:.1%} cut at the token limit")
+    return "\n".join(lines)
+
+
+def write_report(path: Path, report: dict[str, float], about: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**about, "metrics": report}, indent=1))

@@ -1,0 +1,111 @@
+"""Evaluation: mean@k / pass@k and the slices against hand-computed values, `distflow eval`
+on 1 and 2 workers, and the training loop's held-out numbers coming from the same code."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distflow.data.batch import Batch
+from distflow.data.dataset import PromptRow
+from distflow.engines.reward import RewardRunner
+from distflow.engines.rollout import left_pad, response_mask_from
+from distflow.engines.tiny_model import build_tokenizer
+from distflow.trainer.evaluation import EvalSettings, evaluate, table
+
+
+class ScriptedEngine:
+    """A RolloutEngine whose answers are fixed per (prompt, call): greedy answers first,
+    then the k sampled answers of each prompt in order."""
+
+    weight_version, tensor_parallel_size = 0, 1
+
+    def __init__(self, tokenizer, greedy: list[str], sampled: list[list[str]]):
+        self.tok, self.greedy, self.sampled = tokenizer, greedy, sampled
+
+    def generate(self, prompts, seeds, params):
+        texts = self.greedy if params.greedy else [t for row in self.sampled for t in row]
+        assert len(texts) == len(prompts) and (seeds is None) == params.greedy
+        ids = [self.tok(t, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id] for t in texts]
+        width = params.max_new_tokens
+        resp = torch.full((len(ids), width), self.tok.pad_token_id, dtype=torch.long)
+        for i, r in enumerate(ids):
+            resp[i, :min(len(r), width)] = torch.tensor(r[:width])
+        p, m = left_pad(prompts, self.tok.pad_token_id)
+        return Batch({"prompts": p, "prompt_mask": m, "responses": resp,
+                      "response_mask": response_mask_from(resp, self.tok.eos_token_id)})
+
+    def close(self):
+        pass
+
+
+def _row(i: int, answer: int, level: int, source: str) -> PromptRow:
+    return PromptRow(index=i, messages=[{"role": "user", "content": "q"}], ground_truth=str(answer),
+                     data_source=source, extra_info={"level": level})
+
+
+def test_mean_and_pass_at_k_and_slices_by_hand():
+    tok = build_tokenizer()
+    rows = [_row(0, 4, 1, "a"), _row(1, 45, 1, "a"), _row(2, 450, 2, "b")]
+    greedy = ["#### 4", "#### 44", "a long wrong answer that is cut"]  # right, wrong, cut at 16 tokens
+    sampled = [["#### 4", "#### 4", "#### 9"],     # 2 of 3 right
+               ["#### 1", "#### 2", "#### 3"],     # none
+               ["#### 450", "no", "no"]]           # 1 of 3
+    runner = RewardRunner(None, 0)
+    report = evaluate(ScriptedEngine(tok, greedy, sampled), tok, rows, [[5, 6]] * 3, runner, runner,
+                      EvalSettings(max_new_tokens=16, k=3), by_source=True)
+    expected = {
+        "accuracy": 1 / 3, "accuracy/level_1": 1 / 2, "accuracy/level_2": 0.0,
+        "accuracy/data_source/a": 1 / 2, "accuracy/data_source/b": 0.0,
+        "mean@3": (2 / 3 + 0 + 1 / 3) / 3, "mean@3/level_1": (2 / 3 + 0) / 2, "mean@3/level_2": 1 / 3,
+        "mean@3/data_source/a": 1 / 3, "mean@3/data_source/b": 1 / 3,
+        "pass@3": 2 / 3, "pass@3/level_1": 1 / 2, "pass@3/level_2": 1.0,
+        "pass@3/data_source/a": 1 / 2, "pass@3/data_source/b": 1.0,
+        "response_length/mean": (7 + 8 + 16) / 3, "response_length/max": 16.0,
+        "response_length/clip_ratio": 1 / 3, "rows": 3.0,
+    }
+    assert report == pytest.approx(expected, rel=1e-12)
+    lines = table(report, 3).splitlines()
+    assert lines[0].split() == ["slice", "greedy", "mean@3", "pass@3"]
+    assert lines[1].split() == ["all", "33.3%", "33.3%", "66.7%"]
+    assert lines[-1] == "3 prompts; greedy responses: 10.3 tokens on average, at most 16, 33.3% cut at the token limit"
+
+
+def _cli(args, cwd, timeout=300):
+    return subprocess.run([sys.executable, "-m", "distflow.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=timeout)
+
+
+def test_eval_refuses_a_negative_k_in_one_line(tmp_path):
+    proc = _cli(["eval", "--k", "-1"], tmp_path)
+    assert proc.returncode == 2 and proc.stderr == "distflow: error: --k=-1: must be >= 0 (0 = greedy only)\n"
+
+
+@pytest.mark.slow
+def test_eval_on_one_and_two_workers_agrees_and_training_scores_with_the_same_code(tmp_path):
+    common = ["data.val_max_samples=48", "rollout.max_new_tokens=24", "runtime.launcher=torchrun"]
+    reports = {}
+    for workers in (1, 2):
+        out = tmp_path / f"eval{workers}"
+        proc = _cli(["eval", "--k", "2", *common, f"runtime.num_workers={workers}", f"trainer.output_dir={out}"],
+                    tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.splitlines()[0].split() == ["slice", "greedy", "mean@2", "pass@2"]
+        reports[workers] = json.loads((out / "eval.json").read_text())
+    assert reports[1]["metrics"] == reports[2]["metrics"]
+    metrics = reports[2]["metrics"]
+    assert metrics["rows"] == 48 and 0 < metrics["mean@2"] <= metrics["pass@2"]  # mean <= any, per prompt
+    # the held-out evaluation of a training run (step 0: the same model) is the same numbers
+    run = tmp_path / "train"
+    proc = _cli(["train", *common, "trainer.total_steps=1", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2",
+                 "algorithm.group_size=2", "trainer.progress=false", "trainer.save_final=false",
+                 f"trainer.output_dir={run}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    step0 = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    held_out = {k.removeprefix("val/"): v for k, v in step0.items() if k.startswith("val/")}
+    assert held_out == {k: v for k, v in metrics.items() if k.startswith("accuracy") and "data_source" not in k}
