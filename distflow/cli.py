@@ -14,6 +14,7 @@
     distflow dag show [RECIPE] [--out PATH] [--config FILE] [section.key=value ...]
     distflow dag recipes
     distflow eval [--k K] model.path=DIR data.val_files=FILE [section.key=value ...]
+    distflow export CHECKPOINT --out DIR [--merge]
     distflow runs [ROOT]
     distflow plot RUN [RUN ...] [--out FILE]
 
@@ -357,6 +358,18 @@ def cmd_dag_recipes(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """A checkpoint as a shareable HF folder (a LoRA adapter merged into its base with --merge)."""
+    from distflow.trainer.checkpoint import CheckpointError, export
+
+    try:
+        written = export(Path(args.checkpoint), Path(args.out), args.merge)
+    except CheckpointError as e:
+        return _fail(str(e))
+    print(f"wrote {args.out}: {', '.join(written)}")
+    return 0
+
+
 def cmd_runs(args: argparse.Namespace) -> int:
     """The run folders under `root` (newest first), one line each."""
     from distflow.trainer.report import run_summary_row
@@ -437,6 +450,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--config", help="YAML config")
     ev.add_argument("overrides", nargs="*", help="section.key=value, e.g. model.path=runs/x/checkpoints/final")
     ev.set_defaults(fn=cmd_eval)
+    export = sub.add_parser("export", help="a checkpoint as a plain HF folder, without what only resuming needs")
+    export.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/x/checkpoints/final")
+    export.add_argument("--out", required=True, help="a new folder")
+    export.add_argument("--merge", action="store_true", help="a LoRA checkpoint: merge the adapter into its base")
+    export.set_defaults(fn=cmd_export)
     runs = sub.add_parser("runs", help="list run folders with their summary")
     runs.add_argument("root", nargs="?", default="runs", help="the folder holding run folders (default: runs)")
     runs.set_defaults(fn=cmd_runs)

@@ -144,6 +144,12 @@ class ActorConfig:
                           doc="ddp: a full replica per worker, gradients all-reduced once per mini-batch (the HF "
                               "rollout then shares its weights); fsdp2: sharded per decoder layer; auto: ddp when "
                               "16 bytes a parameter fit in a quarter of a worker's memory")
+    lora_rank: int = _spec(0, min=0, doc="LoRA adapters of this rank on the policy (peft), the base frozen; "
+                                         "0 = full fine-tuning")
+    lora_alpha: float = _spec(16.0, min=0.0, doc="LoRA's scale is lora_alpha / lora_rank")
+    lora_dropout: float = _spec(0.0, min=0.0, max=1.0)
+    lora_target_modules: str = _spec("all-linear", doc="all-linear (attention and MLP: every linear layer but the "
+                                                       "output head) or comma-separated module names, e.g. q_proj,v_proj")
 
 
 @dataclass(kw_only=True)
@@ -351,10 +357,27 @@ def _validate_logger(cfg: Config) -> None:
                               'pip install "distflow[tracking]"')
 
 
+def _validate_lora(cfg: Config) -> None:
+    import importlib.util
+
+    if not cfg.actor.lora_rank:
+        return
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError(f'actor.lora_rank={cfg.actor.lora_rank}: the peft package is not installed; '
+                          'pip install "distflow[lora]"')
+    if cfg.actor.strategy == "fsdp2":
+        raise ConfigError(f"actor.lora_rank={cfg.actor.lora_rank}: LoRA trains DDP replicas (a frozen base needs no "
+                          "sharded optimizer state); use actor.strategy=auto or ddp")
+    if cfg.scheduler.overlap is True:
+        raise ConfigError(f"actor.lora_rank={cfg.actor.lora_rank}: the reference is the actor with its adapter "
+                          "switched off, which must not run beside the rollout; use scheduler.overlap=auto or false")
+
+
 def _validate_cross(cfg: Config) -> None:
     n_workers, batch = cfg.runtime.num_workers, cfg.data.train_batch_size
     _validate_engine(cfg)
     _validate_logger(cfg)
+    _validate_lora(cfg)
     size = cfg.rollout.replica_size
     if n_workers % size:
         raise ConfigError(f"rollout.replica_size={size}: must divide runtime.num_workers={n_workers}")
@@ -379,10 +402,10 @@ def _validate_cross(cfg: Config) -> None:
                               "loopback-only; use runtime.network=auto or host")
     if cfg.model.path != BUILTIN_MODEL:
         path = os.path.expanduser(cfg.model.path)
-        if not os.path.isfile(os.path.join(path, "config.json")):
+        if not any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
             raise ConfigError(
                 f"model.path={cfg.model.path!r}: not a local HuggingFace model folder "
-                f"(no config.json there); use {BUILTIN_MODEL} or a folder made by save_pretrained")
+                f"(no config.json there); use {BUILTIN_MODEL}, a folder made by save_pretrained or a LoRA checkpoint")
         if not any(name.endswith(".safetensors") for name in os.listdir(path)):
             raise ConfigError(f"model.path={cfg.model.path!r}: no .safetensors weights there (pickled .bin "
                               f"weights are never loaded; re-save with save_pretrained(safe_serialization=True))")

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from distflow.data.batch import Batch
-from distflow.engines.common import forward_response
+from distflow.engines.common import first_of_tied, forward_response
+from distflow.engines.lora import is_lora, merged_weights
 
 # (log_probs (B,R), entropy (B,R), micro-batch) -> (loss share, metrics to sum)
 LossFn = Callable[[torch.Tensor, torch.Tensor, Batch], tuple[torch.Tensor, dict[str, float]]]
@@ -153,8 +154,15 @@ class DataParallelTrainable:
                                               forward_sync_buffers=False)
                       if self.strategy == "ddp" else self.module)
         self.optim = optim
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=optim.betas,
-                                           weight_decay=optim.weight_decay)
+        # frozen weights (a LoRA adapter's base) get no optimizer state
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=optim.lr,
+                                           betas=optim.betas, weight_decay=optim.weight_decay)
+
+    def parameter_counts(self) -> dict[str, int]:
+        """Trainable and total parameters, and the bytes of AdamW's state (two fp32 moments per trainable one)."""
+        trainable = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
+        return {"trainable_parameters": trainable, "total_parameters": sum(p.numel() for p in self.module.parameters()),
+                "optimizer_state_bytes": 8 * trainable}
 
     @property
     def holds_full_weights(self) -> bool:
@@ -235,11 +243,10 @@ class Actor(DataParallelTrainable):
         comes once, under its first name."""
         from torch.distributed.tensor import DTensor
 
-        seen: set[int] = set()
-        for name, tensor in self.module.state_dict().items():
-            if id(tensor) in seen:
-                continue
-            seen.add(id(tensor))
+        if is_lora(self.module):  # base + adapter delta, under the HF names
+            yield from merged_weights(self.module)
+            return
+        for name, tensor in first_of_tied(self.module.state_dict().items()):
             yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
 
 

@@ -4,6 +4,7 @@ and the one forward pass that turns (prompt, response) pairs into per-token log-
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Iterator
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -39,8 +40,13 @@ def load_tokenizer(path: str):
 
 
 def load_causal_lm(path: str, dtype: str = "float32", device: torch.device | str = "cpu"):
+    """A HF causal-LM folder; a LoRA checkpoint (an adapter folder) as its base with the adapter merged."""
     from transformers import AutoModelForCausalLM
 
+    from distflow.engines.lora import is_adapter_folder, load_merged
+
+    if is_adapter_folder(resolve_model_path(path)):
+        return load_merged(resolve_model_path(path), lambda base: load_causal_lm(base, dtype, device))
     quiet_transformers()
     # safetensors only (never unpickle weights) and no code from the model folder
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=getattr(torch, dtype),
@@ -56,6 +62,19 @@ def causal_lm_skeleton(path: str):
     quiet_transformers()
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_model_path(path)))
+
+
+def first_of_tied(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs with each storage once, under its first name: a tied weight
+    (the output head sharing the embedding) is one tensor. `state_dict()` detaches every
+    entry into a new object, so identity is the storage, not the tensor (a DTensor's local shard)."""
+    seen: set[int] = set()
+    for name, tensor in items:
+        key = (tensor.to_local() if hasattr(tensor, "to_local") else tensor).data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        yield name, tensor
 
 
 def render_prompt(tokenizer, messages: list[dict[str, str]]) -> str:

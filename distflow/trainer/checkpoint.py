@@ -2,6 +2,7 @@
 
     checkpoints/step_<k>/               (and checkpoints/final/)
         config.json, model.safetensors, tokenizer files   the policy as a HF folder
+        (with LoRA: adapter_config.json, adapter_model.safetensors, the adapter; its base is model.path)
         optimizer.safetensors, optimizer.json             AdamW state (full, not sharded)
         critic.safetensors, critic_optimizer.*            PPO's critic, when there is one
         rng.safetensors                                   each rank's torch RNG state
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from distflow.collectives import all_gather_objects
+from distflow.engines.lora import is_lora
 
 STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -79,8 +81,10 @@ def save(path: Path, *, hf_skeleton, tokenizer, actor, critic, step: int, loader
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        # the policy as a HF folder, from the actor's weights (save_pretrained consumes the dict it gets)
-        hf_skeleton.save_pretrained(tmp, safe_serialization=True, state_dict=dict(actor_sd))
+        if is_lora(actor.module):  # the adapter alone (its config names the base folder)
+            actor.module.save_pretrained(tmp, safe_serialization=True)
+        else:  # the policy as a HF folder, from the actor's weights (save_pretrained consumes the dict it gets)
+            hf_skeleton.save_pretrained(tmp, safe_serialization=True, state_dict=dict(actor_sd))
         tokenizer.save_pretrained(tmp)
         tensors, meta = _flatten_optimizer(actor_osd)
         save_file(tensors, tmp / "optimizer.safetensors")
@@ -188,3 +192,29 @@ def restore(path: Path, *, actor, critic) -> dict[str, Any]:
     if f"rank_{_rank()}" in rngs:
         torch.set_rng_state(rngs[f"rank_{_rank()}"])
     return state
+
+
+_RESUME_ONLY = ("optimizer.safetensors", "optimizer.json", "critic.safetensors", "critic_optimizer.safetensors",
+                "critic_optimizer.json", "rng.safetensors", "metrics.jsonl", STATE_FILE)
+
+
+def export(path: Path, out: Path, merge: bool) -> list[str]:
+    """A checkpoint as a folder to share: what `from_pretrained` needs, without the state
+    only resuming uses. A LoRA checkpoint with `merge`: its base with the adapter merged,
+    as a plain HF folder; without: the adapter (and tokenizer). Returns the files written."""
+    from distflow.engines.common import load_causal_lm, load_tokenizer
+    from distflow.engines.lora import is_adapter_folder
+
+    if not path.is_dir() or not ((path / "config.json").is_file() or is_adapter_folder(path)):
+        raise CheckpointError(f"checkpoint {path}: not a model folder (no config.json or adapter_config.json)")
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"export --out {out}: exists and is not empty; choose a new folder")
+    out.mkdir(parents=True, exist_ok=True)
+    if merge and is_adapter_folder(path):
+        load_causal_lm(str(path)).save_pretrained(out, safe_serialization=True)
+        load_tokenizer(str(path)).save_pretrained(out)
+    else:
+        for f in path.iterdir():
+            if f.is_file() and f.name not in _RESUME_ONLY:
+                shutil.copy2(f, out / f.name)
+    return sorted(f.name for f in out.iterdir())

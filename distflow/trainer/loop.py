@@ -33,6 +33,7 @@ from distflow.data.loader import ShardedSampler
 from distflow.engines.actor import Actor, OptimConfig, ReferenceModel, lr_factor
 from distflow.engines.common import causal_lm_skeleton, load_causal_lm, load_tokenizer, resolve_model_path
 from distflow.engines.critic import Critic
+from distflow.engines.lora import AdapterDisabledReference, LoraSettings, is_adapter_folder, with_lora
 from distflow.engines.reward import RewardRunner
 from distflow.engines.rollout import HFRolloutEngine, RolloutEngine
 from distflow.runtime import netns
@@ -52,6 +53,8 @@ def resolve_overlap(cfg: Config, device: torch.device) -> bool:
     contend)."""
     if cfg.scheduler.overlap != "auto":
         return bool(cfg.scheduler.overlap)
+    if cfg.actor.lora_rank:  # the reference (adapter off) must not run beside the rollout (adapter on)
+        return False
     if device.type == "cuda":
         return True
     local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.runtime.num_workers))  # workers on this host
@@ -97,6 +100,8 @@ def make_rollout_engine(cfg: Config, policy_path: str, tokenizer, device: torch.
         return HFRolloutEngine(load_causal_lm(policy_path, cfg.model.dtype, device), tokenizer, r.micro_batch_size)
     from distflow.engines.vllm_rollout import VLLMRolloutEngine
 
+    if is_adapter_folder(resolve_model_path(policy_path)):  # a LoRA checkpoint: the base; the trainer pushes the merge
+        policy_path = cfg.model.path
     return VLLMRolloutEngine(resolve_model_path(policy_path), tokenizer, tensor_parallel_size=r.tensor_parallel_size,
                              dtype=cfg.model.dtype, max_model_len=cfg.data.max_prompt_length + r.max_new_tokens,
                              seed=cfg.trainer.seed, gpu_memory_utilization=r.gpu_memory_utilization,
@@ -158,13 +163,17 @@ class Trainer:
         # the actor and the reference score at the rollout's temperature: the distribution sampled from
         # the actor and the critic keep fp32 master weights and compute in model.dtype
         compute_dtype = getattr(torch, cfg.model.dtype)
-        actor = Actor(load_causal_lm(policy_path),
+        actor = Actor(self._policy(policy_path),
                       OptimConfig(lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay, grad_clip=cfg.actor.grad_clip),
                       device, cfg.rollout.temperature, cfg.actor.strategy, compute_dtype)
         rollout = make_rollout_engine(cfg, policy_path, self.tokenizer, device, actor)
-        self.policy_skeleton = causal_lm_skeleton(policy_path)  # what writes the policy into a checkpoint
-        ref = (ReferenceModel(load_causal_lm(cfg.model.path, cfg.model.dtype), device, cfg.rollout.temperature)
-               if "reference" in roles else None)
+        if self.resume_from is not None and cfg.actor.lora_rank:  # an engine of its own starts from the base
+            rollout.update_weights(actor.iter_full_weights(), version=0)
+        self.policy_skeleton = causal_lm_skeleton(cfg.model.path)  # what writes the policy into a checkpoint
+        ref = None
+        if "reference" in roles:  # with LoRA: the actor's own base (its adapter off), no second copy
+            ref = (AdapterDisabledReference(actor, cfg.rollout.temperature) if cfg.actor.lora_rank else
+                   ReferenceModel(load_causal_lm(cfg.model.path, cfg.model.dtype), device, cfg.rollout.temperature))
         critic = (Critic(load_causal_lm(cfg.model.path), OptimConfig(lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip),
                          device, cfg.critic.strategy, compute_dtype)
                   if roles & {"critic_forward", "critic_train"} else None)
@@ -191,6 +200,17 @@ class Trainer:
         self.start_step, self.history, self.bad_steps = 0, [], 0
         if self.resume_from is not None:
             self._resume(self.resume_from)
+
+    def _policy(self, policy_path: str):
+        """The policy to train: the model folder or the checkpoint; with LoRA the base model
+        with a new adapter, or the checkpoint's adapter."""
+        a = self.cfg.actor
+        if not a.lora_rank:
+            return load_causal_lm(policy_path)
+        settings = LoraSettings(rank=a.lora_rank, alpha=a.lora_alpha, dropout=a.lora_dropout,
+                                target_modules=a.lora_target_modules)
+        return with_lora(load_causal_lm(self.cfg.model.path), settings,
+                         adapter_path=self.resume_from if self.resume_from else None)
 
     def _resume(self, path: Path) -> None:
         """Optimizer, critic, RNG, dataloader position and the metrics so far."""
@@ -321,6 +341,7 @@ class Trainer:
             "train_seconds": train_seconds, "tokens_per_second": tokens / max(train_seconds, 1e-9),
             "algorithm": cfg.algorithm.name, "run_dir": str(self.run_dir),
             "network": "cluster" if cfg.runtime.ray_address else "loopback" if netns.inside() else "host",
+            **self.actor.parameter_counts(),
         }
         if self.rank == 0:
             history = self.writer.read()

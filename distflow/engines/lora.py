@@ -1,0 +1,95 @@
+"""LoRA with `peft`: low-rank adapters on the policy's linear layers, the base weights frozen.
+
+The reference model is the same module with the adapter disabled (no second copy of the
+weights). A rollout engine that holds its own weights receives merged ones (base +
+scale * B @ A, computed per tensor, never merged in place, so the base never drifts);
+the HF engine that shares the actor's module generates through the adapter itself. A
+checkpoint holds the adapter (`adapter_model.safetensors`, `adapter_config.json`, naming
+the base folder); `load_causal_lm` of such a folder gives the merged model, and
+`distflow export --merge` writes it as a plain HF folder.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraSettings:
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: str  # "all-linear" (every linear layer but the output head) or comma-separated names
+
+
+def is_adapter_folder(path: str | Path) -> bool:
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def adapter_base(path: str | Path) -> str:
+    """The base model folder an adapter checkpoint was trained on."""
+    return json.loads((Path(path) / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
+
+
+def with_lora(model, settings: LoraSettings, adapter_path: str | Path | None = None):
+    """`model` wrapped by peft with a trainable adapter: a new one, or the one saved in
+    `adapter_path` (resuming)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if adapter_path is not None:
+        return PeftModel.from_pretrained(model, str(adapter_path), is_trainable=True)
+    targets = settings.target_modules
+    config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+                        bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def is_lora(module) -> bool:
+    return hasattr(module, "peft_config")
+
+
+def merged_weights(peft_model) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights under their HF names, each adapted layer as base + delta.
+    A tied weight comes once, under its first name."""
+    from peft.tuners.lora import LoraLayer
+
+    from distflow.engines.common import first_of_tied
+
+    base = peft_model.get_base_model()
+    adapted = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    for name, tensor in first_of_tied(base.state_dict().items()):
+        if ".lora_" in name:
+            continue
+        owner, _, leaf = name.rpartition(".base_layer.")
+        if owner in adapted and leaf == "weight":
+            tensor = tensor + adapted[owner].get_delta_weight("default").to(tensor.dtype)
+        yield name.replace(".base_layer.", "."), tensor.detach()
+
+
+def load_merged(path: str | Path, load_base):
+    """An adapter checkpoint as a plain model: its base (`load_base(folder)`), adapted, merged."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(load_base(adapter_base(path)), str(path)).merge_and_unload()
+
+
+class AdapterDisabledReference:
+    """The frozen reference as the actor's base: the actor's own module with its adapter
+    switched off for the forward. The scheduler must not run it beside the rollout
+    (config: LoRA turns scheduler.overlap off), which generates through the adapter."""
+
+    def __init__(self, actor, temperature: float = 1.0):
+        self.actor, self.temperature = actor, temperature
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch, micro_batches: list[list[int]]) -> torch.Tensor:
+        with self.actor.module.disable_adapter():
+            return self.actor.compute(batch, micro_batches)
