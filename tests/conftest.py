@@ -26,3 +26,42 @@ def random_model_dir(tmp_path_factory) -> str:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
+
+
+QWEN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def qwen2_model_dir(tmp_path_factory) -> str:
+    """An ordinary HF folder of a real architecture, as a user brings one: a Qwen2 causal LM
+    (random weights of a shrunk config, saved in bf16), its own byte-level BPE tokenizer
+    trained here on the built-in task's text, Qwen's chat template and special tokens
+    (eos <|im_end|>, pad <|endoftext|>). Nothing is downloaded."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    from distflow.data.tasks import arith
+
+    path = tmp_path_factory.mktemp("qwen2")
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    texts = [p.question + " " + p.solution for p in arith.generate("train", 2000, seed=0)]
+    core.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = QWEN_CHAT_TEMPLATE
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, use_sliding_window=False)
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return str(path)
