@@ -54,10 +54,11 @@ from typing import IO, Any
 
 from distflow.benchmarks.dataplane_centralized import _centralized_child, run_centralized
 from distflow.benchmarks.dataplane_cluster import main as cluster_main
-from distflow.benchmarks.dataplane_common import IMBALANCE_KS, IMBALANCE_SAMPLES, MODES, Spec, sample_lengths
+from distflow.benchmarks.dataplane_common import (IMBALANCE_KS, IMBALANCE_SAMPLES, MODES, VERL_MODES, Spec,
+                                                  sample_lengths)
 from distflow.benchmarks.dataplane_coordinator import run_coordinator
 from distflow.benchmarks.dataplane_report import (IMBALANCE_HEADERS, MAIN_HEADERS, _mib, imbalance_rows, main_rows,
-                                                  results_markdown, text_table)
+                                                  results_markdown, text_table, verl_lines)
 from distflow.coordinator.planner import contiguous_split, imbalance, karmarkar_karp
 
 
@@ -88,20 +89,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1024, help="sequences in the batch")
     p.add_argument("--seq-len", type=int, default=2048, help="padded width L")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds; the median is reported")
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--baseline", choices=("ours", "verl"), default="ours",
+                   help="the single controller to compare with: our imitation (pickle and zero-copy), or verl's own "
+                        "DataProto dispatch (its default and numpy paths, beside our zero-copy imitation; needs verl)")
+    p.add_argument("--modes", nargs="+", choices=MODES + VERL_MODES, help="instead of --baseline's set")
     p.add_argument("--json", help="append one JSON record per measurement to this file")
     p.add_argument("--results-md", help="write a markdown report (tables, command, machine)")
     p.add_argument("--quick", action="store_true", help="workers [2], batch 64, seq-len 128, repeats 1")
     p.add_argument("--cluster", action="store_true",
                    help="run on the emulated cluster instead (root; see `--cluster --help`)")
     # Internal: one centralized measurement in a fresh driver process.
-    p.add_argument("--_child", choices=MODES[1:], help=argparse.SUPPRESS)
+    p.add_argument("--_child", choices=MODES[1:] + VERL_MODES, help=argparse.SUPPRESS)
     p.add_argument("--_ray-temp", help=argparse.SUPPRESS)
     p.add_argument("--_out", help=argparse.SUPPRESS)
     return p
 
 
+BASELINE_MODES = {"ours": MODES,
+                  "verl": ("coordinator", "centralized-zerocopy", "centralized-verl-numpy", "centralized-verl")}
+
+
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    import importlib.util
+
+    args.modes = args.modes or list(BASELINE_MODES[args.baseline])
+    if set(args.modes) & set(VERL_MODES) and importlib.util.find_spec("verl") is None:
+        parser.error("the verl modes need verl in this Python: python -m venv --system-site-packages .venv-verl && "
+                     ".venv-verl/bin/pip install verl==0.9.1 torch==2.13.0, then run with .venv-verl/bin/python")
     for n in args.workers:
         if n < 2 or n % 2:
             parser.error(f"--workers {n}: each N must be even and >= 2 (the TP layout has pairs)")
@@ -158,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"B={args.batch} x L={args.seq_len}, batch {_mib(Spec(1, args.batch, args.seq_len, 1).batch_bytes)} MiB, "
           f"median of {args.repeats}; x coordinator = seconds / coordinator seconds at the same N")
     print(text_table(MAIN_HEADERS, main_rows(records)))
+    for line in verl_lines(records):
+        print(line)
     print(f"\ntoken imbalance, {IMBALANCE_SAMPLES} long-tailed lengths (max/mean tokens per rank)")
     print(text_table(IMBALANCE_HEADERS, imbalance_rows(imbalance_recs)))
     if args.results_md:

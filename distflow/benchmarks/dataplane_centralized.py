@@ -1,8 +1,16 @@
 """Modes (b) and (c) of the data-plane benchmark: a single-controller (verl-style) driver
-in the data path.
+in the data path; and verl's own, where verl is installed.
 
 N Ray actors (`_Holder`) hold the rows; for every transition the driver gathers every
-shard, concatenates, cuts equal-count chunks and sends them out. On one host each
+shard, concatenates, cuts equal-count chunks and sends them out. In the verl modes the
+actors hold verl `DataProto`s and the driver runs verl's own code for it: the outputs
+concatenated with `DataProto.concat` (collect_dp_compute_data_proto), cut with
+`DataProto.chunk` (the DP_COMPUTE_PROTO dispatch), each chunk put into the object store
+once and its reference sent to every member of the destination group (dispatch_nd_compute's
+`parallel_put`), serialised by verl's `DataProto.__getstate__`: torch.save by default,
+numpy arrays with VERL_DATAPROTO_SERIALIZATION_METHOD=numpy. After the rounds every actor
+reports a digest of the rows it holds, so the verl modes' shards are checked equal to
+ours. On one host each
 measurement runs in a fresh driver subprocess (`python -m distflow.benchmarks.dataplane
 --_child MODE`, which calls `_centralized_child`); on the emulated cluster the driver on
 host 0 calls `_centralized_rounds` (see `dataplane_cluster`).
@@ -25,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from distflow.benchmarks.dataplane_common import TIMEOUT_S, WARMUP_ROUNDS, Spec, _record, make_shard
+from distflow.benchmarks.dataplane_common import TIMEOUT_S, VERL_MODES, WARMUP_ROUNDS, Spec, _record, make_shard
 from distflow.coordinator.layout import Layout
 from distflow.coordinator.planner import contiguous_split
 
@@ -55,6 +63,43 @@ class _Holder:
     def receive(self, chunk: dict[str, Any]) -> int:
         self.current = chunk
         return self.rows()  # a small ack, so the driver can wait for delivery
+
+    def digest(self) -> str:
+        return shard_digest({k: v for k, v in self.current.items() if k != "ground_truth"},
+                            list(self.current["ground_truth"]))
+
+
+class _VerlHolder(_Holder):
+    """The same rows as a verl DataProto (tensors in its TensorDict, ground truths as a
+    numpy object array, as verl keeps non-tensor fields)."""
+
+    def __init__(self, rank: int, spec: dict[str, int], as_numpy: bool) -> None:
+        import numpy as np
+        from verl import DataProto
+
+        tensors, ground_truth, _, _ = make_shard(rank, Spec(**spec))
+        self.initial = DataProto.from_dict(tensors=tensors, non_tensors={"ground_truth": np.array(ground_truth,
+                                                                                               dtype=object)})
+        self.current = self.initial
+
+    def rows(self) -> int:
+        return len(self.current)
+
+    def digest(self) -> str:
+        return shard_digest(dict(self.current.batch.items()), list(self.current.non_tensor_batch["ground_truth"]))
+
+
+def shard_digest(tensors: dict[str, Any], ground_truth: list[str]) -> str:
+    """A hash of a shard's rows in order: every field's bytes, then the strings."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        value = tensors[name]
+        h.update(name.encode())
+        h.update((value.numpy() if isinstance(value, torch.Tensor) else np.ascontiguousarray(value)).tobytes())
+    h.update("\0".join(ground_truth).encode())
+    return h.hexdigest()
 
 
 def _shard_bytes(shard: dict[str, Any]) -> int:
@@ -101,6 +146,27 @@ def _transition(ray: Any, sources: list[Any], dests: list[list[Any]], as_numpy: 
     return received + sent
 
 
+def _verl_transition(ray: Any, sources: list[Any], dests: list[list[Any]]) -> int:
+    """verl's path for the same transition: collect (DataProto.concat), chunk, one object
+    store put per chunk, its reference to every member of the group. Returns driver bytes."""
+    from verl import DataProto
+
+    parts = ray.get([a.shard.remote() for a in sources], timeout=TIMEOUT_S)
+    received = sum(_verl_bytes(p) for p in parts)
+    chunks = DataProto.concat(parts).chunk(len(dests))
+    del parts
+    refs = [ray.put(chunk) for chunk in chunks]
+    acks = [a.receive.remote(ref) for group, ref in zip(dests, refs) for a in group]
+    sent = sum(_verl_bytes(chunk) for chunk in chunks)  # one put per chunk, however many members read it
+    ray.get(acks, timeout=TIMEOUT_S)
+    return received + sent
+
+
+def _verl_bytes(data: Any) -> int:
+    return (sum(v.numel() * v.element_size() for v in data.batch.values())
+            + sum(len(s.encode()) for s in data.non_tensor_batch["ground_truth"]))
+
+
 def _proc_status(key: str) -> int:
     """A memory line of /proc/self/status (VmRSS, VmHWM) in bytes."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -112,8 +178,10 @@ def _proc_status(key: str) -> int:
 def _centralized_rounds(ray: Any, mode: str, spec: Spec) -> dict[str, Any]:
     """Warm-up plus timed rounds of the three driver-mediated transitions."""
     as_numpy = mode == "centralized-zerocopy"
+    verl = mode in VERL_MODES
+    transition = _verl_transition if verl else lambda r, src, dst: _transition(r, src, dst, as_numpy)
     # This module never runs as __main__, so Ray pickles the actor class by reference.
-    remote_cls = ray.remote(num_cpus=1)(_Holder)
+    remote_cls = ray.remote(num_cpus=1)(_VerlHolder if verl else _Holder)
     actors = [remote_cls.remote(r, asdict(spec), as_numpy) for r in range(spec.num_workers)]
     ray.get([a.rows.remote() for a in actors], timeout=TIMEOUT_S)
     rss_before = _proc_status("VmRSS")
@@ -127,7 +195,7 @@ def _centralized_rounds(ray: Any, mode: str, spec: Spec) -> dict[str, Any]:
         ray.get([a.reset.remote() for a in actors], timeout=TIMEOUT_S)
         marks, total = [time.perf_counter()], 0
         for sources, dests in steps:
-            total += _transition(ray, sources, dests, as_numpy)
+            total += transition(ray, sources, dests)
             marks.append(time.perf_counter())
         rows = sum(ray.get([a.rows.remote() for a in actors], timeout=TIMEOUT_S))
         if rows != spec.batch:
@@ -135,7 +203,9 @@ def _centralized_rounds(ray: Any, mode: str, spec: Spec) -> dict[str, Any]:
         if rnd >= WARMUP_ROUNDS:
             laps.append([b - a for a, b in zip(marks, marks[1:])])
             moved = total
-    return _record(mode, spec, laps, moved, _proc_status("VmHWM"), driver_rss_before_bytes=rss_before)
+    digests = ray.get([a.digest.remote() for a in actors], timeout=TIMEOUT_S)
+    return _record(mode, spec, laps, moved, _proc_status("VmHWM"), driver_rss_before_bytes=rss_before,
+                   shard_digests=digests)
 
 
 def _centralized_child(mode: str, spec: Spec, ray_temp: str, out_path: str) -> int:
@@ -148,6 +218,8 @@ def _centralized_child(mode: str, spec: Spec, ray_temp: str, out_path: str) -> i
     # to Ray's zero-copy torch serializer. The local Ray instance and its workers inherit
     # this environment (a runtime_env would defeat Ray's prestarted workers: slower start).
     os.environ.update({**WORKER_ENV, "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "0"})
+    if mode == "centralized-verl-numpy":  # verl's switch; its actors inherit it
+        os.environ["VERL_DATAPROTO_SERIALIZATION_METHOD"] = "numpy"
     import ray
 
     try:

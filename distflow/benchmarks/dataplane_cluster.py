@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from distflow.benchmarks.dataplane_centralized import _centralized_rounds
-from distflow.benchmarks.dataplane_common import MODES, TIMEOUT_S, WARMUP_ROUNDS, Spec, _record
+from distflow.benchmarks.dataplane_common import MODES, TIMEOUT_S, VERL_MODES, WARMUP_ROUNDS, Spec, _record
 
 
 def _child(mode: str, spec: Spec, address: str, out: str) -> int:
@@ -36,8 +36,18 @@ def _child(mode: str, spec: Spec, address: str, out: str) -> int:
 
     from distflow.runtime.ray_launcher import check_ray_address
 
+    runtime_env = None
+    if mode in VERL_MODES:
+        # the cluster's nodes run the system Python: its actors find verl (and only what
+        # it brings) in this Python's site-packages, and use verl's serialisation switch
+        import verl
+
+        env = {"PYTHONPATH": str(Path(verl.__file__).resolve().parents[1])}
+        if mode == "centralized-verl-numpy":
+            env["VERL_DATAPROTO_SERIALIZATION_METHOD"] = os.environ["VERL_DATAPROTO_SERIALIZATION_METHOD"] = "numpy"
+        runtime_env = {"env_vars": env}
     ray.init(address=address, _node_ip_address=check_ray_address(address), log_to_driver=False,
-             configure_logging=False)
+             configure_logging=False, runtime_env=runtime_env)
     try:
         if mode == "coordinator":  # the launcher's own worker actor, one per host, runs the rounds
             from distflow.runtime.ray_launcher import _Worker
@@ -123,9 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rate-mbit", type=float, default=400.0)
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--modes", nargs="+", choices=MODES + VERL_MODES, default=list(MODES),
+                   help="the verl modes need verl in this Python (README: Benchmarks)")
     p.add_argument("--json", help="append one JSON record per measurement")
-    p.add_argument("--_child", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--_child", choices=MODES + VERL_MODES, help=argparse.SUPPRESS)
     p.add_argument("--_address", help=argparse.SUPPRESS)
     p.add_argument("--_out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

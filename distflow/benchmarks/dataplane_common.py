@@ -15,6 +15,8 @@ import torch
 from distflow.coordinator.planner import contiguous_split
 
 MODES = ("coordinator", "centralized-pickle", "centralized-zerocopy")
+# verl's own DataProto dispatch (needs verl: README, Benchmarks): its default (torch.save) and numpy paths
+VERL_MODES = ("centralized-verl", "centralized-verl-numpy")
 TRANSITIONS = ("DP->DP", "DP->TP2", "TP2->DP")
 FIELD_DTYPES = {"input_ids": torch.int64, "attention_mask": torch.int64,
                 "old_log_probs": torch.float32, "advantages": torch.float32}
