@@ -34,6 +34,7 @@ def _spec(default: Any, *, min: float | None = None, max: float | None = None,
 
 BUILTIN_MODEL = "builtin:tiny-arith"
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # distflow.trainer.tracking
+TOOLS = ("calculator", "python")  # distflow.engines.tools
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs", "k1+", "k3+", "low_var_kl+")  # distflow.algos.kl
 # The built-in recipes: one YAML file each (distflow/recipes/NAME.yaml).
 RECIPES_DIR = Path(__file__).parent / "recipes"
@@ -82,6 +83,15 @@ class RolloutConfig:
     replica_size: int = _spec(1, min=1, doc="ranks that share one rollout replica: each generates every k-th of "
                                            "its sequences and all of them then hold its output (the layout a "
                                            "tensor-parallel engine leaves; the HF engine splits no tensor)")
+    max_turns: int = _spec(1, min=1, doc="assistant turns per episode; > 1: multi-turn with rollout.tools or "
+                                         "rollout.env (max_new_tokens is then per turn)")
+    max_total_tokens: int = _spec(0, min=0, doc="multi-turn: response tokens per episode, turns and tool results "
+                                                "together; 0 = max_new_tokens * max_turns")
+    tools: str = _spec("", doc="multi-turn: comma-separated built-in tools the model may call in Hermes "
+                               "<tool_call> format: calculator, python (the code sandbox)")
+    tool_timeout_s: float = _spec(5.0, min=0.01, doc="the python tool's limit per call")
+    env: str | None = _spec(None, doc="multi-turn: module:Class or file.py:Class of the environment, made per "
+                                      "episode with the rollout's tools (default: their results are the observation)")
 
 
 @dataclass(kw_only=True)
@@ -373,11 +383,32 @@ def _validate_lora(cfg: Config) -> None:
                           "switched off, which must not run beside the rollout; use scheduler.overlap=auto or false")
 
 
+def _validate_turns(cfg: Config) -> None:
+    r = cfg.rollout
+    if r.max_turns == 1:
+        if r.tools or r.env:
+            raise ConfigError(f"rollout.{'tools' if r.tools else 'env'}={r.tools or r.env!r}: tools and environments "
+                              "answer between turns; set rollout.max_turns > 1")
+        return
+    if not (r.tools or r.env):
+        raise ConfigError(f"rollout.max_turns={r.max_turns}: needs rollout.tools (e.g. calculator) or rollout.env")
+    for name in (t.strip() for t in r.tools.split(",") if t.strip()):
+        if name not in TOOLS:
+            raise ConfigError(f"rollout.tools={r.tools!r}: unknown tool {name!r}; built in: {', '.join(TOOLS)}")
+    if r.tensor_parallel_size > 1 or r.replica_size > 1:
+        raise ConfigError(f"rollout.max_turns={r.max_turns}: multi-turn episodes run on one-rank replicas; "
+                          "use rollout.tensor_parallel_size=1 and rollout.replica_size=1")
+    if r.max_total_tokens and r.max_total_tokens < r.max_new_tokens:
+        raise ConfigError(f"rollout.max_total_tokens={r.max_total_tokens}: must be >= rollout.max_new_tokens="
+                          f"{r.max_new_tokens} (one turn)")
+
+
 def _validate_cross(cfg: Config) -> None:
     n_workers, batch = cfg.runtime.num_workers, cfg.data.train_batch_size
     _validate_engine(cfg)
     _validate_logger(cfg)
     _validate_lora(cfg)
+    _validate_turns(cfg)
     size = cfg.rollout.replica_size
     if n_workers % size:
         raise ConfigError(f"rollout.replica_size={size}: must divide runtime.num_workers={n_workers}")

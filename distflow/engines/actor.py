@@ -81,7 +81,8 @@ Forward = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # (model, mic
 def policy_forward(model, micro: Batch, train: bool, temperature: float = 1.0):
     """Log-probs of the responses at the sampling temperature, and their entropy when training."""
     return forward_response(model, micro["prompts"], micro["prompt_mask"], micro["responses"],
-                            micro["response_mask"], with_entropy=train, temperature=temperature)
+                            micro["response_mask"], with_entropy=train, temperature=temperature,
+                            observation_mask=micro.tensors.get("observation_mask"))
 
 
 def _micro(batch: Batch, rows: list[int]) -> Batch:

@@ -103,15 +103,19 @@ def trim_padding(prompts: torch.Tensor, prompt_mask: torch.Tensor,
 
 def forward_response(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
                      responses: torch.Tensor, response_mask: torch.Tensor,
-                     with_entropy: bool = False, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     with_entropy: bool = False, temperature: float = 1.0,
+                     observation_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of `responses` given left-padded `prompts`, under
     softmax(logits / temperature): the distribution the rollout sampled from.
 
     Returns tensors of the full response width R; columns trimmed as padding are 0.
-    Position ids follow the attention mask, as generation with left padding does.
+    Position ids follow the attention mask, as generation with left padding does. In a
+    multi-turn episode the environment's tokens (`observation_mask`) are attended to like
+    the generated ones (`response_mask`, the loss mask).
     """
     full_width = responses.shape[1]
-    p, pm, r, rm = trim_padding(prompts, prompt_mask, responses, response_mask)
+    seen = response_mask if observation_mask is None else response_mask + observation_mask  # (B, R)
+    p, pm, r, rm = trim_padding(prompts, prompt_mask, responses, seen)
     input_ids = torch.cat([p, r], dim=1)  # (B, P + R')
     attention = torch.cat([pm, rm], dim=1).long()
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)

@@ -19,6 +19,7 @@ import torch
 
 from distflow.collectives import all_gather_objects
 from distflow.data.dataset import PromptRow
+from distflow.engines.agent import EpisodeRunner
 from distflow.engines.reward import RewardRunner
 from distflow.engines.rollout import RolloutEngine, SamplingParams, sample_seed
 from distflow.trainer.nodes import score_responses
@@ -50,12 +51,19 @@ def _add(tally: Tally, name: str, value: float) -> None:
 
 
 def _scored(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[list[int]], seeds, params,
-            reward_fn: RewardRunner, accuracy_fn: RewardRunner) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(correct (B,), response lengths (B,), ended with EOS (B,)) of one generation."""
+            reward_fn: RewardRunner, accuracy_fn: RewardRunner,
+            episodes: EpisodeRunner | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(correct (B,), response lengths (B,), ended with EOS (B,)) of one generation
+    (multi-turn episodes with `episodes`)."""
     nothing = torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.bool)
     if not rows and engine.tensor_parallel_size == 1:
         return nothing
-    out = engine.generate(ids, seeds, params)  # a tensor-parallel replica generates together, rows or not
+    if episodes is not None:
+        tasks = [{"ground_truth": r.ground_truth, "data_source": r.data_source, "extra_info": r.extra_info}
+                 for r in rows]
+        out = episodes.generate(ids, seeds, params, tasks)
+    else:  # a tensor-parallel replica generates together, rows or not
+        out = engine.generate(ids, seeds, params)
     if not rows:
         return nothing
     out.meta.update({"ground_truth": [r.ground_truth for r in rows], "data_source": [r.data_source for r in rows],
@@ -68,12 +76,12 @@ def _scored(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[l
 
 def evaluate(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[list[int]],
              reward_fn: RewardRunner, accuracy_fn: RewardRunner, settings: EvalSettings,
-             by_source: bool = False) -> dict[str, float]:
+             by_source: bool = False, episodes: EpisodeRunner | None = None) -> dict[str, float]:
     """This worker's rows scored, combined over all workers (collective: every worker
     calls it, a worker of a tensor-parallel replica even with no rows)."""
     tally: Tally = {}
     greedy = SamplingParams(max_new_tokens=settings.max_new_tokens, greedy=True)
-    correct, lengths, ended = _scored(engine, tokenizer, rows, ids, None, greedy, reward_fn, accuracy_fn)
+    correct, lengths, ended = _scored(engine, tokenizer, rows, ids, None, greedy, reward_fn, accuracy_fn, episodes)
     for row, c, n, e in zip(rows, correct.tolist(), lengths.tolist(), ended.tolist()):
         for group in _groups(row, by_source):
             _add(tally, f"accuracy{group}", c)
@@ -81,18 +89,18 @@ def evaluate(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[
         _add(tally, "response_length/clip_ratio", 0.0 if e else 1.0)
         tally["response_length/max"] = [max(tally.get("response_length/max", [0.0])[0], n), 1.0]
     if settings.k:
-        _sampled(engine, tokenizer, rows, ids, reward_fn, accuracy_fn, settings, by_source, tally)
+        _sampled(engine, tokenizer, rows, ids, reward_fn, accuracy_fn, settings, by_source, tally, episodes)
     return _combine(tally)
 
 
 def _sampled(engine, tokenizer, rows, ids, reward_fn, accuracy_fn, settings: EvalSettings, by_source: bool,
-             tally: Tally) -> None:
+             tally: Tally, episodes: EpisodeRunner | None) -> None:
     k = settings.k
     seeds = [sample_seed(settings.seed, _EVAL_STREAM, row.index, j) for row in rows for j in range(k)]
     params = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                             top_p=settings.top_p)
     correct, _, _ = _scored(engine, tokenizer, [r for r in rows for _ in range(k)],
-                            [p for p in ids for _ in range(k)], seeds, params, reward_fn, accuracy_fn)
+                            [p for p in ids for _ in range(k)], seeds, params, reward_fn, accuracy_fn, episodes)
     per_row = correct.view(len(rows), k) if rows else correct.view(0, k)
     for row, samples in zip(rows, per_row.tolist()):
         for group in _groups(row, by_source):

@@ -32,10 +32,13 @@ from distflow.data.dataset import PromptReader, ShardedDataset
 from distflow.data.loader import ShardedSampler
 from distflow.engines.actor import Actor, OptimConfig, ReferenceModel, lr_factor
 from distflow.engines.common import causal_lm_skeleton, load_causal_lm, load_tokenizer, resolve_model_path
+from distflow.engines.agent import EpisodeRunner, EpisodeSettings, ToolEnvironment
 from distflow.engines.critic import Critic
 from distflow.engines.lora import AdapterDisabledReference, LoraSettings, is_adapter_folder, with_lora
 from distflow.engines.reward import RewardRunner
 from distflow.engines.rollout import HFRolloutEngine, RolloutEngine
+from distflow.engines.tools import Toolbox
+from distflow.plugins import load_callable
 from distflow.runtime import netns
 from distflow.runtime.centralized import run_commanded_step
 from distflow.trainer import checkpoint, nodes
@@ -107,6 +110,19 @@ def make_rollout_engine(cfg: Config, policy_path: str, tokenizer, device: torch.
                              seed=cfg.trainer.seed, gpu_memory_utilization=r.gpu_memory_utilization,
                              kv_cache_memory_gb=r.kv_cache_memory_gb,
                              release_memory_after_rollout=r.release_memory_after_rollout)
+
+
+def make_episode_runner(cfg: Config, engine: RolloutEngine, tokenizer) -> EpisodeRunner | None:
+    """rollout.max_turns > 1: multi-turn episodes with rollout.tools, in rollout.env or the
+    default tool environment."""
+    r = cfg.rollout
+    if r.max_turns == 1:
+        return None
+    toolbox = Toolbox([t.strip() for t in r.tools.split(",") if t.strip()], r.tool_timeout_s)
+    env_class = load_callable(r.env, "rollout.env") if r.env else ToolEnvironment
+    return EpisodeRunner(engine, tokenizer, lambda: env_class(toolbox),
+                         EpisodeSettings(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens
+                                         or r.max_new_tokens * r.max_turns))
 
 
 def make_reward_runners(cfg: Config) -> tuple[RewardRunner, RewardRunner]:
@@ -185,6 +201,7 @@ class Trainer:
         self.ctx = nodes.WorkerContext(cfg=cfg, tokenizer=self.tokenizer, rollout=rollout, actor=actor, ref=ref,
                                        critic=critic, reward_fn=reward_fn, accuracy_fn=accuracy_fn, overlap=overlap,
                                        reward_kl=reward_kl)
+        self.ctx.episodes = make_episode_runner(cfg, rollout, self.tokenizer)
         self.rollout, self.actor, self.relay = rollout, actor, relay
         self.placement = Placement(self.rollout_layout, self.train_layout)
         self._status_lock = threading.Lock()
@@ -260,7 +277,7 @@ class Trainer:
         with timer("weight_sync"):  # the rollout engine gets the updated policy, in place
             self.rollout.update_weights(self.actor.iter_full_weights(), version=step)
         seconds = node_seconds(spans) | timer.seconds
-        nodes.record_rollout_metrics(store.all(), acc)
+        nodes.record_rollout_metrics(store.all(), acc, episodes=self.ctx.episodes is not None)
         with self._status_lock:
             counts = self.row_counts.pop(step, Counter())
         for name in ("skipped_rows", "truncated_prompts"):
@@ -292,7 +309,7 @@ class Trainer:
         and per `extra_info["level"]` where the rows have one (the built-in task's 1-3)."""
         report = evaluate(self.rollout, self.tokenizer, [row for row, _ in self.val], [ids for _, ids in self.val],
                           self.ctx.reward_fn, self.ctx.accuracy_fn,
-                          EvalSettings(max_new_tokens=self.cfg.rollout.max_new_tokens))
+                          EvalSettings(max_new_tokens=self.cfg.rollout.max_new_tokens), episodes=self.ctx.episodes)
         return {f"val/{name}": value for name, value in report.items() if name.startswith("accuracy")}
 
     # ------------------------------------------------------------------ the run
@@ -423,12 +440,14 @@ def run_eval_worker(cfg_dict: dict, report_path: str, k: int) -> dict | None:
     taken, _ = PromptReader(data, cfg.data.max_prompt_length, cfg.data.on_bad_row, cfg.data.on_long_prompt
                             ).take(indices, partial(nodes.encode_prompt, tokenizer), replace=False)
     engine = make_rollout_engine(cfg, cfg.model.path, tokenizer, device, actor=None)
+    episodes = make_episode_runner(cfg, engine, tokenizer)
     reward_fn, accuracy_fn = make_reward_runners(cfg)
     try:
         r = cfg.rollout
         report = evaluate(engine, tokenizer, [row for row, _ in taken], [ids for _, ids in taken], reward_fn,
                           accuracy_fn, EvalSettings(max_new_tokens=r.max_new_tokens, k=k, temperature=r.temperature,
-                                                    top_p=r.top_p, seed=cfg.trainer.seed), by_source=True)
+                                                    top_p=r.top_p, seed=cfg.trainer.seed), by_source=True,
+                          episodes=episodes)
     finally:
         engine.close()
         close_reward_runners(reward_fn, accuracy_fn)

@@ -38,6 +38,8 @@ from distflow.coordinator.microbatch import local_micro_batches, plan_micro_batc
 from distflow.data.batch import Batch, sequence_lengths
 from distflow.data.dataset import PromptRow
 from distflow.engines.actor import Actor
+from distflow.engines.agent import COUNTS as EPISODE_COUNTS
+from distflow.engines.agent import EpisodeRunner
 from distflow.engines.common import LogProbModel
 from distflow.engines.critic import Critic
 from distflow.engines.reward import FAILED, TIMED_OUT, RewardRunner
@@ -60,6 +62,7 @@ class WorkerContext:
     accuracy_fn: RewardRunner | None = None  # the default (strict) reward: the accuracy metric
     overlap: bool = False  # scheduler.overlap as resolved for this worker: stream the rollout in chunks
     reward_kl: kl.FixedKLController | kl.AdaptiveKLController | None = None  # beta of KL in the reward
+    episodes: EpisodeRunner | None = None  # rollout.max_turns > 1: multi-turn episodes instead of one generate
     step: int = 0
     acc: MeanAccumulator = field(default_factory=MeanAccumulator)  # main-thread (collective) nodes only
 
@@ -93,6 +96,12 @@ def source_batch(rows: list[tuple[int, PromptRow, list[int]]], cfg: Config, pad_
                   "extra_info": [r.extra_info for _, r, _, _ in seqs]})
 
 
+def tasks_of(batch: Batch) -> list[dict]:
+    """What an environment's reset sees of each row."""
+    return [{"ground_truth": g, "data_source": d, "extra_info": e}
+            for g, d, e in zip(batch["ground_truth"], batch["data_source"], batch["extra_info"])]
+
+
 def unpad_prompts(batch: Batch) -> list[list[int]]:
     return [ids[mask.bool()].tolist() for ids, mask in zip(batch["prompts"], batch["prompt_mask"])]
 
@@ -107,7 +116,10 @@ def rollout(ctx: WorkerContext, batch: Batch) -> Iterator[tuple[range, Batch]]:
     seeds = [sample_seed(cfg.trainer.seed, ctx.step, uid, k) for uid, k in zip(batch["uid"], batch["sample_k"])]
     params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                             max_new_tokens=cfg.rollout.max_new_tokens)
-    if ctx.rollout.tensor_parallel_size > 1:  # the replica's ranks generate together: one call each, always
+    if ctx.episodes is not None:  # multi-turn: every episode to its end, then one chunk
+        out = ctx.episodes.generate(prompts, seeds, params, tasks_of(batch))
+        yield range(len(prompts)), out
+    elif ctx.rollout.tensor_parallel_size > 1:  # the replica's ranks generate together: one call each, always
         out = ctx.rollout.generate(prompts, seeds, params)
         if prompts:
             yield range(len(prompts)), Batch({k: out[k] for k in ("responses", "response_mask", "rollout_log_probs")})
@@ -346,7 +358,7 @@ def critic_update(ctx: WorkerContext, batch: Batch) -> None:
 # ---------------------------------------------------------------------------- after the graph
 
 
-def record_rollout_metrics(batch: Batch, acc: MeanAccumulator) -> None:
+def record_rollout_metrics(batch: Batch, acc: MeanAccumulator, episodes: bool = False) -> None:
     n = len(batch)
     reward_field = "shaped_scores" if "shaped_scores" in batch else "scores"
     acc.add("reward/mean", float(batch[reward_field].sum()) if n else 0.0, n)
@@ -358,3 +370,7 @@ def record_rollout_metrics(batch: Batch, acc: MeanAccumulator) -> None:
     status = batch["reward_status"] if n else torch.zeros(0)
     acc.add_total("reward/failed", float((status == FAILED).sum()))
     acc.add_total("reward/timed_out", float((status == TIMED_OUT).sum()))
+    if episodes:  # multi-turn: turns per episode, tool calls, errors and timeouts of the step
+        acc.add("turns/mean", float(batch["num_turns"].sum()) if n else 0.0, n)
+        for name in EPISODE_COUNTS:
+            acc.add_total(name.replace("_", "/", 1), float(batch[name].sum()) if n else 0.0)

@@ -19,6 +19,8 @@ the builder runs they are in the config, so the graph follows from the config al
   critic_update
   old_log_prob        off-policy updates (ppo_epochs > 1 or several mini-batches)
   (actor_update reads rollout_log_probs with algorithm.rollout_correction on)
+  With rollout.max_turns > 1 the rollout runs multi-turn episodes (engines/agent.py) and
+  every scoring forward also reads observation_mask (the environment's tokens).
 
 The node implementations are the library in nodes.py; a user's YAML graph
 (`algorithm.graph`) adds to or replaces them (dag/graph.py's load_graph_file).
@@ -29,6 +31,7 @@ from __future__ import annotations
 from distflow.algos.core import get_policy_loss
 from distflow.config import ALGORITHMS, Config, Recipe, load_recipe, with_recipe
 from distflow.dag.graph import Graph, GraphError, Node, load_graph_file
+from distflow.engines.agent import COUNTS as EPISODE_COUNTS
 from distflow.trainer import nodes
 
 # Fields the trainer puts in the store before the first node (one row per response).
@@ -62,9 +65,17 @@ def _checked(cfg: Config):
 
 def recipe_graph(cfg: Config) -> Graph:
     a, info = cfg.algorithm, _checked(cfg)
+    episodes = cfg.rollout.max_turns > 1  # multi-turn: the environment's tokens are attended to, not trained
+    if episodes and "values" in info.needs:
+        raise GraphError(f"rollout.max_turns={cfg.rollout.max_turns}: multi-turn episodes train critic-free "
+                         f"recipes (grpo, dapo, rloo, reinforce_plus_plus, ...); {a.estimator!r} needs a critic")
+    scoring = SCORING + (("observation_mask",) if episodes else ())
+    rollout_out = ("responses", "response_mask", "rollout_log_probs")
+    rollout_out += ("observation_mask", "num_turns", *EPISODE_COUNTS) if episodes else ()
+    rollout_in = ("prompts", "prompt_mask", "uid", "sample_k")
+    rollout_in += ("ground_truth", "data_source", "extra_info") if episodes else ()
     built = [
-        _node("rollout", "rollout", ("prompts", "prompt_mask", "uid", "sample_k"),
-              ("responses", "response_mask", "rollout_log_probs"), stream=True),
+        _node("rollout", "rollout", rollout_in, rollout_out, stream=True),
         _node("reward", "reward", ("responses", "response_mask", "ground_truth", "data_source", "extra_info"),
               ("scores", "accuracy", "reward_status")),
     ]
@@ -85,7 +96,7 @@ def recipe_graph(cfg: Config) -> Graph:
                                                           "data_source", "extra_info"), ("baseline_scores",),
                            deps=gate, **gated))
     if a.use_kl_loss or a.use_kl_in_reward:
-        built.append(_node("ref_log_prob", "reference", SCORING, ("ref_log_probs",), deps=gate, **gated))
+        built.append(_node("ref_log_prob", "reference", scoring, ("ref_log_probs",), deps=gate, **gated))
     if a.use_kl_in_reward:
         # a collective (the controller sees the KL of the whole batch), after any group-layout shaping
         built.append(_node("kl_in_reward", "reward", (reward_field, "response_mask", "ref_log_probs",
@@ -93,14 +104,14 @@ def recipe_graph(cfg: Config) -> Graph:
                            collective=True, chunked=False, params={"reward_field": reward_field}))
         reward_field = "token_rewards"
     if not on_policy(cfg):
-        built.append(_node("old_log_prob", "actor_forward", SCORING, ("old_log_probs",), deps=gate))
+        built.append(_node("old_log_prob", "actor_forward", scoring, ("old_log_probs",), deps=gate))
     critic = "values" in info.needs
     adv_inputs = [reward_field, "response_mask", "group"] + (["values"] if critic else []) \
         + (["baseline_scores"] if "baseline" in info.needs else [])
     built.append(_node("advantage", "advantage", adv_inputs, ("advantages", "returns") if critic else ("advantages",),
                        params={"estimator": a.estimator, "reward_field": reward_field},
                        collective=info.batch_whitened, layout="train" if critic else None, deps=gate))
-    train_inputs = [*SCORING, "advantages", "mini_batch"]
+    train_inputs = [*scoring, "advantages", "mini_batch"]
     train_inputs += ["ref_log_probs"] if a.use_kl_loss else []
     train_inputs += [] if on_policy(cfg) else ["old_log_probs"]
     train_inputs += ["rollout_log_probs"] if a.rollout_correction != "off" else []

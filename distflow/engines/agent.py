@@ -1,0 +1,157 @@
+"""Multi-turn rollouts: the policy talks to an environment (tools, a game, a checker) over
+several turns, token in, token out.
+
+An episode starts from the dataset's prompt. Each turn the rollout engine generates the
+next assistant turn for every episode still running (one batched call: an episode that
+calls a tool does not hold up the others, which simply stop taking part); the
+environment answers the turn's text with observation messages, or ends the episode.
+The observation is rendered by the tokenizer's chat template as the turn that follows
+an assistant message, and its token ids are appended as they are: the engine's own
+tokens are never decoded and re-encoded, so what is trained is exactly what was sampled
+plus exactly what the engine was shown. Observation tokens have loss mask 0
+(`observation_mask` 1: attended to, not trained) and rollout log-prob 0.
+`rollout.max_turns` and `rollout.max_total_tokens` bound every episode.
+
+Each episode's turn t samples from its own seed (the sequence's seed and t), so an
+episode is the same on any worker, whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from distflow.data.batch import Batch
+from distflow.engines.rollout import RolloutEngine, SamplingParams, sample_seed
+from distflow.engines.tools import Toolbox
+
+Messages = list[dict[str, str]]
+COUNTS = ("tool_calls", "tool_errors", "tool_timeouts")  # per episode, as batch fields
+
+
+@dataclass
+class EnvStep:
+    observation: Messages  # what the environment answers (nothing when done)
+    done: bool
+    counts: dict[str, int] = field(default_factory=dict)  # of COUNTS
+
+
+class Environment(Protocol):
+    """One episode's environment (`rollout.env=module:Class`, made with the rollout's
+    Toolbox). `reset` gets the dataset row's task (ground_truth, data_source,
+    extra_info); the episode's first messages are the row's prompt."""
+
+    def reset(self, task: dict) -> None: ...
+
+    def step(self, assistant_text: str) -> EnvStep: ...
+
+
+class ToolEnvironment:
+    """The default environment: the tool calls of a turn are run and their results are
+    the observation; a turn that calls no tool is the final answer."""
+
+    def __init__(self, toolbox: Toolbox):
+        self.toolbox = toolbox
+
+    def reset(self, task: dict) -> None:
+        pass
+
+    def step(self, assistant_text: str) -> EnvStep:
+        calls = self.toolbox.calls(assistant_text)
+        if not calls:
+            return EnvStep([], True)
+        results = [self.toolbox.run(body) for body in calls]
+        counts = {"tool_calls": len(results), "tool_errors": sum(r.status == "error" for r in results),
+                  "tool_timeouts": sum(r.status == "timeout" for r in results)}
+        return EnvStep([{"role": "tool", "content": f"<tool_response>\n{r.text}\n</tool_response>"}
+                        for r in results], False, counts)
+
+
+_BEFORE = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+
+
+def observation_ids(tokenizer, messages: Messages) -> list[int]:
+    """The tokens of `messages` as the turn after an assistant message, up to the next
+    assistant turn's opening: the chat template's rendering of a conversation that ends
+    with them, minus its rendering without them (the template may add a system prompt
+    or other framing at the start, which must not be repeated mid-episode)."""
+    base = tokenizer.apply_chat_template(_BEFORE, tokenize=False)
+    full = tokenizer.apply_chat_template(_BEFORE + messages, add_generation_prompt=True, tokenize=False)
+    text = full[len(base):] if full.startswith(base) else \
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpisodeSettings:
+    max_turns: int
+    max_total_tokens: int  # response tokens of an episode: its turns and observations together
+
+
+class EpisodeRunner:
+    """Runs a batch of episodes with a rollout engine and returns them as one rollout batch."""
+
+    def __init__(self, engine: RolloutEngine, tokenizer, make_env: Callable[[], Environment],
+                 settings: EpisodeSettings):
+        self.engine, self.tokenizer, self.make_env, self.settings = engine, tokenizer, make_env, settings
+
+    def generate(self, prompts: list[list[int]], seeds: list[int] | None, params: SamplingParams,
+                 tasks: list[dict]) -> Batch:
+        """`prompts` (token ids) with their `tasks`; greedy when `seeds` is None."""
+        s, n = self.settings, len(prompts)
+        envs = [self.make_env() for _ in range(n)]
+        for env, task in zip(envs, tasks):
+            env.reset(task)
+        tokens, trained, log_probs = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
+        turns, counts = [0] * n, [Counter() for _ in range(n)]
+        active = list(range(n))
+        for turn in range(s.max_turns):
+            if not active:
+                break
+            out = self.engine.generate([prompts[i] + tokens[i] for i in active],
+                                       None if seeds is None else [sample_seed(seeds[i], turn) for i in active],
+                                       params)
+            running = []
+            for j, i in enumerate(active):
+                length = int(out["response_mask"][j].sum())
+                room = s.max_total_tokens - len(tokens[i])
+                new = out["responses"][j, :min(length, room)].tolist()
+                tokens[i] += new
+                trained[i] += [1] * len(new)
+                log_probs[i] += out["rollout_log_probs"][j, :len(new)].tolist()
+                turns[i] += 1
+                if len(tokens[i]) >= s.max_total_tokens or turn == s.max_turns - 1:
+                    continue
+                step = envs[i].step(self.tokenizer.decode(new, skip_special_tokens=True))
+                counts[i].update(step.counts)
+                if step.done:
+                    continue
+                observed = observation_ids(self.tokenizer, step.observation)[: s.max_total_tokens - len(tokens[i])]
+                tokens[i] += observed
+                trained[i] += [0] * len(observed)
+                log_probs[i] += [0.0] * len(observed)
+                if len(tokens[i]) < s.max_total_tokens:
+                    running.append(i)
+            active = running
+        return self._batch(tokens, trained, log_probs, turns, counts)
+
+    def _batch(self, tokens, trained, log_probs, turns, counts) -> Batch:
+        width, pad = self.settings.max_total_tokens, self.tokenizer.pad_token_id
+        n = len(tokens)
+        responses = torch.full((n, width), pad, dtype=torch.long)  # (N, R)
+        response_mask = torch.zeros((n, width), dtype=torch.long)
+        observation_mask = torch.zeros((n, width), dtype=torch.long)
+        rollout_log_probs = torch.zeros((n, width), dtype=torch.float32)
+        for i in range(n):
+            k = len(tokens[i])
+            responses[i, :k] = torch.tensor(tokens[i], dtype=torch.long)
+            response_mask[i, :k] = torch.tensor(trained[i], dtype=torch.long)
+            observation_mask[i, :k] = 1 - response_mask[i, :k]
+            rollout_log_probs[i, :k] = torch.tensor(log_probs[i], dtype=torch.float32)
+        fields = {"responses": responses, "response_mask": response_mask, "observation_mask": observation_mask,
+                  "rollout_log_probs": rollout_log_probs, "num_turns": torch.tensor(turns, dtype=torch.float32)}
+        fields |= {name: torch.tensor([c[name] for c in counts], dtype=torch.float32) for name in COUNTS}
+        return Batch(fields)

@@ -1,0 +1,110 @@
+"""Tools the policy can call in a multi-turn rollout, in the Hermes format most chat
+models are trained on:
+
+    <tool_call>
+    {"name": "calculator", "arguments": {"expression": "12 * 7"}}
+    </tool_call>
+
+Built in: `calculator` (arithmetic on numbers: + - * / // % ** and parentheses, evaluated
+from the syntax tree, never `eval`) and `python` (a program run in the code sandbox of
+`sandbox.py`, its limits applying to every call; what it prints is the result). A call
+that is not JSON, names no or an unknown tool, raises, or runs past its limit becomes an
+error observation the model sees, and is counted.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from distflow.engines import sandbox
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+MAX_POWER = 64  # an exponent past this is refused: 9**9**9 must not hang a worker
+
+
+class ToolTimeout(RuntimeError):
+    """The tool ran past its time limit."""
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    text: str  # what the model sees
+    status: str  # ok | error | timeout
+
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+
+
+def _arith(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Expression):
+        return _arith(node.body)
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _UNARY[type(node.op)](_arith(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _arith(node.left), _arith(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > MAX_POWER:
+            raise ValueError(f"exponent {right} is too large (at most {MAX_POWER})")
+        return _BINARY[type(node.op)](left, right)
+    raise ValueError(f"not arithmetic: {ast.unparse(node) if isinstance(node, ast.expr) else type(node).__name__}")
+
+
+def calculator(expression: str) -> str:
+    """The value of an arithmetic expression, an integer when it is one."""
+    value = _arith(ast.parse(str(expression), mode="eval"))
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+def python_tool(limits: sandbox.Limits) -> Callable[..., str]:
+    def python(code: str) -> str:
+        """Run a Python program in the sandbox; what it prints comes back."""
+        result = sandbox.run_python(str(code), limits=limits)
+        if result.status == sandbox.TIMEOUT:
+            raise ToolTimeout(f"the program ran past {limits.time_s:g} s")
+        if result.status != sandbox.OK:
+            raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else result.status)
+        return result.stdout
+    return python
+
+
+class Toolbox:
+    """The tools of a rollout (`rollout.tools`), called from the model's text."""
+
+    def __init__(self, names: list[str], timeout_s: float = 5.0):
+        available = {"calculator": calculator, "python": python_tool(sandbox.Limits(time_s=timeout_s))}  # config.TOOLS
+        unknown = [n for n in names if n not in available]
+        if unknown:
+            raise ValueError(f"unknown tool {unknown[0]!r}; built in: {', '.join(available)}")
+        self.tools = {n: available[n] for n in names}
+
+    def calls(self, text: str) -> list[str]:
+        """The bodies of the tool calls in an assistant turn, in order."""
+        return TOOL_CALL.findall(text)
+
+    def run(self, body: str) -> ToolResult:
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError as e:
+            return ToolResult(f"error: the tool call is not JSON ({e.msg})", "error")
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return ToolResult('error: a tool call is {"name": ..., "arguments": {...}}', "error")
+        tool = self.tools.get(call["name"])
+        if tool is None:
+            return ToolResult(f"error: unknown tool {call['name']!r}; available: {', '.join(self.tools)}", "error")
+        arguments = call.get("arguments", {})
+        if not isinstance(arguments, dict):
+            return ToolResult("error: arguments must be a JSON object", "error")
+        try:
+            return ToolResult(tool(**arguments), "ok")
+        except ToolTimeout as e:
+            return ToolResult(f"error: timed out: {e}", "timeout")
+        except Exception as e:  # what the tool raised is the model's to see
+            return ToolResult(f"error: {type(e).__name__}: {e}", "error")

@@ -1,0 +1,137 @@
+"""Multi-turn episodes, token in, token out: the trained tokens are exactly the sampled
+ones plus the observation tokens as the engine was shown them, observation tokens carry
+loss mask 0 and log-prob 0, episodes advance independently, and the bounds hold. Driven
+by a scripted RolloutEngine (the tiny model calls no tools); the real engine runs them
+in test_multi_turn_run.py."""
+
+from __future__ import annotations
+
+import torch
+
+from distflow.data.batch import Batch
+from distflow.engines.agent import EnvStep, EpisodeRunner, EpisodeSettings, ToolEnvironment, observation_ids
+from distflow.engines.rollout import SamplingParams, response_mask_from
+from distflow.engines.tiny_model import build_tokenizer
+from distflow.engines.tools import Toolbox
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
+
+
+class ScriptedEngine:
+    """Answers each episode's turn t with script[episode][t]; an episode is known by its
+    prompt's first token. Records every call's contexts, so tests see what it was shown."""
+
+    weight_version, tensor_parallel_size = 0, 1
+
+    def __init__(self, tok, scripts: dict[int, list[str]]):
+        self.tok, self.scripts, self.calls = tok, scripts, []
+
+    def generate(self, prompts, seeds, params):
+        self.calls.append([list(p) for p in prompts])
+        texts = []
+        for p in prompts:
+            turn = sum(1 for call in self.calls[:-1] for q in call if q[0] == p[0])
+            texts.append(self.scripts[p[0]][turn])
+        ids = [self.tok(t, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id] for t in texts]
+        resp = torch.full((len(ids), params.max_new_tokens), self.tok.pad_token_id, dtype=torch.long)
+        for i, r in enumerate(ids):
+            resp[i, :min(len(r), params.max_new_tokens)] = torch.tensor(r[:params.max_new_tokens])
+        mask = response_mask_from(resp, self.tok.eos_token_id)
+        return Batch({"responses": resp, "response_mask": mask,
+                      "rollout_log_probs": -0.5 * mask.float()})  # every sampled token: -0.5
+
+
+def _runner(tok, engine, max_turns=4, max_total=400):
+    box = Toolbox(["calculator"])
+    return EpisodeRunner(engine, tok, lambda: ToolEnvironment(box),
+                         EpisodeSettings(max_turns=max_turns, max_total_tokens=max_total))
+
+
+def _ids(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_trained_tokens_are_the_sampled_ones_plus_the_observation_as_shown():
+    tok = build_tokenizer()
+    a, b = _ids(tok, "A?"), _ids(tok, "B?")
+    engine = ScriptedEngine(tok, {a[0]: [CALL % "12*7", "#### 84"], b[0]: ["#### 5"]})
+    out = _runner(tok, engine).generate([a, b], [1, 2], SamplingParams(max_new_tokens=128), [{}, {}])
+    eos = [tok.eos_token_id]
+    turn1, turn2 = _ids(tok, CALL % "12*7") + eos, _ids(tok, "#### 84") + eos
+    observed = observation_ids(tok, [{"role": "tool", "content": "<tool_response>\n84\n</tool_response>"}])
+    assert tok.decode(observed) == "<tool_response>\n84\n</tool_response>\nA: "  # the tiny model's template
+    want = turn1 + observed + turn2
+    row = out["responses"][0, :len(want)].tolist()
+    assert row == want and set(out["responses"][0, len(want):].tolist()) == {tok.pad_token_id}
+    # the second turn was generated from exactly these tokens: nothing decoded and re-encoded
+    assert engine.calls[1] == [a + turn1 + observed]  # and only the episode still running took part
+    loss = [1] * len(turn1) + [0] * len(observed) + [1] * len(turn2)
+    assert out["response_mask"][0, :len(want)].tolist() == loss
+    assert out["observation_mask"][0].tolist() == [1 - m for m in loss] + [0] * (400 - len(want))
+    assert out["rollout_log_probs"][0, :len(want)].tolist() == [-0.5 * m for m in loss]
+    assert out["num_turns"].tolist() == [2.0, 1.0]
+    assert (out["tool_calls"].tolist(), out["tool_errors"].tolist()) == ([1.0, 0.0], [0.0, 0.0])
+    # episode b: one turn, no observation
+    assert out["response_mask"][1].sum() == len(_ids(tok, "#### 5")) + 1 and out["observation_mask"][1].sum() == 0
+
+
+def test_errors_are_observed_and_counted_and_the_bounds_hold():
+    tok = build_tokenizer()
+    a = _ids(tok, "A?")
+    calls = ['<tool_call>{"name": "nope"}</tool_call>', CALL % "1/0", CALL % "2+2", "#### 4"]
+    out = _runner(tok, ScriptedEngine(tok, {a[0]: calls}), max_turns=3).generate(
+        [a], [1], SamplingParams(max_new_tokens=128), [{}])
+    text = tok.decode(out["responses"][0][out["observation_mask"][0].bool()])
+    assert "error: unknown tool 'nope'; available: calculator" in text and "ZeroDivisionError" in text
+    # max_turns=3: the third turn's call is not answered, the fourth never generated
+    assert out["num_turns"].tolist() == [3.0] and out["tool_calls"].tolist() == [2.0]
+    assert out["tool_errors"].tolist() == [2.0]
+    # max_total_tokens cuts the episode inside a turn
+    short = _runner(tok, ScriptedEngine(tok, {a[0]: calls}), max_total=30).generate(
+        [a], [1], SamplingParams(max_new_tokens=128), [{}])
+    assert short["responses"].shape == (1, 30) and int(short["response_mask"][0].sum()) == 30
+    assert short["num_turns"].tolist() == [1.0]
+
+
+def test_a_custom_environment_and_a_template_with_a_system_prompt():
+    tok = build_tokenizer()
+    tok.chat_template = ("{% if messages[0]['role'] != 'system' %}SYS\n{% endif %}"
+                         "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}[assistant] {% endif %}")
+    # the system prompt the template adds at the start is not repeated mid-episode
+    assert tok.decode(observation_ids(tok, [{"role": "user", "content": "retry"}])) == "[user] retry\n[assistant] "
+
+    class Retry:
+        def reset(self, task):
+            self.left = task["retries"]
+
+        def step(self, text):
+            self.left -= 1
+            return EnvStep([{"role": "user", "content": "retry"}], self.left < 0, {})
+
+    a = _ids(tok, "A?")
+    runner = EpisodeRunner(ScriptedEngine(tok, {a[0]: ["x", "y", "z"]}), tok, Retry,
+                           EpisodeSettings(max_turns=5, max_total_tokens=100))
+    out = runner.generate([a, a], None, SamplingParams(max_new_tokens=8), [{"retries": 0}, {"retries": 1}])
+    assert out["num_turns"].tolist() == [1.0, 2.0]  # retries 0: the first answer ends it; 1: one retry
+
+
+def test_the_trainer_attends_to_observation_tokens_it_does_not_train(random_model_dir):
+    from distflow.engines.actor import policy_forward
+    from distflow.engines.common import load_causal_lm
+
+    model = load_causal_lm(random_model_dir).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(4, 90, (2, 5), generator=g)
+    responses = torch.randint(4, 90, (2, 9), generator=g)
+    loss = torch.tensor([[1, 1, 0, 0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 0, 0, 0]])
+    observed = torch.tensor([[0, 0, 1, 1, 1, 0, 0, 0, 0], [0] * 9])
+    base = {"prompts": prompts, "prompt_mask": torch.ones_like(prompts), "responses": responses}
+    with torch.no_grad():
+        episode, _ = policy_forward(model, Batch({**base, "response_mask": loss, "observation_mask": observed}), False)
+        # the same tokens all attended as one response: the generated ones' log-probs agree
+        whole, _ = policy_forward(model, Batch({**base, "response_mask": loss + observed}), False)
+        blind, _ = policy_forward(model, Batch({**base, "response_mask": loss}), False)
+    torch.testing.assert_close(episode * loss, whole * loss, rtol=0, atol=1e-6)
+    # without the observation in the attention, the second turn's log-probs change
+    assert ((episode - blind).abs() * loss)[0, 5:].max() > 1e-4

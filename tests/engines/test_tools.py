@@ -1,0 +1,61 @@
+"""Tool calls in the Hermes format: the built-in tools' results against hand-computed
+values, and every bad call (not JSON, no name, an unknown tool, wrong arguments, a tool
+that raises, one that runs past its limit) answered with an error the model sees."""
+
+from __future__ import annotations
+
+import pytest
+
+from distflow.engines.tools import Toolbox, calculator
+
+
+@pytest.mark.parametrize("expression, value", [("12 * 7", "84"), ("(3 + 4) ** 2", "49"), ("7 / 2", "3.5"),
+                                               ("-5 // 2", "-3"), ("450 - 4.5 * 100", "0"), ("2 ** -1", "0.5")])
+def test_calculator_by_hand(expression, value):
+    assert calculator(expression) == value
+
+
+@pytest.mark.parametrize("expression, error", [("__import__('os')", "not arithmetic"), ("x + 1", "not arithmetic"),
+                                               ("9 ** 9 ** 9", "exponent 387420489 is too large"),
+                                               ("'a' * 3", "not arithmetic")])
+def test_calculator_refuses_what_is_not_arithmetic(expression, error):
+    with pytest.raises(ValueError, match=error):
+        calculator(expression)
+
+
+def test_the_calls_of_a_turn_are_found_in_order():
+    box = Toolbox(["calculator"])
+    text = ('First <tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n</tool_call> then '
+            '<tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call>')
+    assert [box.run(body).text for body in box.calls(text)] == ["2", "6"]
+    assert box.calls("#### 42") == []
+
+
+@pytest.mark.parametrize("body, text, status", [
+    ("{not json", "error: the tool call is not JSON (Expecting property name enclosed in double quotes)", "error"),
+    ('["calculator"]', 'error: a tool call is {"name": ..., "arguments": {...}}', "error"),
+    ('{"name": "browser", "arguments": {}}', "error: unknown tool 'browser'; available: calculator, python", "error"),
+    ('{"name": "calculator", "arguments": "1+1"}', "error: arguments must be a JSON object", "error"),
+    ('{"name": "calculator", "arguments": {"expr": "1+1"}}',
+     "error: TypeError: calculator() got an unexpected keyword argument 'expr'", "error"),
+    ('{"name": "calculator", "arguments": {"expression": "1/0"}}', "error: ZeroDivisionError: division by zero",
+     "error"),
+])
+def test_bad_calls_become_error_observations(body, text, status):
+    result = Toolbox(["calculator", "python"]).run(body)
+    assert (result.text, result.status) == (text, status)
+
+
+def test_python_runs_in_the_sandbox_prints_raises_and_times_out():
+    box = Toolbox(["python"], timeout_s=1.0)
+    ok = box.run('{"name": "python", "arguments": {"code": "print(sum(range(10)))"}}')
+    assert (ok.text, ok.status) == ("45\n", "ok")
+    raised = box.run('{"name": "python", "arguments": {"code": "raise KeyError(7)"}}')
+    assert (raised.text, raised.status) == ("error: RuntimeError: KeyError: 7", "error")
+    slow = box.run('{"name": "python", "arguments": {"code": "while True: pass"}}')
+    assert (slow.text, slow.status) == ("error: timed out: the program ran past 1 s", "timeout")
+
+
+def test_an_unknown_tool_in_the_config_is_one_line():
+    with pytest.raises(ValueError, match=r"^unknown tool 'browser'; built in: calculator, python$"):
+        Toolbox(["calculator", "browser"])
