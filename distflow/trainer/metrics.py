@@ -91,6 +91,9 @@ class MetricsWriter:
 
 
 def progress_postfix(record: dict, heldout: float | None) -> dict[str, str]:
-    """What the progress bar shows beside the step count and ETA (Ray's launcher and torchrun's rank 0 alike)."""
-    return {"reward": f"{record['reward/mean']:.3f}", "heldout": "-" if heldout is None else f"{heldout:.3f}",
-            "tok_s": f"{record['perf/tokens_per_second']:,.0f}"}
+    """What the progress bar shows beside the step count and ETA (Ray's launcher and torchrun's rank 0 alike);
+    a record without throughput (a user's worker program) shows the rest."""
+    shown = {"reward": f"{record['reward/mean']:.3f}", "heldout": "-" if heldout is None else f"{heldout:.3f}"}
+    if "perf/tokens_per_second" in record:
+        shown["tok_s"] = f"{record['perf/tokens_per_second']:,.0f}"
+    return shown

@@ -63,3 +63,4 @@ def test_progress_shows_reward_heldout_and_tokens_per_second():
     assert progress_postfix({"reward/mean": 0.4219, "perf/tokens_per_second": 6298.9}, 0.52) == \
         {"reward": "0.422", "heldout": "0.520", "tok_s": "6,299"}
     assert progress_postfix({"reward/mean": 0.1, "perf/tokens_per_second": 10.0}, None)["heldout"] == "-"
+    assert progress_postfix({"reward/mean": 0.1}, 0.5) == {"reward": "0.100", "heldout": "0.500"}
