@@ -1,5 +1,5 @@
-"""Evaluation: mean@k / pass@k and the slices against hand-computed values, `distflow eval`
-on 1 and 2 workers, and the training loop's held-out numbers coming from the same code."""
+"""Evaluation: mean@k / pass@k and the slices against hand-computed values, and `distflow eval`
+on 1 and 2 workers."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def test_eval_refuses_a_negative_k_in_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_eval_on_one_and_two_workers_agrees_and_training_scores_with_the_same_code(tmp_path):
+def test_eval_on_one_and_two_workers_agrees(tmp_path):
     common = ["data.val_max_samples=48", "rollout.max_new_tokens=24", "runtime.launcher=torchrun"]
     reports = {}
     for workers in (1, 2):
@@ -100,12 +100,5 @@ def test_eval_on_one_and_two_workers_agrees_and_training_scores_with_the_same_co
     assert reports[1]["metrics"] == reports[2]["metrics"]
     metrics = reports[2]["metrics"]
     assert metrics["rows"] == 48 and 0 < metrics["mean@2"] <= metrics["pass@2"]  # mean <= any, per prompt
-    # the held-out evaluation of a training run (step 0: the same model) is the same numbers
-    run = tmp_path / "train"
-    proc = _cli(["train", *common, "trainer.total_steps=1", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2",
-                 "algorithm.group_size=2", "trainer.progress=false", "trainer.save_final=false",
-                 f"trainer.output_dir={run}"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    step0 = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
-    held_out = {k.removeprefix("val/"): v for k, v in step0.items() if k.startswith("val/")}
-    assert held_out == {k: v for k, v in metrics.items() if k.startswith("accuracy") and "data_source" not in k}
+    # that the training loop's held-out evaluation is this code: test_real_model.py and test_lora.py
+    # evaluate a run's final checkpoint to the run's own final held-out number

@@ -1,7 +1,8 @@
 """A user's own HF folder of a real architecture (Qwen2, bf16 weights, its own BPE
 tokenizer and chat template; conftest's `qwen2_model_dir`): the chat template and the
 special tokens are used as the folder defines them, and the whole run works: GRPO steps
-on 2 workers, checkpoints, an exact resume, `distflow eval`, `distflow export`."""
+on 2 workers tracked by TensorBoard, W&B and MLflow, checkpoints, an exact resume,
+`distflow export`, and `distflow eval` repeating the run's final held-out number."""
 
 from __future__ import annotations
 
@@ -44,16 +45,20 @@ def _cli(args, cwd):
 
 
 @pytest.mark.slow
-def test_a_real_architecture_trains_resumes_evaluates_and_exports(qwen2_model_dir, tmp_path):
+def test_a_real_architecture_trains_tracked_resumes_evaluates_and_exports(qwen2_model_dir, tmp_path):
+    from tracking_readers import check_trackers_hold
+
     common = [f"model.path={qwen2_model_dir}", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
               "algorithm.group_size=4", "data.val_max_samples=16", "rollout.max_new_tokens=24",
               "trainer.eval_every=0", "trainer.progress=false", "runtime.launcher=torchrun", "trainer.total_steps=3",
               "model.dtype=bfloat16"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    proc = _cli(["train", *common, "trainer.save_every=2", f"trainer.output_dir={straight}"], tmp_path)
+    proc = _cli(["train", *common, "trainer.save_every=2", "trainer.logger=jsonl,tensorboard,wandb,mlflow",
+                 f"trainer.output_dir={straight}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in want] == [0, 1, 2, 3] and want[3]["actor/grad_norm"] > 0
+    check_trackers_hold(straight, want)  # TensorBoard, W&B and MLflow hold what metrics.jsonl holds
     proc = _cli(["train", *common, f"trainer.resume={straight / 'checkpoints' / 'step_2'}",
                  f"trainer.output_dir={resumed}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
