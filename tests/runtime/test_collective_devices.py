@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import BackendConfig
 
 from distflow.runtime.process_group import group_backend
-from tests.helpers import run_gloo
+from helpers import run_gloo
 
 pytestmark = pytest.mark.slow
 
