@@ -28,7 +28,7 @@ from distflow.coordinator.placement import Placement
 from distflow.coordinator.store import LocalStore
 from distflow.dag.scheduler import Scheduler, chrome_trace, node_seconds
 from distflow.data.batch import Batch
-from distflow.data.dataset import PromptReader, ShardedDataset
+from distflow.data.dataset import PromptReader, PromptRow, ShardedDataset
 from distflow.data.loader import ShardedSampler
 from distflow.engines.actor import Actor, OptimConfig, ReferenceModel, lr_factor
 from distflow.engines.common import causal_lm_skeleton, load_causal_lm, load_tokenizer, resolve_model_path
@@ -138,6 +138,16 @@ def close_reward_runners(*runners: RewardRunner) -> None:
         runner.close()
 
 
+def heldout_rows(cfg: Config, tokenizer, rank: int, world: int) -> list[tuple[PromptRow, list[int]]]:
+    """This worker's held-out rows (every world-th of data.val_files' first val_max_samples) and their prompt ids,
+    under the bad-row policy (a bad row is dropped, not replaced)."""
+    data = ShardedDataset(cfg.data.val_files)
+    indices = list(range(min(len(data), cfg.data.val_max_samples)))[rank::world]
+    taken, _ = PromptReader(data, cfg.data.max_prompt_length, cfg.data.on_bad_row, cfg.data.on_long_prompt
+                            ).take(indices, partial(nodes.encode_prompt, tokenizer), replace=False)
+    return taken
+
+
 def worker_device(cfg: Config) -> torch.device:
     """This worker's device: the GPU the runtime bound it to, unless runtime.device=cpu."""
     if torch.cuda.is_available() and cfg.runtime.device != "cpu":
@@ -160,10 +170,7 @@ class Trainer:
         self.train_rows = ShardedDataset(cfg.data.train_files)
         self.reader = PromptReader(self.train_rows, cfg.data.max_prompt_length, cfg.data.on_bad_row,
                                    cfg.data.on_long_prompt, cfg.trainer.seed)
-        val = ShardedDataset(cfg.data.val_files)
-        val_indices = list(range(min(len(val), cfg.data.val_max_samples)))[self.rank::self.world]
-        self.val, _ = PromptReader(val, cfg.data.max_prompt_length, cfg.data.on_bad_row, cfg.data.on_long_prompt
-                                   ).take(val_indices, partial(nodes.encode_prompt, self.tokenizer), replace=False)
+        self.val = heldout_rows(cfg, self.tokenizer, self.rank, self.world)
         self.row_counts: dict[int, Counter] = defaultdict(Counter)  # step -> skipped rows, truncated prompts
         # Layouts: a rollout replica is a group of replica_size ranks; training is data-parallel over all ranks.
         self.rollout_layout = Layout(self.world, tp_size=cfg.rollout.replica_size)
@@ -435,10 +442,7 @@ def run_eval_worker(cfg_dict: dict, report_path: str, k: int) -> dict | None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     device = worker_device(cfg)
     tokenizer = load_tokenizer(cfg.model.path)
-    data = ShardedDataset(cfg.data.val_files)
-    indices = list(range(min(len(data), cfg.data.val_max_samples)))[rank::world]
-    taken, _ = PromptReader(data, cfg.data.max_prompt_length, cfg.data.on_bad_row, cfg.data.on_long_prompt
-                            ).take(indices, partial(nodes.encode_prompt, tokenizer), replace=False)
+    taken = heldout_rows(cfg, tokenizer, rank, world)
     engine = make_rollout_engine(cfg, cfg.model.path, tokenizer, device, actor=None)
     episodes = make_episode_runner(cfg, engine, tokenizer)
     reward_fn, accuracy_fn = make_reward_runners(cfg)
