@@ -125,6 +125,13 @@ class AlgorithmConfig:
                                         "(distflow.algos.correction); auto: token_tis with rollout.engine=vllm, "
                                         "off with hf (its sampler is the trainer's own forward)")
     rollout_correction_cap: float = _spec(2.0, min=1.0, doc="the truncation cap / the mask's [1/cap, cap] band")
+    old_log_probs_from: str = _spec("recompute", choices=("recompute", "rollout"),
+                                    doc="the PPO ratio's old policy: recompute (the trainer's weights before the "
+                                        "update, a forward when updates are off-policy: decoupled PPO with "
+                                        "asynchronous rollouts) or rollout (the engine's own log-probs, no forward)")
+    max_staleness: int = _spec(0, min=0, doc="runtime.placement=disaggregated: samples may come from weights up to "
+                                             "k optimizer steps old (rollout workers pause when k versions ahead); "
+                                             "0 = synchronous")
     dynamic_sampling: bool = _spec(False, doc="DAPO: drop groups whose rewards are all equal and generate more "
                                               "prompts until the batch is full")
     entropy_coef: float = _spec(0.0, min=0.0)
@@ -219,6 +226,12 @@ class RuntimeConfig:
     mode: str = _spec("distributed", choices=("distributed", "centralized"),
                       doc="centralized: the single-controller baseline; every stage's data passes through the "
                           "driver (benchmarks)")
+    placement: str = _spec("colocated", choices=("colocated", "disaggregated"),
+                           doc="colocated: every worker generates and trains; disaggregated: rollout_workers "
+                               "generate and train_workers train, samples streamed rank to rank, weights pushed "
+                               "back after every update (num_workers becomes their sum)")
+    train_workers: int = _spec(1, min=1, doc="disaggregated: the workers that train (ranks 0..T-1)")
+    rollout_workers: int = _spec(1, min=1, doc="disaggregated: the workers that generate (the ranks after them)")
     ray_address: str | None = _spec(None, doc="host:port of a running Ray cluster to join (opt-in); "
                                               "default: a private Ray on this machine")
     network: str = _spec("auto", choices=("auto", "loopback", "host"),
@@ -330,8 +343,14 @@ def _validate_engine(cfg: Config) -> None:
             raise ConfigError(f"rollout.replica_size={r.replica_size}: a vLLM engine of rollout.tensor_parallel_size="
                               f"{r.tensor_parallel_size} ranks is one replica; leave replica_size unset")
         r.replica_size = r.tensor_parallel_size
-    if cfg.algorithm.rollout_correction == "auto":
-        cfg.algorithm.rollout_correction = "token_tis" if r.engine == "vllm" else "off"
+    a = cfg.algorithm
+    if a.rollout_correction == "auto":  # wherever the sampler's probabilities are not the trainer's own
+        stale = a.max_staleness > 0 and a.old_log_probs_from == "recompute"
+        a.rollout_correction = "token_tis" if r.engine == "vllm" or stale else "off"
+    if a.old_log_probs_from == "rollout" and a.rollout_correction != "off":
+        raise ConfigError(f"algorithm.rollout_correction={a.rollout_correction!r}: with "
+                          "algorithm.old_log_probs_from=rollout the old policy is the sampler's, nothing to correct; "
+                          "use rollout_correction=off or old_log_probs_from=recompute")
 
 
 def _check_field(cfg: Config, key: str) -> None:
@@ -403,18 +422,36 @@ def _validate_turns(cfg: Config) -> None:
                           f"{r.max_new_tokens} (one turn)")
 
 
+def _validate_placement(cfg: Config) -> None:
+    """disaggregated: num_workers is train_workers + rollout_workers; colocated runs are synchronous."""
+    rt = cfg.runtime
+    if rt.placement == "colocated":
+        if cfg.algorithm.max_staleness:
+            raise ConfigError(f"algorithm.max_staleness={cfg.algorithm.max_staleness}: colocated workers alternate "
+                              "generating and training (always synchronous); use runtime.placement=disaggregated")
+        return
+    if rt.mode == "centralized":
+        raise ConfigError("runtime.placement=disaggregated: the single-controller baseline is colocated; "
+                          "use runtime.mode=distributed")
+    rt.num_workers = rt.train_workers + rt.rollout_workers
+
+
 def _validate_cross(cfg: Config) -> None:
+    _validate_placement(cfg)
     n_workers, batch = cfg.runtime.num_workers, cfg.data.train_batch_size
+    workers = "num_workers"
+    if cfg.runtime.placement == "disaggregated":  # the rollout side holds the replicas
+        n_workers, workers = cfg.runtime.rollout_workers, "rollout_workers"
     _validate_engine(cfg)
     _validate_logger(cfg)
     _validate_lora(cfg)
     _validate_turns(cfg)
     size = cfg.rollout.replica_size
     if n_workers % size:
-        raise ConfigError(f"rollout.replica_size={size}: must divide runtime.num_workers={n_workers}")
+        raise ConfigError(f"rollout.replica_size={size}: must divide runtime.{workers}={n_workers}")
     if batch % (n_workers // size):
         raise ConfigError(f"data.train_batch_size={batch}: must be divisible by the number of rollout "
-                          f"replicas, runtime.num_workers / rollout.replica_size = {n_workers // size}")
+                          f"replicas, runtime.{workers} / rollout.replica_size = {n_workers // size}")
     mini = cfg.actor.ppo_mini_batch_size
     if batch % mini:
         raise ConfigError(f"actor.ppo_mini_batch_size={mini}: must divide data.train_batch_size={batch}")

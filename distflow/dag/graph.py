@@ -25,6 +25,7 @@ runs them in the same order on its main thread; all others may run concurrently.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,6 +195,28 @@ class Graph:
         for node in add:
             merged[node.name] = node
         return Graph(merged.values(), self.sources)
+
+    def split(self, first_roles: Iterable[str]) -> tuple["Graph", "Graph"]:
+        """The graph cut in two for two sets of workers that run one after the other on
+        the same samples (a disaggregated run's rollout and train workers). The first
+        half: the nodes of `first_roles` whose inputs come only from the sources and other
+        first-half nodes, in order. The second: every other node, with the sources and all
+        the first half produces as its sources. Ordering deps across the cut are dropped:
+        the first half has finished before the second starts."""
+        roles, first = set(first_roles), []
+        for name in self.order:
+            node = self.by_name[name]
+            if node.role in roles and all(p in first for p in self.parents[name]):
+                first.append(name)
+        second = [n for n in self.order if n not in first]
+
+        def nodes(names: list[str]) -> list[Node]:
+            keep = set(names)
+            return [dataclasses.replace(self.by_name[n], deps=tuple(d for d in self.by_name[n].deps if d in keep))
+                    for n in names]
+
+        made = [out for n in first for out in self.by_name[n].outputs]
+        return Graph(nodes(first), self.sources), Graph(nodes(second), (*self.sources, *made))
 
     # ------------------------------------------------------------------ pictures
 

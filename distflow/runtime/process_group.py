@@ -43,6 +43,7 @@ def init_process_group(rank: int, world_size: int, master_addr: str, master_port
     """Join the job's process group (gloo on CPU; gloo and NCCL on GPU, see group_backend);
     returns this rank's device."""
     os.environ.update(WORKER_ENV)
+    os.environ["MASTER_ADDR"] = master_addr  # rank 0's host: later groups (runtime/roles.py) meet there too
     use_cuda = device != "cpu" and torch.cuda.is_available()
     if not use_cuda:
         torch.set_num_threads(threads)

@@ -52,6 +52,8 @@ def ray_temp_dir(run_dir: Path) -> tuple[str, str | None]:
         wanted.mkdir(parents=True, exist_ok=True)
         return str(wanted), None
     short = tempfile.mkdtemp(prefix="dfray-", dir="/tmp")
+    if wanted.is_symlink():  # an earlier run's link (resuming in the same folder): its target is gone
+        wanted.unlink()
     if not wanted.exists():
         wanted.symlink_to(short, target_is_directory=True)
     return short, short

@@ -44,7 +44,7 @@ from distflow.runtime.centralized import run_commanded_step
 from distflow.trainer import checkpoint, nodes
 from distflow.trainer.evaluation import EvalSettings, evaluate, write_report
 from distflow.trainer.metrics import MeanAccumulator, MetricsWriter, StageTimer, progress_postfix
-from distflow.trainer.recipes import build_graph
+from distflow.trainer.recipes import ROLLOUT_ROLES, build_graph
 from distflow.trainer.report import write_plot
 from distflow.trainer.tracking import Trackers
 
@@ -64,28 +64,64 @@ def resolve_overlap(cfg: Config, device: torch.device) -> bool:
     return (os.cpu_count() or 1) > local * cfg.runtime.threads_per_worker
 
 
+class PromptSource:
+    """This worker's prompts: the rows of its shard of data.train_files (metadata only is
+    opened; rows are read when a step needs them) under the bad-row policy, tokenised
+    into the step's source fields, one row per response. `prepare` runs on the prefetch
+    thread one step ahead, with a tokenizer of its own (HF fast tokenizers may mutate
+    their padding state per call, which two threads must not share)."""
+
+    def __init__(self, cfg: Config, layout: Layout, rank: int, pad_id: int):
+        self.cfg, self.layout, self.rank, self.pad_id = cfg, layout, rank, pad_id
+        self.rows = ShardedDataset(cfg.data.train_files)
+        self.reader = PromptReader(self.rows, cfg.data.max_prompt_length, cfg.data.on_bad_row,
+                                   cfg.data.on_long_prompt, cfg.trainer.seed)
+        self.sampler = ShardedSampler(len(self.rows), cfg.data.train_batch_size, layout.dp_rank(rank),
+                                      layout.dp_size, cfg.trainer.seed)
+        self.prefetch_tokenizer = load_tokenizer(cfg.model.path)
+        self.counts: dict[int, Counter] = defaultdict(Counter)  # step -> skipped rows, truncated prompts
+        self.lock = threading.Lock()
+
+    def batch(self, step: int, positions: list[tuple[int, int]], tokenizer, offset: int = 0) -> Batch:
+        taken, counts = self.reader.take([i for _, i in positions], partial(nodes.encode_prompt, tokenizer))
+        if self.layout.tp_rank(self.rank) == 0:  # a TP group's members read the same rows
+            with self.lock:
+                self.counts[step].update(counts)
+        rows = [(offset + pos, row, ids) for (pos, _), (row, ids) in zip(positions, taken)]
+        share = (self.layout.tp_rank(self.rank), self.layout.tp_size)
+        return nodes.source_batch(rows, self.cfg, self.pad_id, share)
+
+    def prepare(self, step: int) -> Batch:
+        """The step's prompts, tokenised."""
+        return self.batch(step, self.sampler.local_positions(step), self.prefetch_tokenizer)
+
+    def take_counts(self, step: int) -> Counter:
+        with self.lock:
+            return self.counts.pop(step, Counter())
+
+
 class RefillPrompts:
     """More prompts for a refilling filter (DAPO's dynamic sampling): round r of step s
     draws a fresh batch from its own seeded stream, so it never touches the steps'
     data order and is the same for any number of workers."""
 
-    def __init__(self, trainer: "Trainer"):
-        self.trainer, cfg = trainer, trainer.cfg
+    def __init__(self, source: PromptSource, tokenizer, ctx: nodes.WorkerContext):
+        self.source, self.tokenizer, self.ctx, cfg = source, tokenizer, ctx, source.cfg
         self.target_groups, self.max_rounds = cfg.data.train_batch_size, cfg.algorithm.max_refill_rounds
 
     def prompts(self, round_: int) -> Batch:
-        t = self.trainer
-        batch = t.cfg.data.train_batch_size
-        sampler = ShardedSampler(len(t.train_rows), batch, t.rollout_layout.dp_rank(t.rank),
-                                 t.rollout_layout.dp_size, t.cfg.trainer.seed + 1_000_003 * round_)
-        return t.source_batch(t.ctx.step, sampler.local_positions(t.ctx.step), t.tokenizer, offset=round_ * batch)
+        s, cfg = self.source, self.source.cfg
+        batch = cfg.data.train_batch_size
+        sampler = ShardedSampler(len(s.rows), batch, s.layout.dp_rank(s.rank), s.layout.dp_size,
+                                 cfg.trainer.seed + 1_000_003 * round_)
+        return s.batch(self.ctx.step, sampler.local_positions(self.ctx.step), self.tokenizer, offset=round_ * batch)
 
     def group_keys(self, batch: Batch) -> list[int]:
         return batch["group"].tolist()
 
     def renumber(self, batch: Batch, kept: list[int]) -> Batch:
         """Mini-batches over the kept groups, in key order (spread evenly if fewer than asked)."""
-        cfg = self.trainer.cfg
+        cfg = self.source.cfg
         count = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
         index = {k: i * count // len(kept) for i, k in enumerate(kept)}
         batch.tensors["mini_batch"] = torch.tensor([index[k] for k in batch["group"].tolist()], dtype=torch.long)
@@ -156,28 +192,22 @@ def worker_device(cfg: Config) -> torch.device:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Path, device: torch.device, progress: bool, relay=None):
-        self.cfg, self.run_dir, self.device = cfg, run_dir, device
+    def __init__(self, cfg: Config, run_dir: Path, device: torch.device, progress: bool, relay=None, stream=None):
+        """`relay`: this worker's end of the single controller (runtime.mode=centralized);
+        `stream`: a disaggregated run's train side (trainer/disaggregated.py), which
+        brings the samples and takes the weights, and then this runs the graph's train half."""
+        self.cfg, self.run_dir, self.device, self.stream = cfg, run_dir, device, stream
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.graph = build_graph(cfg)  # validated (and its callables imported) before any model loads
+        if stream is not None:
+            self.graph = self.graph.split(ROLLOUT_ROLES)[1]
         self.tokenizer = load_tokenizer(cfg.model.path)
-        # The prefetch thread gets its own instance: HF fast tokenizers may mutate their
-        # padding/truncation state per call, which two threads must not share.
-        self.prefetch_tokenizer = load_tokenizer(cfg.model.path)
-        # Each worker opens the files (metadata only) and reads the rows of its own shard,
-        # under the bad-row policy (data.on_bad_row, data.on_long_prompt).
-        self.train_rows = ShardedDataset(cfg.data.train_files)
-        self.reader = PromptReader(self.train_rows, cfg.data.max_prompt_length, cfg.data.on_bad_row,
-                                   cfg.data.on_long_prompt, cfg.trainer.seed)
         self.val = heldout_rows(cfg, self.tokenizer, self.rank, self.world)
-        self.row_counts: dict[int, Counter] = defaultdict(Counter)  # step -> skipped rows, truncated prompts
         # Layouts: a rollout replica is a group of replica_size ranks; training is data-parallel over all ranks.
         self.rollout_layout = Layout(self.world, tp_size=cfg.rollout.replica_size)
         self.train_layout = Layout.data_parallel(self.world)
-        self.sampler = ShardedSampler(len(self.train_rows), cfg.data.train_batch_size,
-                                      self.rollout_layout.dp_rank(self.rank), self.rollout_layout.dp_size,
-                                      cfg.trainer.seed)
+        self.prompts = PromptSource(cfg, self.rollout_layout, self.rank, self.tokenizer.pad_token_id)
         roles = {n.role for n in self.graph.nodes}  # which engines this graph needs
         torch.manual_seed(cfg.trainer.seed)
         # resuming: the policy comes from the checkpoint (a HF folder), the reference from model.path
@@ -214,7 +244,8 @@ class Trainer:
         self._status_lock = threading.Lock()
         self.scheduler = Scheduler(self.graph, placement=self.placement, overlap=overlap,
                                    threads=cfg.scheduler.threads,
-                                   refill=RefillPrompts(self) if any(n.refill for n in self.graph.nodes) else None,
+                                   refill=RefillPrompts(self.prompts, self.tokenizer, self.ctx)
+                                   if any(n.refill for n in self.graph.nodes) else None,
                                    on_node=lambda name: self._status(self.ctx.step, name))
         self.trace_steps = {int(s) for s in str(cfg.trainer.trace_steps).replace(" ", "").split(",") if s}
         self.store = LocalStore()
@@ -242,7 +273,7 @@ class Trainer:
         self.start_step = state["step"]
         if self.ctx.reward_kl is not None and "reward_kl_coef" in state.get("algorithm", {}):
             self.ctx.reward_kl.value = state["algorithm"]["reward_kl_coef"]
-        if self.sampler.next_step(state["dataloader"]) != self.start_step + 1:
+        if self.prompts.sampler.next_step(state["dataloader"]) != self.start_step + 1:
             raise checkpoint.CheckpointError(f"checkpoint {path}: dataloader position {state['dataloader']} "
                                              f"does not match step {self.start_step}")
         metrics = path / "metrics.jsonl"
@@ -254,18 +285,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def source_batch(self, step: int, positions: list[tuple[int, int]], tokenizer, offset: int = 0) -> Batch:
-        taken, counts = self.reader.take([i for _, i in positions], partial(nodes.encode_prompt, tokenizer))
-        if self.rollout_layout.tp_rank(self.rank) == 0:  # a TP group's members read the same rows
-            with self._status_lock:
-                self.row_counts[step].update(counts)
-        rows = [(offset + pos, row, ids) for (pos, _), (row, ids) in zip(positions, taken)]
-        share = (self.rollout_layout.tp_rank(self.rank), self.rollout_layout.tp_size)
-        return nodes.source_batch(rows, self.cfg, self.tokenizer.pad_token_id, share)
-
     def prepare(self, step: int) -> Batch:
-        """The step's prompts, tokenised: runs on the prefetch thread one step ahead."""
-        return self.source_batch(step, self.sampler.local_positions(step), self.prefetch_tokenizer)
+        """The step's prompts, tokenised (or, disaggregated, its samples as they arrive):
+        runs on the prefetch thread one step ahead."""
+        return self.prompts.prepare(step) if self.stream is None else self.stream.receive(step)
 
     def step(self, step: int, sources: Batch) -> dict[str, float]:
         self.ctx.step, self.ctx.acc = step, MeanAccumulator()
@@ -282,11 +305,15 @@ class Trainer:
                  else run_commanded_step(self.scheduler, self.ctx, store, step, self.relay))
         timer = StageTimer(step, self._status)
         with timer("weight_sync"):  # the rollout engine gets the updated policy, in place
-            self.rollout.update_weights(self.actor.iter_full_weights(), version=step)
+            if self.stream is None:
+                self.rollout.update_weights(self.actor.iter_full_weights(), version=step)
+            else:  # to the rollout workers; the evaluation engine here shares the actor's weights
+                self.stream.publish(self.actor, version=step)
+                self.rollout.update_weights(() if self.rollout.shares_trainer_weights
+                                            else self.actor.iter_full_weights(), version=step)
         seconds = node_seconds(spans) | timer.seconds
         nodes.record_rollout_metrics(store.all(), acc, episodes=self.ctx.episodes is not None)
-        with self._status_lock:
-            counts = self.row_counts.pop(step, Counter())
+        counts = self.prompts.take_counts(step)
         for name in ("skipped_rows", "truncated_prompts"):
             acc.add_total(f"data/{name}", counts[name])
         for name, value in self.placement.stats.as_metrics().items():
@@ -302,7 +329,8 @@ class Trainer:
             path = self.run_dir / "traces" / f"step_{step}_rank_{self.rank}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(chrome_trace(spans, self.rank)))
-        return acc.reduce()
+        rollout_side = self.stream.record(step, store.all(), acc) if self.stream is not None else {}
+        return acc.reduce() | rollout_side
 
     # ------------------------------------------------------------------ evaluation
 
@@ -334,17 +362,18 @@ class Trainer:
         bar = self._progress_bar(total)
         if bar is not None:
             bar.update(self.start_step)
-        tokens, train_seconds = 0.0, 0.0
+        tokens, train_seconds, ready = 0.0, 0.0, time.perf_counter()
         # the next step's prompts are read and tokenised while this step computes
         for index, seqs in DoubleBuffer(lambda i: self.prepare(first + i), max(total - self.start_step, 0)):
             step = first + index
             t0 = time.perf_counter()
+            waited = t0 - ready  # for the step's prompts (disaggregated: its samples)
             metrics = self.step(step, seqs)
             seconds = time.perf_counter() - t0
-            train_seconds += seconds
+            train_seconds += seconds + waited
             tokens += metrics["tokens/total"]
-            metrics.update({"step": step, "time/step": seconds,
-                            "perf/tokens_per_second": metrics["tokens/total"] / seconds})
+            metrics.update({"step": step, "time/step": seconds, "time/wait_for_samples": waited,
+                            "perf/tokens_per_second": metrics["tokens/total"] / (seconds + waited)})
             if step == total or (eval_every and step % eval_every == 0):
                 metrics.update(self.evaluate(step))
                 final = metrics["val/accuracy"]
@@ -355,18 +384,23 @@ class Trainer:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(progress_postfix(metrics, final))
+            ready = time.perf_counter()
         if bar is not None:
             bar.close()
         if cfg.trainer.save_final and self.start_step < total:
             self._save("final", total)
         summary = {
             "heldout_accuracy_initial": initial, "heldout_accuracy_final": final, "steps": total,
-            "num_workers": self.world, "wall_seconds": time.time() - start,
+            "num_workers": cfg.runtime.num_workers, "placement": cfg.runtime.placement, "wall_seconds": time.time() - start,
             "train_seconds": train_seconds, "tokens_per_second": tokens / max(train_seconds, 1e-9),
             "algorithm": cfg.algorithm.name, "run_dir": str(self.run_dir),
             "network": "cluster" if cfg.runtime.ray_address else "loopback" if netns.inside() else "host",
             **self.actor.parameter_counts(),
         }
+        if self.stream is not None:
+            rt = cfg.runtime
+            summary |= {"train_workers": rt.train_workers, "rollout_workers": rt.rollout_workers,
+                        "max_staleness": cfg.algorithm.max_staleness}
         if self.rank == 0:
             history = self.writer.read()
             summary["reward_first"] = next(r["reward/mean"] for r in history if "reward/mean" in r)
@@ -374,6 +408,12 @@ class Trainer:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             write_plot(history, self.run_dir / "reward.png")
         return summary
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.rollout.close()
+        self.trackers.close()
+        close_reward_runners(self.ctx.reward_fn, self.ctx.accuracy_fn)
 
     def _check_bad_steps(self, step: int, metrics: dict[str, float]) -> None:
         """A step where an update met NaN/inf was skipped (counted in */skipped_updates);
@@ -405,7 +445,7 @@ class Trainer:
         with StageTimer(step, self._status)("checkpoint"):
             checkpoint.save(self.run_dir / "checkpoints" / name, hf_skeleton=self.policy_skeleton, tokenizer=self.tokenizer,
                             actor=self.actor, critic=self.ctx.critic, step=step,
-                            loader_state=self.sampler.state_dict(step),
+                            loader_state=self.prompts.sampler.state_dict(step),
                             metrics_file=self.writer.path if self.writer is not None else None,
                             keep_last=self.cfg.trainer.keep_last,
                             algorithm_state={"reward_kl_coef": self.ctx.reward_kl.value}
@@ -424,14 +464,15 @@ def run_worker(cfg_dict: dict, run_dir: str, progress: bool = False, relay=None)
     is already initialised by the runtime. `relay`: this worker's end of the driver in
     runtime.mode=centralized (the driver runs each step's graph)."""
     cfg = from_dict(cfg_dict)
+    if cfg.runtime.placement == "disaggregated":
+        from distflow.trainer.disaggregated import run_disaggregated  # it builds on this module
+
+        return run_disaggregated(cfg, Path(run_dir), progress)
     trainer = Trainer(cfg, Path(run_dir), worker_device(cfg), progress, relay)
     try:
         return trainer.fit()
     finally:
-        trainer.scheduler.close()
-        trainer.rollout.close()
-        trainer.trackers.close()
-        close_reward_runners(trainer.ctx.reward_fn, trainer.ctx.accuracy_fn)
+        trainer.close()
 
 
 def run_eval_worker(cfg_dict: dict, report_path: str, k: int) -> dict | None:

@@ -276,7 +276,8 @@ def make_policy_loss(cfg: Config, num_tokens: float, num_seqs: float, policy_los
 
     def loss_fn(log_probs: torch.Tensor, entropy: torch.Tensor, micro: Batch):
         mask = micro["response_mask"].float()  # (B, R)
-        old = micro["old_log_probs"] if "old_log_probs" in micro else log_probs.detach()
+        old = (micro["old_log_probs"] if "old_log_probs" in micro else
+               micro["rollout_log_probs"] if a.old_log_probs_from == "rollout" else log_probs.detach())
         tokens = float(mask.sum())
         weights, metrics = None, {}
         if a.rollout_correction != "off":  # the engine's probabilities are not the trainer's

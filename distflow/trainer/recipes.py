@@ -17,7 +17,8 @@ the builder runs they are in the config, so the graph follows from the config al
   greedy_baseline     an estimator that needs a "baseline" (ReMax)
   critic_values,      an estimator that needs "values" (GAE): PPO's critic
   critic_update
-  old_log_prob        off-policy updates (ppo_epochs > 1 or several mini-batches)
+  old_log_prob        off-policy updates (ppo_epochs > 1, several mini-batches, or samples
+                        of older weights), unless algorithm.old_log_probs_from=rollout
   (actor_update reads rollout_log_probs with algorithm.rollout_correction on)
   With rollout.max_turns > 1 the rollout runs multi-turn episodes (engines/agent.py) and
   every scoring forward also reads observation_mask (the environment's tokens).
@@ -38,11 +39,20 @@ from distflow.trainer import nodes
 SOURCES = ("prompts", "prompt_mask", "group", "mini_batch", "sample_id", "sample_k", "uid",
            "ground_truth", "data_source", "extra_info")
 SCORING = ("prompts", "prompt_mask", "responses", "response_mask")
+# Under runtime.placement=disaggregated the rollout workers run these roles' nodes (as far
+# as their inputs allow: Graph.split), the train workers the rest.
+ROLLOUT_ROLES = ("rollout", "reward", "filter")
 
 
 def on_policy(cfg: Config) -> bool:
-    """One optimizer step per rollout: the old log-probs equal the current ones (detached)."""
-    return cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
+    """One optimizer step per rollout, on samples of the current weights: the old
+    log-probs equal the current ones (detached)."""
+    return (cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
+            and cfg.algorithm.max_staleness == 0)
+
+
+def recomputes_old_log_probs(cfg: Config) -> bool:
+    return not on_policy(cfg) and cfg.algorithm.old_log_probs_from == "recompute"
 
 
 def _node(name: str, role: str, inputs, outputs, **kw) -> Node:
@@ -103,7 +113,7 @@ def recipe_graph(cfg: Config) -> Graph:
                                                       "rollout_log_probs"), ("token_rewards",), layout="groups",
                            collective=True, chunked=False, params={"reward_field": reward_field}))
         reward_field = "token_rewards"
-    if not on_policy(cfg):
+    if recomputes_old_log_probs(cfg):
         built.append(_node("old_log_prob", "actor_forward", scoring, ("old_log_probs",), deps=gate))
     critic = "values" in info.needs
     adv_inputs = [reward_field, "response_mask", "group"] + (["values"] if critic else []) \
@@ -113,8 +123,8 @@ def recipe_graph(cfg: Config) -> Graph:
                        collective=info.batch_whitened, layout="train" if critic else None, deps=gate))
     train_inputs = [*scoring, "advantages", "mini_batch"]
     train_inputs += ["ref_log_probs"] if a.use_kl_loss else []
-    train_inputs += [] if on_policy(cfg) else ["old_log_probs"]
-    train_inputs += ["rollout_log_probs"] if a.rollout_correction != "off" else []
+    train_inputs += ["old_log_probs"] if recomputes_old_log_probs(cfg) else []
+    train_inputs += ["rollout_log_probs"] if a.rollout_correction != "off" or a.old_log_probs_from == "rollout" else []
     if critic:
         built.append(_node("critic_values", "critic_forward", SCORING, ("values",)))
         built.append(_node("critic_update", "critic_train", [*SCORING, "values", "returns", "mini_batch"], ()))

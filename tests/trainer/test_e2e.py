@@ -136,26 +136,36 @@ def test_any_local_model_parquet_data_custom_reward_and_periodic_checkpoints(tmp
     assert (out / "checkpoints" / "final" / "model.safetensors").exists()
 
 
-def test_tensor_parallel_rollout_layout_trains_like_plain_data_parallel(tmp_path):
-    """4 workers with rollout TP groups of 2 (2 replicas, reshard to DP=4 for training)
-    run the same math as 2 plain data-parallel workers: same samples, same updates."""
+def test_placements_train_like_plain_data_parallel(tmp_path):
+    """The same math as 2 plain data-parallel workers from 4 workers with rollout TP groups
+    of 2 (2 replicas, reshard to DP=4 for training), and from 1 rollout worker + 1 train
+    worker with max_staleness=0 (runtime.placement=disaggregated: samples streamed to the
+    trainer, weights pushed back): same samples, same updates, same held-out accuracy."""
     runs = {}
     for name, extra in {"dp2": ["runtime.num_workers=2"],
-                        "tp2": ["runtime.num_workers=4", "rollout.replica_size=2"]}.items():
+                        "tp2": ["runtime.num_workers=4", "rollout.replica_size=2"],
+                        "disaggregated": ["runtime.placement=disaggregated", "runtime.train_workers=1",
+                                          "runtime.rollout_workers=1"]}.items():
         out = tmp_path / name
         _distflow([*SMALL, "runtime.launcher=torchrun", "trainer.save_final=false",
                    "actor.ppo_mini_batch_size=2", "actor.micro_batch_size=3", *extra,
                    f"trainer.output_dir={out}"], tmp_path)
         runs[name] = _metrics(out)
-    # 3 steps of 2 mini-batches: later steps sample from updated, synced weights
-    for a, b in zip(runs["dp2"][1:], runs["tp2"][1:], strict=True):
-        for k in ["reward/mean", "reward/accuracy", "response/length_mean", "tokens/total"]:
-            assert a[k] == b[k], (k, a["step"], a[k], b[k])
-        for k in ["actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "actor/clip_frac"]:
-            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (k, a["step"], a[k], b[k])
+    # 3 steps of 2 mini-batches (so the old log-probs are recomputed): later steps sample from updated, synced weights
+    for other in ("tp2", "disaggregated"):
+        assert runs["dp2"][0]["val/accuracy"] == runs[other][0]["val/accuracy"]
+        assert runs["dp2"][-1]["val/accuracy"] == runs[other][-1]["val/accuracy"]
+        for a, b in zip(runs["dp2"][1:], runs[other][1:], strict=True):
+            for k in ["reward/mean", "reward/accuracy", "response/length_mean", "tokens/total"]:
+                assert a[k] == b[k], (other, k, a["step"], a[k], b[k])
+            for k in ["actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "actor/clip_frac"]:
+                assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (other, k, a["step"], a[k], b[k])
+    for a, b, c in zip(runs["dp2"][1:], runs["tp2"][1:], runs["disaggregated"][1:]):
         # dp2 moves rows only to balance tokens (none at all in step 1); tp2 also gathers each
         # replica's halves on both of its ranks
         assert b["coordinator/payload_received_bytes"] > a["coordinator/payload_received_bytes"]
+        assert c["async/version_lag_max"] == 0 and c["async/version_lag_0"] == 1.0
+        assert "time/rollout" in c and "time/actor_update" in c  # both sides' timings in one record
     assert runs["dp2"][1]["coordinator/payload_received_bytes"] == 0
 
 

@@ -82,3 +82,19 @@ def test_torchrun_worker_killed_mid_run_fails_the_run_naming_stages(tmp_path):
     error = [line for line in stderr.splitlines() if line.startswith("distflow: error:")]
     assert len(error) == 1 and "torchrun workers failed" in error[0], stderr[-3000:]
     assert "rank 1 '" in error[0] and "of step" in error[0], error[0]
+
+
+def test_a_rollout_worker_killed_in_a_disaggregated_run_is_named_and_the_trainer_stops(tmp_path):
+    """Rank 1 is the rollout worker of a 1 + 1 asynchronous run: its death is reported as
+    its own (not as the train worker's broken stream), with its stage, within 30 s."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
+    cmd = [sys.executable, "-m", "distflow.cli", "train", "runtime.placement=disaggregated",
+           "algorithm.max_staleness=1", "trainer.total_steps=500", "trainer.eval_every=0", "trainer.progress=false",
+           "trainer.save_final=false", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
+           "algorithm.group_size=4", "data.val_max_samples=8", f"trainer.output_dir={run_dir}"]
+    returncode, stderr, elapsed = _kill_worker_1_mid_run(cmd, run_dir, tmp_path, env)
+    assert returncode == 1 and elapsed < 30, (returncode, elapsed, stderr[-3000:])
+    error = [line for line in stderr.splitlines() if line.startswith("distflow: error:")]
+    assert len(error) == 1, stderr[-3000:]
+    assert "worker 1 died in stage '" in error[0] and "(rollout worker)' of step" in error[0], error[0]

@@ -1,0 +1,264 @@
+"""Streaming between the two sides of a disaggregated run (runtime/roles.py): finished
+trajectories from each rollout rank straight to the train ranks, and new weights from
+train rank 0 to every rollout rank. Rank to rank over the given gloo groups; nothing
+passes through the launcher.
+
+Trajectories. A rollout rank splits a step's samples into one part per train rank,
+whole prompt groups each, balanced by tokens (Karmarkar-Karp on the groups' token
+counts), and sends each part as a packed buffer (executor.pack) with a small JSON note
+(the step, the rollout side's timings and counters). Every train rank receives its part
+from every rollout rank, in rank order, on a thread of its own, so the next step's
+samples arrive while the current step trains.
+
+Weights. Train rank 0 broadcasts the full state dict as one flat buffer per dtype with
+a JSON index, tagged with its version (the number of optimizer steps behind it); each
+rollout rank receives on a thread and keeps only the newest version until its
+generation loop swaps it in between batches. Version -1 ends the stream.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distflow.coordinator.executor import pack, unpack
+from distflow.coordinator.planner import karmarkar_karp
+from distflow.data.batch import Batch, sequence_lengths
+
+_TAG = 0
+END = -1
+
+
+def split_groups_by_tokens(batch: Batch, parts: int) -> list[list[int]]:
+    """Row indices of `batch` in `parts` lists: every prompt group whole, the lists'
+    token totals near-equal. Rows keep their order inside each list."""
+    groups = batch["group"].tolist() if len(batch) else []
+    keys = sorted(set(groups))
+    tokens = dict.fromkeys(keys, 0)
+    for g, n in zip(groups, sequence_lengths(batch) if len(batch) else []):
+        tokens[g] += n
+    owner = {}
+    for part, members in enumerate(karmarkar_karp([tokens[k] for k in keys], parts)):
+        owner.update({keys[i]: part for i in members})
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for row, g in enumerate(groups):
+        out[owner[g]].append(row)
+    return out
+
+
+def _send_message(pg: dist.ProcessGroup, dst: int, step: int, note: dict, payload: torch.Tensor) -> list:
+    body = json.dumps(note).encode()
+    message = torch.cat([torch.frombuffer(bytearray(body), dtype=torch.uint8), payload])
+    header = torch.tensor([step, len(body), payload.numel()], dtype=torch.int64)
+    return [pg.send([header], dst, _TAG), pg.send([message], dst, _TAG)]
+
+
+def _recv_message(pg: dist.ProcessGroup, src: int) -> tuple[int, dict, torch.Tensor]:
+    header = torch.empty(3, dtype=torch.int64)
+    pg.recv([header], src, _TAG).wait()
+    step, note_len, size = header.tolist()
+    message = torch.empty(note_len + size, dtype=torch.uint8)
+    if len(message):
+        pg.recv([message], src, _TAG).wait()
+    return step, json.loads(bytes(message[:note_len].tolist()) or b"{}"), message[note_len:]
+
+
+class _Worker:
+    """A daemon thread over a queue; its first error is re-raised by `check`."""
+
+    def __init__(self, name: str, target):
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(target,), name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self, target) -> None:
+        try:
+            target()
+        except BaseException as e:  # re-raised on the main thread
+            self.error = e
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"{self.thread.name} failed: {type(self.error).__name__}: {self.error}") \
+                from self.error
+
+
+class TrajectorySender(_Worker):
+    """On a rollout rank: `send(step, batch, note)` returns at once; a thread sends."""
+
+    def __init__(self, pg: dist.ProcessGroup, train_ranks: range):
+        self.pg, self.train_ranks = pg, train_ranks
+        self.outbox: queue.Queue = queue.Queue()
+        super().__init__("trajectory sender", self._loop)
+
+    def send(self, step: int, batch: Batch, note: dict) -> dict[str, float]:
+        """Queue this step's samples (split by groups and tokens) for the train ranks;
+        returns the bytes queued per train rank."""
+        self.check()
+        parts = split_groups_by_tokens(batch, len(self.train_ranks))
+        ids = batch["sample_id"] if len(batch) else []
+        buffers = [pack(batch, rows, [ids[r] for r in rows]) for rows in parts]
+        self.outbox.put((step, note, buffers))
+        return {f"to_rank_{t}": float(b.numel()) for t, b in zip(self.train_ranks, buffers)}
+
+    def _loop(self) -> None:
+        while (item := self.outbox.get()) is not None:
+            step, note, buffers = item
+            works = []
+            for i, (dst, buffer) in enumerate(zip(self.train_ranks, buffers)):
+                works += _send_message(self.pg, dst, step, note if i == 0 else {}, buffer)
+            for w in works:
+                w.wait()
+
+    def close(self) -> None:
+        """Send what is queued, then stop the thread."""
+        self.outbox.put(None)
+        self.thread.join()
+        self.check()
+
+
+class TrajectoryReceiver(_Worker):
+    """On a train rank: receives steps `first..last` from every rollout rank, in order,
+    ahead of the trainer; `take(step)` waits for that step's samples."""
+
+    def __init__(self, pg: dist.ProcessGroup, rollout_ranks: range, first: int, last: int, timeout_s: float):
+        self.pg, self.rollout_ranks, self.first, self.last = pg, rollout_ranks, first, last
+        self.timeout_s = timeout_s
+        self.inbox: queue.Queue = queue.Queue()
+        super().__init__("trajectory receiver", self._loop)
+
+    def _loop(self) -> None:
+        for step in range(self.first, self.last + 1):
+            parts, notes = [], []
+            for src in self.rollout_ranks:
+                sent_step, note, payload = _recv_message(self.pg, src)
+                if sent_step != step:
+                    raise RuntimeError(f"rollout rank {src} sent step {sent_step} where step {step} was due")
+                batch, _, _ = unpack(payload)
+                parts.append(batch)
+                notes.append(note)
+            self.inbox.put((step, Batch.concat(parts), notes))
+
+    def take(self, step: int) -> tuple[Batch, list[dict]]:
+        """This step's samples from all rollout ranks and each rank's note."""
+        waited = 0.0
+        while True:
+            self.check()
+            try:
+                got, batch, notes = self.inbox.get(timeout=1.0)
+                break
+            except queue.Empty:
+                waited += 1.0
+                if waited >= self.timeout_s:
+                    raise TimeoutError(f"no samples for step {step} from the rollout workers within "
+                                       f"{self.timeout_s:.0f} s") from None
+        assert got == step, f"received step {got} where step {step} was due"
+        return batch, notes
+
+
+def _flatten(weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[dict, list[torch.Tensor]]:
+    """One flat buffer per dtype and the index to cut it back: {name: [dtype, offset, shape]}."""
+    index, pieces = {}, {}
+    for name, tensor in weights:
+        t = tensor.detach().to("cpu").contiguous()
+        key = str(t.dtype).removeprefix("torch.")
+        offset = sum(p.numel() for p in pieces.get(key, []))
+        index[name] = [key, offset, list(t.shape)]
+        pieces.setdefault(key, []).append(t.view(-1))
+    order = sorted(pieces)
+    return {"order": order, "tensors": index}, [torch.cat(pieces[k]) for k in order]
+
+
+class WeightPublisher:
+    """On train rank 0 (member 0 of the weights group): one broadcast per version."""
+
+    def __init__(self, pg: dist.ProcessGroup):
+        self.pg = pg
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([tensor], opts).wait()
+
+    def publish(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        """Send `weights` as `version`; returns the bytes sent."""
+        index, flats = _flatten(weights)
+        body = json.dumps(index).encode()
+        self._broadcast(torch.tensor([version, len(body)], dtype=torch.int64))
+        self._broadcast(torch.frombuffer(bytearray(body), dtype=torch.uint8))
+        for flat in flats:
+            self._broadcast(flat)
+        return sum(f.numel() * f.element_size() for f in flats)
+
+    def close(self) -> None:
+        self._broadcast(torch.tensor([END, 0], dtype=torch.int64))
+
+
+class WeightSubscriber(_Worker):
+    """On a rollout rank: receives every version on a thread and keeps the newest until
+    `take_newer` hands it to the generation loop."""
+
+    def __init__(self, pg: dist.ProcessGroup, version: int):
+        self.pg = pg
+        self.version = version  # the newest received (or the starting weights')
+        self.pending: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
+        self.cond = threading.Condition()
+        super().__init__("weight subscriber", self._loop)
+
+    def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([tensor], opts).wait()
+        return tensor
+
+    def _loop(self) -> None:
+        while True:
+            version, body_len = self._broadcast(torch.empty(2, dtype=torch.int64)).tolist()
+            if version == END:
+                with self.cond:
+                    self.version = END
+                    self.cond.notify_all()
+                return
+            index = json.loads(bytes(self._broadcast(torch.empty(body_len, dtype=torch.uint8)).tolist()))
+            sizes: dict[str, int] = {}
+            for dtype, offset, shape in index["tensors"].values():
+                sizes[dtype] = max(sizes.get(dtype, 0), offset + torch.Size(shape).numel())
+            flats = {k: self._broadcast(torch.empty(sizes[k], dtype=getattr(torch, k))) for k in index["order"]}
+            weights = [(name, flats[dtype][offset: offset + torch.Size(shape).numel()].view(shape))
+                       for name, (dtype, offset, shape) in index["tensors"].items()]
+            with self.cond:
+                self.pending, self.version = (version, weights), version
+                self.cond.notify_all()
+
+    def wait_for(self, version: int, timeout_s: float) -> float:
+        """Block until weights of `version` or newer have arrived (or the stream has
+        ended); returns the seconds waited."""
+        start = time.perf_counter()
+        with self.cond:
+            while self.version != END and self.version < version:
+                self.check()
+                if time.perf_counter() - start > timeout_s:
+                    raise TimeoutError(f"no weights of version {version} within {timeout_s:.0f} s")
+                self.cond.wait(timeout=1.0)
+        self.check()
+        return time.perf_counter() - start
+
+    def take_newer(self) -> tuple[int, list[tuple[str, Any]]] | None:
+        """The newest weights received since the last call, or None."""
+        with self.cond:
+            pending, self.pending = self.pending, None
+        return pending
+
+    def join(self, timeout_s: float) -> None:
+        """Wait for the end of the stream (the trainers' last update)."""
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            raise TimeoutError(f"the weight stream did not end within {timeout_s:.0f} s")
+        self.check()

@@ -1,0 +1,225 @@
+"""runtime.placement=disaggregated: rollout workers generate continuously, train workers
+train, and the two meet only through the coordinator's streams (coordinator/stream.py).
+
+    train ranks 0..T-1                           rollout ranks T..T+R-1
+    Trainer on the graph's second half           RolloutWorker on its first half
+      (reference, old log-probs, advantage,        (generation, reward, filters)
+       updates), held-out evaluation,
+       checkpoints, metrics
+           ^  samples of step s, whole groups, balanced by tokens  |
+           |-------------------------------------------------------|
+           |  weights of version v (after v updates), from rank 0  v
+
+Versions and staleness. The samples of step s are trained on by the policy of version
+s - 1. A rollout worker generates step s with the newest weights it holds, and only
+once it holds version s - 1 - k or newer (k = algorithm.max_staleness), so no sample is
+more than k versions behind the policy that trains on it; every sample carries its
+version (`weight_version`). k = 0 is the synchronous schedule: the same samples and the
+same updates as the colocated run. With k > 0 the update needs the old (proximal)
+policy's log-probs and corrects for the sampler's (algorithm.old_log_probs_from,
+algorithm.rollout_correction; defaults: decoupled PPO with token-level truncated IS).
+
+Resuming: the rollout workers start again from the checkpoint's step with its weights,
+so samples that were in flight when the run stopped are generated again with those
+weights (the first resumed step has lag 0) and nothing is trained twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from distflow.config import Config
+from distflow.coordinator.double_buffer import DoubleBuffer
+from distflow.coordinator.layout import Layout
+from distflow.coordinator.placement import Placement
+from distflow.coordinator.store import LocalStore
+from distflow.coordinator.stream import TrajectoryReceiver, TrajectorySender, WeightPublisher, WeightSubscriber
+from distflow.dag.scheduler import Scheduler, node_seconds
+from distflow.data.batch import Batch
+from distflow.engines.common import load_tokenizer
+from distflow.runtime.roles import Roles, split_roles
+from distflow.trainer import checkpoint, nodes
+from distflow.trainer.loop import (PromptSource, RefillPrompts, Trainer, close_reward_runners, make_episode_runner,
+                                   make_reward_runners, make_rollout_engine, resolve_overlap, worker_device)
+from distflow.trainer.metrics import MeanAccumulator, StageTimer
+from distflow.trainer.recipes import ROLLOUT_ROLES, build_graph
+
+
+def start_step_of(cfg: Config, run_dir: Path) -> tuple[Path | None, int]:
+    """The checkpoint this run resumes from (trainer.resume) and its step; (None, 0) afresh."""
+    path = checkpoint.resolve(cfg.trainer.resume, run_dir)
+    return path, checkpoint.read_state(path)["step"] if path is not None else 0
+
+
+class TrainSide:
+    """A train worker's ends of the streams: samples in (every rank), weights out (rank 0)."""
+
+    def __init__(self, cfg: Config, roles: Roles, first_step: int):
+        self.cfg, self.roles = cfg, roles
+        self.receiver = TrajectoryReceiver(roles.bridge, roles.rollout_ranks, first_step, cfg.trainer.total_steps,
+                                           cfg.runtime.collective_timeout_s)
+        self.publisher = WeightPublisher(roles.weights) if roles.weights is not None else None
+        self.notes: dict[int, list[dict]] = {}
+        self.dropped: dict[int, int] = {}
+        self.lock = threading.Lock()
+
+    def receive(self, step: int) -> Batch:
+        """Step `step`'s samples (runs on the prefetch thread). A sample older than
+        max_staleness versions is dropped and counted (the rollout workers' pause keeps
+        this from happening; the check is what the bound promises)."""
+        batch, notes = self.receiver.take(step)
+        lag = (step - 1) - batch["weight_version"] if len(batch) else torch.zeros(0, dtype=torch.long)
+        fresh = lag <= self.cfg.algorithm.max_staleness
+        with self.lock:
+            self.notes[step], self.dropped[step] = notes, int((~fresh).sum())
+        return batch if bool(fresh.all()) else batch.select(fresh.nonzero().flatten())
+
+    def record(self, step: int, batch: Batch, acc: MeanAccumulator) -> dict[str, float]:
+        """The version-lag metrics of the step's samples (into `acc`); returns the rollout
+        side's own metrics (rollout rank 0's note, on the train rank that got it)."""
+        with self.lock:
+            notes, dropped = self.notes.pop(step), self.dropped.pop(step)
+        acc.add_total("async/dropped_stale_samples", dropped)
+        lag = ((step - 1) - batch["weight_version"]).float() if len(batch) else torch.zeros(0)
+        acc.add("async/version_lag_mean", float(lag.sum()), len(lag))
+        acc.add_max("async/version_lag_max", float(lag.max()) if len(lag) else 0.0)
+        for k in range(self.cfg.algorithm.max_staleness + 1):  # the lag histogram, as fractions
+            acc.add(f"async/version_lag_{k}", float((lag == k).sum()), len(lag))
+        return next((n["metrics"] for n in notes if "metrics" in n), {})
+
+    def publish(self, actor, version: int) -> None:
+        """The updated policy to every rollout worker (train rank 0 sends; with sharded
+        weights every train rank takes part in gathering them)."""
+        if version >= self.cfg.trainer.total_steps:  # nobody generates with the last weights
+            return
+        weights = actor.iter_full_weights()
+        if self.publisher is not None:
+            self.publisher.publish(weights, version)
+        elif not actor.holds_full_weights:
+            for _ in weights:  # each tensor's gather is a collective
+                pass
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+        self.receiver.check()
+
+
+class RolloutWorker:
+    """A rollout rank: the graph's first half, step after step, as far ahead of the
+    trainers as the staleness bound lets it."""
+
+    def __init__(self, cfg: Config, run_dir: Path, device: torch.device, roles: Roles):
+        import torch.distributed as dist
+
+        self.cfg, self.run_dir, self.roles = cfg, run_dir, roles
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()  # within the rollout workers
+        self.graph = build_graph(cfg).split(ROLLOUT_ROLES)[0]
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        layout = Layout(self.world, tp_size=cfg.rollout.replica_size)
+        self.prompts = PromptSource(cfg, layout, self.rank, self.tokenizer.pad_token_id)
+        resume_from, self.start_step = start_step_of(cfg, run_dir)
+        torch.manual_seed(cfg.trainer.seed)
+        self.engine = make_rollout_engine(cfg, str(resume_from or cfg.model.path), self.tokenizer, device, actor=None)
+        self.engine.weight_version = self.start_step
+        reward_fn, accuracy_fn = make_reward_runners(cfg)
+        overlap = resolve_overlap(cfg, device)
+        self.ctx = nodes.WorkerContext(cfg=cfg, tokenizer=self.tokenizer, rollout=self.engine, actor=None,
+                                       reward_fn=reward_fn, accuracy_fn=accuracy_fn, overlap=overlap)
+        self.ctx.episodes = make_episode_runner(cfg, self.engine, self.tokenizer)
+        self.scheduler = Scheduler(self.graph, placement=Placement(layout, layout), overlap=overlap,
+                                   threads=cfg.scheduler.threads,
+                                   refill=RefillPrompts(self.prompts, self.tokenizer, self.ctx)
+                                   if any(n.refill for n in self.graph.nodes) else None,
+                                   on_node=lambda name: self._status(self.ctx.step, name))
+        self.sender = TrajectorySender(roles.bridge, roles.train_ranks)
+        self.weights = WeightSubscriber(roles.weights, self.start_step)
+
+    def run(self) -> dict:
+        cfg, k = self.cfg, self.cfg.algorithm.max_staleness
+        first, total = self.start_step + 1, cfg.trainer.total_steps
+        store, busy, start = LocalStore(), 0.0, time.perf_counter()
+        for index, sources in DoubleBuffer(lambda i: self.prompts.prepare(first + i), max(total - self.start_step, 0)):
+            step = first + index
+            timer = StageTimer(step, self._status)
+            with timer("wait_for_weights"):
+                self.weights.wait_for(step - 1 - k, cfg.runtime.collective_timeout_s)
+            with timer("weight_swap"):
+                newest = self.weights.take_newer()
+                if newest is not None and newest[0] > self.engine.weight_version:
+                    self.engine.update_weights(newest[1], version=newest[0])
+            t0 = time.perf_counter()
+            self.ctx.step, self.ctx.acc = step, MeanAccumulator()
+            store.clear()
+            store.put(sources)
+            spans = self.scheduler.run(self.ctx, store, step)
+            batch = store.all()
+            batch.tensors["weight_version"] = torch.full((len(batch),), self.engine.weight_version, dtype=torch.long)
+            busy += time.perf_counter() - t0
+            self.sender.send(step, batch, {"metrics": self._metrics(step, spans, timer)} if self.rank == 0 else {})
+        self.sender.close()
+        self.weights.join(cfg.runtime.collective_timeout_s)  # the trainers end the stream after their last update
+        return {"role": "rollout", "rank": self.roles.world_rank, "busy_fraction": busy / (time.perf_counter() - start)}
+
+    def _metrics(self, step: int, spans, timer: StageTimer) -> dict[str, float]:
+        """The rollout side's timings and counters of the step, over all rollout workers."""
+        acc = self.ctx.acc
+        counts = self.prompts.take_counts(step)
+        for name in ("skipped_rows", "truncated_prompts"):
+            acc.add_total(f"data/{name}", counts[name])
+        for name, value in self.scheduler.counters.items():
+            acc.add_total(name, value if self.rank == 0 else 0.0)
+        for node, secs in node_seconds(spans).items():
+            acc.add_max(f"time/{node}", secs)
+        acc.add_max("async/rollout_wait_for_weights_s", timer.seconds["wait_for_weights"])
+        acc.add_max("time/weight_swap", timer.seconds["weight_swap"])
+        return acc.reduce()
+
+    def _status(self, step: int, stage: str) -> None:
+        """As Trainer._status, under this worker's rank in the job."""
+        path = self.run_dir / "status" / f"rank-{self.roles.world_rank}.json"
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_suffix(f".{threading.get_ident()}.tmp")
+        tmp.write_text(json.dumps({"rank": self.roles.world_rank, "pid": os.getpid(), "step": step,
+                                   "stage": f"{stage} (rollout worker)"}))
+        os.replace(tmp, path)
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.engine.close()
+        close_reward_runners(self.ctx.reward_fn, self.ctx.accuracy_fn)
+
+
+def run_disaggregated(cfg: Config, run_dir: Path, progress: bool) -> dict:
+    """A worker of a disaggregated run: split the job's group into the two sides, then
+    train or generate."""
+    rt = cfg.runtime
+    roles = split_roles(rt.train_workers, rt.rollout_workers, rt.collective_timeout_s)
+    device = worker_device(cfg)
+    if roles.role == "rollout":
+        worker = RolloutWorker(cfg, run_dir, device, roles)
+        try:
+            result = worker.run()
+        finally:
+            worker.close()
+        roles.close()
+        return result
+    _, start = start_step_of(cfg, run_dir)
+    side = TrainSide(cfg, roles, start + 1)
+    eval_cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine="hf",
+                                                                    tensor_parallel_size=1, replica_size=1))
+    trainer = Trainer(eval_cfg, run_dir, device, progress, stream=side)
+    try:
+        summary = trainer.fit()
+        side.close()
+    finally:
+        trainer.close()
+    roles.close()
+    return summary

@@ -1,0 +1,106 @@
+"""The disaggregated streams on real gloo groups: trajectories rollout rank -> train ranks
+(whole groups, balanced by tokens) and versioned weights train rank 0 -> rollout ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distflow.coordinator.stream import (TrajectoryReceiver, TrajectorySender, WeightPublisher, WeightSubscriber,
+                                         split_groups_by_tokens)
+from distflow.data.batch import Batch
+from helpers import run_gloo
+
+
+def _batch(groups: list[int], response_lengths: list[int], width: int = 8) -> Batch:
+    n = len(groups)
+    mask = torch.zeros(n, width, dtype=torch.long)
+    for i, length in enumerate(response_lengths):
+        mask[i, :length] = 1
+    return Batch({"group": torch.tensor(groups), "prompt_mask": torch.ones(n, 2, dtype=torch.long),
+                  "prompts": torch.arange(2 * n).view(n, 2), "response_mask": mask,
+                  "responses": torch.arange(n * width).view(n, width)},
+                 {"sample_id": list(range(100, 100 + n))})
+
+
+def test_split_keeps_groups_whole_and_balances_tokens():
+    # groups 0..3 with 2 rows each; token totals per group: 2+2+2+2=8, 2*(2+6)=16, 2*(2+1)=6, 2*(2+5)=14
+    batch = _batch([0, 0, 1, 1, 2, 2, 3, 3], [2, 2, 6, 6, 1, 1, 5, 5])
+    parts = split_groups_by_tokens(batch, 2)
+    assert sorted(r for p in parts for r in p) == list(range(8))
+    groups = [{int(batch["group"][r]) for r in p} for p in parts]
+    assert groups[0].isdisjoint(groups[1])  # no group is cut
+    tokens = sorted(sum(2 + int(batch["response_mask"][r].sum()) for r in p) for p in parts)
+    assert tokens == [22, 22]  # {8, 14} and {16, 6}: the best split
+    assert all(p == sorted(p) for p in parts)
+
+
+def _trajectories(rank: int, world: int) -> list:
+    """Ranks 0-1 train, ranks 2-3 generate; each rollout rank sends two steps."""
+    pg = dist.new_group(backend="gloo")  # a group of its own, as the roles get
+    if rank >= 2:
+        sender = TrajectorySender(pg, range(2))
+        for step in (1, 2):
+            offset = 10 * rank + step
+            batch = _batch([offset, offset, offset + 5, offset + 5], [1, 3, 7, 2])
+            batch.meta["sample_id"] = [1000 * rank + 10 * step + i for i in range(4)]
+            sender.send(step, batch, {"from": rank, "step": step})
+        sender.close()
+        return []
+    receiver = TrajectoryReceiver(pg, range(2, 4), 1, 2, timeout_s=60)
+    out = []
+    for step in (1, 2):
+        batch, notes = receiver.take(step)
+        out.append((step, sorted(batch["sample_id"]), batch["group"].tolist(), notes))
+    return out
+
+
+def test_trajectories_reach_the_train_ranks_whole_and_once():
+    results = run_gloo(_trajectories, 4)
+    for step_index, step in enumerate((1, 2)):
+        got = [results[r][step_index] for r in (0, 1)]
+        ids = sorted(got[0][1] + got[1][1])
+        assert ids == sorted(1000 * r + 10 * step + i for r in (2, 3) for i in range(4))  # every sample once
+        for _, _, groups, _ in got:
+            assert len(groups) == 4  # one whole group of 2 from each rollout rank (balanced by tokens)
+        # the note travels with the first train rank's part only
+        assert got[0][3] == [{"from": 2, "step": step}, {"from": 3, "step": step}]
+        assert got[1][3] == [{}, {}]
+
+
+def _weights(rank: int, world: int) -> list:
+    pg = dist.new_group(backend="gloo")  # a group of its own, as the roles get
+    if rank == 0:
+        dist.barrier()  # the subscribers have timed out waiting
+        publisher = WeightPublisher(pg)
+        for version in (1, 2):
+            sent = publisher.publish([("w", torch.full((2, 3), float(version))),
+                                      ("ids", torch.arange(4) * version),
+                                      ("b", torch.full((3,), -float(version)))], version)
+            dist.barrier()  # the subscribers look between versions
+        publisher.close()
+        return [sent]
+    subscriber = WeightSubscriber(pg, version=0)
+    with pytest.raises(TimeoutError, match="no weights of version 1 within 0 s"):  # nothing sent yet
+        subscriber.wait_for(1, timeout_s=0.2)
+    dist.barrier()
+    seen = []
+    for version in (1, 2):
+        subscriber.wait_for(version, timeout_s=60)
+        v, weights = subscriber.take_newer()
+        seen.append((v, {name: t.tolist() for name, t in weights}))
+        assert subscriber.take_newer() is None  # handed over once
+        dist.barrier()
+    subscriber.join(timeout_s=60)
+    return seen
+
+
+def test_weights_arrive_versioned_with_names_shapes_and_dtypes_or_a_wait_times_out():
+    results = run_gloo(_weights, 3)
+    assert results[0] == [6 * 4 + 4 * 8 + 3 * 4 - 0]  # float32 2x3 + int64 4 + float32 3, in bytes
+    for rank in (1, 2):
+        (v1, w1), (v2, w2) = results[rank]
+        assert (v1, v2) == (1, 2)
+        assert w1 == {"w": [[1.0] * 3] * 2, "ids": [0, 1, 2, 3], "b": [-1.0] * 3}
+        assert w2 == {"w": [[2.0] * 3] * 2, "ids": [0, 2, 4, 6], "b": [-2.0] * 3}

@@ -1,0 +1,137 @@
+"""runtime.placement=disaggregated: rollout workers and train workers apart, samples
+streamed rank to rank, weights pushed back, a staleness bound and the off-policy
+correction (trainer/disaggregated.py). That max_staleness=0 is the colocated run is
+tested beside the other placements in test_e2e.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from distflow.config import ConfigError, load_config
+from distflow.data.batch import Batch
+from distflow.trainer.nodes import make_policy_loss
+from distflow.trainer.recipes import ROLLOUT_ROLES, build_graph
+
+SMALL = ["trainer.total_steps=3", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
+         "algorithm.group_size=4", "data.val_max_samples=16", "rollout.max_new_tokens=24",
+         "trainer.eval_every=0", "trainer.progress=false", "trainer.save_final=false"]
+DISAGGREGATED = ["runtime.placement=disaggregated", "runtime.train_workers=1", "runtime.rollout_workers=1"]
+
+
+def _halves(*overrides: str) -> tuple[list[str], list[str]]:
+    rollout, train = build_graph(load_config(None, list(overrides))).split(ROLLOUT_ROLES)
+    return [n.name for n in rollout.nodes], [n.name for n in train.nodes]
+
+
+def test_the_graph_cuts_between_generation_and_training():
+    assert _halves() == (["rollout", "reward"], ["ref_log_prob", "advantage", "actor_update"])
+    # DAPO: its refilling filter and the shaping generate and score, on the rollout side
+    assert _halves("algorithm.name=dapo") == (["rollout", "reward", "dynamic_sampling", "overlong_penalty"],
+                                              ["advantage", "actor_update"])
+    # samples up to a version old: the proximal policy's log-probs are recomputed before the update
+    assert _halves(*DISAGGREGATED, "algorithm.max_staleness=1")[1] == [
+        "ref_log_prob", "advantage", "old_log_prob", "actor_update"]
+    # KL in the reward needs the reference, which trains' side holds
+    rollout, train = _halves("algorithm.use_kl_in_reward=true")
+    assert "kl_in_reward" in train and rollout == ["rollout", "reward"]
+    rollout, train = _halves("algorithm.name=ppo")
+    assert rollout == ["rollout", "reward"] and {"critic_values", "critic_update"} <= set(train)
+
+
+def test_placement_settings_are_checked_in_one_line():
+    cfg = load_config(None, [*DISAGGREGATED, "runtime.train_workers=2", "runtime.rollout_workers=3",
+                             "data.train_batch_size=6", "actor.ppo_mini_batch_size=6"])
+    assert cfg.runtime.num_workers == 5
+    assert cfg.algorithm.rollout_correction == "off"  # synchronous: the sampler is the trainer's policy
+    cfg = load_config(None, [*DISAGGREGATED, "algorithm.max_staleness=2"])
+    assert cfg.algorithm.rollout_correction == "token_tis"  # decoupled PPO by default
+    cases = {
+        ("algorithm.max_staleness=1",): "algorithm.max_staleness=1: colocated workers alternate",
+        (*DISAGGREGATED, "runtime.mode=centralized"): "runtime.placement=disaggregated: the single-controller",
+        (*DISAGGREGATED, "runtime.rollout_workers=3"): "data.train_batch_size=16: must be divisible by the number of rollout replicas, runtime.rollout_workers",
+        (*DISAGGREGATED, "algorithm.max_staleness=1", "algorithm.old_log_probs_from=rollout",
+         "algorithm.rollout_correction=token_tis"): "algorithm.rollout_correction='token_tis': with",
+    }
+    for overrides, message in cases.items():
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+            load_config(None, list(overrides))
+
+
+def _loss(*overrides: str, with_old: bool) -> tuple[float, dict]:
+    """The policy loss of one 3-token sequence, as the update computes it."""
+    cfg = load_config(None, [*overrides, "algorithm.use_kl_loss=false"])
+    log = lambda *p: torch.tensor([[math.log(x) for x in p]])  # noqa: E731
+    micro = Batch({"response_mask": torch.ones(1, 3), "advantages": torch.tensor([[1.0, -1.0, 0.5]]),
+                   "rollout_log_probs": log(0.1, 0.5, 0.2)} | ({"old_log_probs": log(0.4, 0.5, 0.3)} if with_old else {}))
+    loss, metrics = make_policy_loss(cfg, 3.0, 1.0)(log(0.5, 0.4, 0.3).requires_grad_(), torch.zeros(1, 3), micro)
+    return float(loss), metrics
+
+
+def test_decoupled_ppo_and_behaviour_ratio_against_hand_computed_values():
+    # decoupled PPO: ratio to the proximal policy r = [1.25, 0.8, 1.0], clipped at 1.2 for A > 0;
+    # behaviour weight min(prox / behav, cap=2) = [2 (4 truncated), 1, 1.5]
+    # loss = -(2 * 1.2 * 1 + 1 * 0.8 * -1 + 1.5 * 1.0 * 0.5) / 3
+    loss, metrics = _loss(*DISAGGREGATED, "algorithm.max_staleness=1", with_old=True)
+    assert loss == pytest.approx(-(2.4 - 0.8 + 0.75) / 3, abs=1e-6)
+    assert metrics["rollout_correction/weight_mean"] / 3 == pytest.approx((2 + 1 + 1.5) / 3, abs=1e-6)
+    assert metrics["rollout_correction/corrected_fraction"] / 3 == pytest.approx(1 / 3, abs=1e-6)
+    # token-level masking instead: the token whose ratio 4 is outside [1/2, 2] is not trained on
+    loss, _ = _loss(*DISAGGREGATED, "algorithm.max_staleness=1", "algorithm.rollout_correction=token_mask",
+                    with_old=True)
+    assert loss == pytest.approx(-(0 - 0.8 + 0.5) / 3, abs=1e-6)
+    # the PPO ratio against the sampler's own log-probs: r = [5, 0.8, 1.5], clipped to [0.8, 1.2]
+    loss, metrics = _loss(*DISAGGREGATED, "algorithm.max_staleness=1", "algorithm.old_log_probs_from=rollout",
+                          with_old=False)
+    assert loss == pytest.approx(-(1.2 - 0.8 + 0.6) / 3, abs=1e-6)
+    assert not any(k.startswith("rollout_correction/") for k in metrics)
+
+
+# ---------------------------------------------------------------------------- end to end
+
+
+def _distflow(args: list[str], cwd: Path, timeout: int = 420) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
+    proc = subprocess.run([sys.executable, "-m", "distflow.cli", "train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_asynchronous_dapo_on_ray_stays_within_its_staleness_and_resumes(tmp_path):
+    """DAPO with max_staleness=1 on Ray: step 2 is generated while step 1 trains (it cannot
+    wait for weights it is allowed to be behind), the correction measures the gap, no
+    payload reaches the launcher; a resumed run continues without repeating a step and
+    regenerates what was in flight with the checkpoint's weights."""
+    out = tmp_path / "run"
+    common = [*SMALL, *DISAGGREGATED, "algorithm.name=dapo", "algorithm.max_staleness=1",
+              "trainer.save_final=true", f"trainer.output_dir={out}"]
+    _distflow([*common, "trainer.total_steps=2"], tmp_path)
+    _distflow([*common, "trainer.total_steps=4"], tmp_path)
+    records = _metrics(out)
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert records[1]["async/version_lag_max"] == 0  # the starting weights are version 0
+    assert records[2]["async/version_lag_1"] == 1.0  # generated before step 1's update existed
+    assert records[3]["async/version_lag_max"] == 0  # after the resume: regenerated with step 2's weights
+    for r in records[1:]:
+        assert r["async/version_lag_max"] <= 1 and r["async/dropped_stale_samples"] == 0
+        assert 0 < r["rollout_correction/weight_mean"] <= 2.0
+        assert r["rollout_correction/mismatch_kl"] > -1e-6  # k3 >= 0, up to float32 rounding
+        assert "dynamic_sampling/refill_rounds" in r  # the filter ran on the rollout side
+    assert records[2]["rollout_correction/mismatch_kl"] > 1e-7  # one update apart: the policies differ
+    launcher = json.loads((out / "launcher.json").read_text())
+    assert launcher["payload_bytes_received"] == 0 and launcher["control_bytes_received"] > 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["placement"] == "disaggregated" and summary["steps"] == 4
