@@ -10,6 +10,7 @@
     distflow bench soak [--steps 200] [--workers 4] [--json FILE]
     distflow bench engines [--quick] [--json FILE] [--results-md FILE]
     distflow bench trl [--steps 60] [--json FILE] [--results-md FILE]
+    distflow bench async [--quick] [--json FILE] [--results-md FILE]
     distflow cluster up|down|status [--hosts 5] [--rate-mbit 400] [--delay-ms 0]
     distflow dag show [RECIPE] [--out PATH] [--config FILE] [section.key=value ...]
     distflow dag recipes
@@ -306,6 +307,7 @@ BENCHMARKS = {
     "soak": ("soak", "many steps of the default task; host-memory slope per process"),
     "engines": ("engines", "rollout engines: HF generate vs vLLM, tokens/s, start-up, weight sync (needs vLLM)"),
     "trl": ("peer_trl", "distflow train vs TRL's GRPOTrainer, same model, data, reward and wall budget (needs TRL)"),
+    "async": ("async_rl", "synchronous colocated vs asynchronous disaggregated training on the same cores"),
 }
 
 

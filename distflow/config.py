@@ -84,7 +84,8 @@ class RolloutConfig:
                                            "its sequences and all of them then hold its output (the layout a "
                                            "tensor-parallel engine leaves; the HF engine splits no tensor)")
     max_turns: int = _spec(1, min=1, doc="assistant turns per episode; > 1: multi-turn with rollout.tools or "
-                                         "rollout.env (max_new_tokens is then per turn)")
+                                         "rollout.env (max_new_tokens is then per turn); with rollout.agent the "
+                                         "most calls one sample may make")
     max_total_tokens: int = _spec(0, min=0, doc="multi-turn: response tokens per episode, turns and tool results "
                                                 "together; 0 = max_new_tokens * max_turns")
     tools: str = _spec("", doc="multi-turn: comma-separated built-in tools the model may call in Hermes "
@@ -92,6 +93,9 @@ class RolloutConfig:
     tool_timeout_s: float = _spec(5.0, min=0.01, doc="the python tool's limit per call")
     env: str | None = _spec(None, doc="multi-turn: module:Class or file.py:Class of the environment, made per "
                                       "episode with the rollout's tools (default: their results are the observation)")
+    agent: str | None = _spec(None, doc="module:function or file.py:function, `async def run(client, row) -> reward`: "
+                                        "an agent written against an OpenAI client; its calls to the run's "
+                                        "OpenAI-compatible endpoint (at most max_turns) are the sample")
 
 
 @dataclass(kw_only=True)
@@ -403,19 +407,32 @@ def _validate_lora(cfg: Config) -> None:
 
 
 def _validate_turns(cfg: Config) -> None:
+    import importlib.util
+
     r = cfg.rollout
-    if r.max_turns == 1:
+    if r.agent is not None:
+        if r.tools or r.env:
+            raise ConfigError(f"rollout.agent={r.agent!r}: the agent runs its own tools and environment; leave "
+                              f"rollout.{'tools' if r.tools else 'env'} unset")
+        if ":" not in r.agent:
+            raise ConfigError(f"rollout.agent={r.agent!r}: expected module:function or path.py:function")
+        if importlib.util.find_spec("openai") is None:
+            raise ConfigError(f'rollout.agent={r.agent!r}: the openai package is not installed; '
+                              'pip install "distflow[agents]"')
+    elif r.max_turns == 1:
         if r.tools or r.env:
             raise ConfigError(f"rollout.{'tools' if r.tools else 'env'}={r.tools or r.env!r}: tools and environments "
                               "answer between turns; set rollout.max_turns > 1")
         return
-    if not (r.tools or r.env):
-        raise ConfigError(f"rollout.max_turns={r.max_turns}: needs rollout.tools (e.g. calculator) or rollout.env")
+    if not (r.tools or r.env or r.agent):
+        raise ConfigError(f"rollout.max_turns={r.max_turns}: needs rollout.tools (e.g. calculator), rollout.env "
+                          "or rollout.agent")
     for name in (t.strip() for t in r.tools.split(",") if t.strip()):
         if name not in TOOLS:
             raise ConfigError(f"rollout.tools={r.tools!r}: unknown tool {name!r}; built in: {', '.join(TOOLS)}")
     if r.tensor_parallel_size > 1 or r.replica_size > 1:
-        raise ConfigError(f"rollout.max_turns={r.max_turns}: multi-turn episodes run on one-rank replicas; "
+        raise ConfigError(f"rollout.max_turns={r.max_turns}{', rollout.agent' if r.agent else ''}: multi-turn "
+                          "episodes run on one-rank replicas; "
                           "use rollout.tensor_parallel_size=1 and rollout.replica_size=1")
     if r.max_total_tokens and r.max_total_tokens < r.max_new_tokens:
         raise ConfigError(f"rollout.max_total_tokens={r.max_total_tokens}: must be >= rollout.max_new_tokens="

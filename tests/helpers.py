@@ -1,4 +1,5 @@
-"""Test helpers: run a function on N gloo processes and collect what each returns."""
+"""Test helpers: run a function on N gloo processes and collect what each returns; a
+rollout engine that answers from a script (for replies the tiny model would not write)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ import pickle
 import socket
 import traceback
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from distflow.data.batch import Batch
+from distflow.engines.rollout import response_mask_from
 
 
 def free_port() -> int:
@@ -55,3 +60,27 @@ def run_gloo(fn, world: int, *args, timeout: float = 120.0) -> list:
                 p.kill()
     assert not errors, "\n".join(errors)
     return [results[r] for r in range(world)]
+
+
+class ScriptedEngine:
+    """Answers each episode's turn t with script[episode][t]; an episode is known by its
+    prompt's first token. Records every call's contexts, so tests see what it was shown."""
+
+    weight_version, tensor_parallel_size = 0, 1
+
+    def __init__(self, tok, scripts: dict[int, list[str]]):
+        self.tok, self.scripts, self.calls = tok, scripts, []
+
+    def generate(self, prompts, seeds, params):
+        self.calls.append([list(p) for p in prompts])
+        texts = []
+        for p in prompts:
+            turn = sum(1 for call in self.calls[:-1] for q in call if q[0] == p[0])
+            texts.append(self.scripts[p[0]][turn])
+        ids = [self.tok(t, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id] for t in texts]
+        resp = torch.full((len(ids), params.max_new_tokens), self.tok.pad_token_id, dtype=torch.long)
+        for i, r in enumerate(ids):
+            resp[i, :min(len(r), params.max_new_tokens)] = torch.tensor(r[:params.max_new_tokens])
+        mask = response_mask_from(resp, self.tok.eos_token_id)
+        return Batch({"responses": resp, "response_mask": mask,
+                      "rollout_log_probs": -0.5 * mask.float()})  # every sampled token: -0.5

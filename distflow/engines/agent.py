@@ -138,20 +138,32 @@ class EpisodeRunner:
             active = running
         return self._batch(tokens, trained, log_probs, turns, counts)
 
+    def close(self) -> None:
+        """Nothing to release: environments live for one episode."""
+
     def _batch(self, tokens, trained, log_probs, turns, counts) -> Batch:
-        width, pad = self.settings.max_total_tokens, self.tokenizer.pad_token_id
-        n = len(tokens)
-        responses = torch.full((n, width), pad, dtype=torch.long)  # (N, R)
-        response_mask = torch.zeros((n, width), dtype=torch.long)
-        observation_mask = torch.zeros((n, width), dtype=torch.long)
-        rollout_log_probs = torch.zeros((n, width), dtype=torch.float32)
-        for i in range(n):
-            k = len(tokens[i])
-            responses[i, :k] = torch.tensor(tokens[i], dtype=torch.long)
-            response_mask[i, :k] = torch.tensor(trained[i], dtype=torch.long)
-            observation_mask[i, :k] = 1 - response_mask[i, :k]
-            rollout_log_probs[i, :k] = torch.tensor(log_probs[i], dtype=torch.float32)
-        fields = {"responses": responses, "response_mask": response_mask, "observation_mask": observation_mask,
-                  "rollout_log_probs": rollout_log_probs, "num_turns": torch.tensor(turns, dtype=torch.float32)}
-        fields |= {name: torch.tensor([c[name] for c in counts], dtype=torch.float32) for name in COUNTS}
-        return Batch(fields)
+        batch = trajectory_batch(tokens, trained, log_probs, self.settings.max_total_tokens,
+                                 self.tokenizer.pad_token_id)
+        batch.tensors["num_turns"] = torch.tensor(turns, dtype=torch.float32)
+        batch.tensors |= {name: torch.tensor([c[name] for c in counts], dtype=torch.float32) for name in COUNTS}
+        return batch
+
+
+def trajectory_batch(tokens: list[list[int]], trained: list[list[int]], log_probs: list[list[float]], width: int,
+                     pad_id: int) -> Batch:
+    """Rollout fields of token-in-token-out samples: each sample's tokens after its prompt,
+    right-padded to `width`; `trained` 1 where the engine sampled the token (loss mask),
+    0 where the environment or agent supplied it (observation_mask 1)."""
+    n = len(tokens)
+    responses = torch.full((n, width), pad_id, dtype=torch.long)  # (N, R)
+    response_mask = torch.zeros((n, width), dtype=torch.long)
+    observation_mask = torch.zeros((n, width), dtype=torch.long)
+    rollout_log_probs = torch.zeros((n, width), dtype=torch.float32)
+    for i in range(n):
+        k = len(tokens[i])
+        responses[i, :k] = torch.tensor(tokens[i], dtype=torch.long)
+        response_mask[i, :k] = torch.tensor(trained[i], dtype=torch.long)
+        observation_mask[i, :k] = 1 - response_mask[i, :k]
+        rollout_log_probs[i, :k] = torch.tensor(log_probs[i], dtype=torch.float32)
+    return Batch({"responses": responses, "response_mask": response_mask, "observation_mask": observation_mask,
+                  "rollout_log_probs": rollout_log_probs})

@@ -163,7 +163,8 @@ class RolloutWorker:
             batch = store.all()
             batch.tensors["weight_version"] = torch.full((len(batch),), self.engine.weight_version, dtype=torch.long)
             busy += time.perf_counter() - t0
-            self.sender.send(step, batch, {"metrics": self._metrics(step, spans, timer)} if self.rank == 0 else {})
+            metrics = self._metrics(step, spans, timer)  # a collective among the rollout workers
+            self.sender.send(step, batch, {"metrics": metrics} if self.rank == 0 else {})
         self.sender.close()
         self.weights.join(cfg.runtime.collective_timeout_s)  # the trainers end the stream after their last update
         return {"role": "rollout", "rank": self.roles.world_rank, "busy_fraction": busy / (time.perf_counter() - start)}
@@ -193,6 +194,8 @@ class RolloutWorker:
 
     def close(self) -> None:
         self.scheduler.close()
+        if self.ctx.episodes is not None:
+            self.ctx.episodes.close()
         self.engine.close()
         close_reward_runners(self.ctx.reward_fn, self.ctx.accuracy_fn)
 

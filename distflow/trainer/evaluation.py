@@ -59,8 +59,8 @@ def _scored(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[l
     if not rows and engine.tensor_parallel_size == 1:
         return nothing
     if episodes is not None:
-        tasks = [{"ground_truth": r.ground_truth, "data_source": r.data_source, "extra_info": r.extra_info}
-                 for r in rows]
+        tasks = [{"prompt": r.messages, "ground_truth": r.ground_truth, "data_source": r.data_source,
+                  "extra_info": r.extra_info} for r in rows]
         out = episodes.generate(ids, seeds, params, tasks)
     else:  # a tensor-parallel replica generates together, rows or not
         out = engine.generate(ids, seeds, params)

@@ -34,6 +34,7 @@ from distflow.engines.actor import Actor, OptimConfig, ReferenceModel, lr_factor
 from distflow.engines.common import causal_lm_skeleton, load_causal_lm, load_tokenizer, resolve_model_path
 from distflow.engines.agent import EpisodeRunner, EpisodeSettings, ToolEnvironment
 from distflow.engines.critic import Critic
+from distflow.engines.openai_endpoint import AgentRunner, AgentSettings
 from distflow.engines.lora import AdapterDisabledReference, LoraSettings, is_adapter_folder, with_lora
 from distflow.engines.reward import RewardRunner
 from distflow.engines.rollout import HFRolloutEngine, RolloutEngine
@@ -148,17 +149,21 @@ def make_rollout_engine(cfg: Config, policy_path: str, tokenizer, device: torch.
                              release_memory_after_rollout=r.release_memory_after_rollout)
 
 
-def make_episode_runner(cfg: Config, engine: RolloutEngine, tokenizer) -> EpisodeRunner | None:
-    """rollout.max_turns > 1: multi-turn episodes with rollout.tools, in rollout.env or the
-    default tool environment."""
+def make_episode_runner(cfg: Config, engine: RolloutEngine, tokenizer) -> EpisodeRunner | AgentRunner | None:
+    """rollout.agent: the user's OpenAI-client agent on an endpoint backed by `engine`;
+    rollout.max_turns > 1: multi-turn episodes with rollout.tools, in rollout.env or the
+    default tool environment. Both generate(prompts, seeds, params, tasks) -> Batch."""
     r = cfg.rollout
+    budget = r.max_total_tokens or r.max_new_tokens * r.max_turns
+    if r.agent is not None:
+        return AgentRunner(engine, tokenizer, load_callable(r.agent, "rollout.agent"),
+                           AgentSettings(max_total_tokens=budget, max_calls=r.max_turns))
     if r.max_turns == 1:
         return None
     toolbox = Toolbox([t.strip() for t in r.tools.split(",") if t.strip()], r.tool_timeout_s)
     env_class = load_callable(r.env, "rollout.env") if r.env else ToolEnvironment
     return EpisodeRunner(engine, tokenizer, lambda: env_class(toolbox),
-                         EpisodeSettings(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens
-                                         or r.max_new_tokens * r.max_turns))
+                         EpisodeSettings(max_turns=r.max_turns, max_total_tokens=budget))
 
 
 def make_reward_runners(cfg: Config) -> tuple[RewardRunner, RewardRunner]:
@@ -411,6 +416,8 @@ class Trainer:
 
     def close(self) -> None:
         self.scheduler.close()
+        if self.ctx.episodes is not None:
+            self.ctx.episodes.close()
         self.rollout.close()
         self.trackers.close()
         close_reward_runners(self.ctx.reward_fn, self.ctx.accuracy_fn)
@@ -494,6 +501,8 @@ def run_eval_worker(cfg_dict: dict, report_path: str, k: int) -> dict | None:
                                                     top_p=r.top_p, seed=cfg.trainer.seed), by_source=True,
                           episodes=episodes)
     finally:
+        if episodes is not None:
+            episodes.close()
         engine.close()
         close_reward_runners(reward_fn, accuracy_fn)
     if rank != 0:

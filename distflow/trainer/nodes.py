@@ -93,13 +93,15 @@ def source_batch(rows: list[tuple[int, PromptRow, list[int]]], cfg: Config, pad_
                  {"sample_id": [pos * n + k for pos, _, _, k in seqs], "sample_k": [k for _, _, _, k in seqs],
                   "uid": [r.index for _, r, _, _ in seqs], "ground_truth": [r.ground_truth for _, r, _, _ in seqs],
                   "data_source": [r.data_source for _, r, _, _ in seqs],
-                  "extra_info": [r.extra_info for _, r, _, _ in seqs]})
+                  "extra_info": [r.extra_info for _, r, _, _ in seqs],
+                  "prompt_messages": [r.messages for _, r, _, _ in seqs]})
 
 
 def tasks_of(batch: Batch) -> list[dict]:
-    """What an environment's reset sees of each row."""
-    return [{"ground_truth": g, "data_source": d, "extra_info": e}
-            for g, d, e in zip(batch["ground_truth"], batch["data_source"], batch["extra_info"])]
+    """What an environment's reset (or an agent) sees of each row."""
+    return [{"prompt": p, "ground_truth": g, "data_source": d, "extra_info": e}
+            for p, g, d, e in zip(batch["prompt_messages"], batch["ground_truth"], batch["data_source"],
+                                  batch["extra_info"])]
 
 
 def unpad_prompts(batch: Batch) -> list[list[int]]:
@@ -151,6 +153,8 @@ def score_responses(tokenizer, batch: Batch, reward_fn: RewardRunner,
 
 def reward(ctx: WorkerContext, batch: Batch) -> Batch:
     scores, correct, status = score_responses(ctx.tokenizer, batch, ctx.reward_fn, ctx.accuracy_fn)
+    if "agent_scores" in batch:  # rollout.agent: its run's return value is the reward; accuracy as always
+        scores, status = batch["agent_scores"], torch.zeros_like(status)
     return Batch({"scores": scores, "accuracy": correct, "reward_status": status})
 
 
@@ -371,7 +375,8 @@ def record_rollout_metrics(batch: Batch, acc: MeanAccumulator, episodes: bool = 
     status = batch["reward_status"] if n else torch.zeros(0)
     acc.add_total("reward/failed", float((status == FAILED).sum()))
     acc.add_total("reward/timed_out", float((status == TIMED_OUT).sum()))
-    if episodes:  # multi-turn: turns per episode, tool calls, errors and timeouts of the step
+    if episodes:  # multi-turn: turns (or an agent's calls) per sample, tool calls, errors and timeouts of the step
         acc.add("turns/mean", float(batch["num_turns"].sum()) if n else 0.0, n)
-        for name in EPISODE_COUNTS:
-            acc.add_total(name.replace("_", "/", 1), float(batch[name].sum()) if n else 0.0)
+        for name in (*EPISODE_COUNTS, "agent_tool_calls", "agent_failed"):
+            if name in batch:
+                acc.add_total(name.replace("_", "/", 1), float(batch[name].sum()) if n else 0.0)

@@ -20,8 +20,10 @@ the builder runs they are in the config, so the graph follows from the config al
   old_log_prob        off-policy updates (ppo_epochs > 1, several mini-batches, or samples
                         of older weights), unless algorithm.old_log_probs_from=rollout
   (actor_update reads rollout_log_probs with algorithm.rollout_correction on)
-  With rollout.max_turns > 1 the rollout runs multi-turn episodes (engines/agent.py) and
-  every scoring forward also reads observation_mask (the environment's tokens).
+  With rollout.max_turns > 1 the rollout runs multi-turn episodes (engines/agent.py), with
+  rollout.agent a user's OpenAI-client agent (engines/openai_endpoint.py, its reward in
+  agent_scores); every scoring forward also reads observation_mask (the tokens the
+  environment or the agent supplied).
 
 The node implementations are the library in nodes.py; a user's YAML graph
 (`algorithm.graph`) adds to or replaces them (dag/graph.py's load_graph_file).
@@ -33,11 +35,12 @@ from distflow.algos.core import get_policy_loss
 from distflow.config import ALGORITHMS, Config, Recipe, load_recipe, with_recipe
 from distflow.dag.graph import Graph, GraphError, Node, load_graph_file
 from distflow.engines.agent import COUNTS as EPISODE_COUNTS
+from distflow.engines.openai_endpoint import AGENT_FIELDS
 from distflow.trainer import nodes
 
 # Fields the trainer puts in the store before the first node (one row per response).
 SOURCES = ("prompts", "prompt_mask", "group", "mini_batch", "sample_id", "sample_k", "uid",
-           "ground_truth", "data_source", "extra_info")
+           "ground_truth", "data_source", "extra_info", "prompt_messages")
 SCORING = ("prompts", "prompt_mask", "responses", "response_mask")
 # Under runtime.placement=disaggregated the rollout workers run these roles' nodes (as far
 # as their inputs allow: Graph.split), the train workers the rest.
@@ -75,19 +78,21 @@ def _checked(cfg: Config):
 
 def recipe_graph(cfg: Config) -> Graph:
     a, info = cfg.algorithm, _checked(cfg)
-    episodes = cfg.rollout.max_turns > 1  # multi-turn: the environment's tokens are attended to, not trained
+    agent = cfg.rollout.agent is not None  # an OpenAI-client agent's calls are the sample
+    episodes = cfg.rollout.max_turns > 1 or agent  # the environment's / agent's tokens are attended to, not trained
     if episodes and "values" in info.needs:
         raise GraphError(f"rollout.max_turns={cfg.rollout.max_turns}: multi-turn episodes train critic-free "
                          f"recipes (grpo, dapo, rloo, reinforce_plus_plus, ...); {a.estimator!r} needs a critic")
     scoring = SCORING + (("observation_mask",) if episodes else ())
     rollout_out = ("responses", "response_mask", "rollout_log_probs")
-    rollout_out += ("observation_mask", "num_turns", *EPISODE_COUNTS) if episodes else ()
+    rollout_out += (("observation_mask", "num_turns", *AGENT_FIELDS) if agent else
+                    ("observation_mask", "num_turns", *EPISODE_COUNTS) if episodes else ())
     rollout_in = ("prompts", "prompt_mask", "uid", "sample_k")
-    rollout_in += ("ground_truth", "data_source", "extra_info") if episodes else ()
+    rollout_in += ("ground_truth", "data_source", "extra_info", "prompt_messages") if episodes else ()
     built = [
         _node("rollout", "rollout", rollout_in, rollout_out, stream=True),
-        _node("reward", "reward", ("responses", "response_mask", "ground_truth", "data_source", "extra_info"),
-              ("scores", "accuracy", "reward_status")),
+        _node("reward", "reward", ("responses", "response_mask", "ground_truth", "data_source", "extra_info")
+              + (("agent_scores",) if agent else ()), ("scores", "accuracy", "reward_status")),
     ]
     reward_field = "scores"
     gate: tuple[str, ...] = ()  # with dynamic sampling, everything after the filter sees only the kept groups

@@ -10,35 +10,12 @@ import torch
 
 from distflow.data.batch import Batch
 from distflow.engines.agent import EnvStep, EpisodeRunner, EpisodeSettings, ToolEnvironment, observation_ids
-from distflow.engines.rollout import SamplingParams, response_mask_from
+from distflow.engines.rollout import SamplingParams
 from distflow.engines.tiny_model import build_tokenizer
 from distflow.engines.tools import Toolbox
+from helpers import ScriptedEngine
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
-
-
-class ScriptedEngine:
-    """Answers each episode's turn t with script[episode][t]; an episode is known by its
-    prompt's first token. Records every call's contexts, so tests see what it was shown."""
-
-    weight_version, tensor_parallel_size = 0, 1
-
-    def __init__(self, tok, scripts: dict[int, list[str]]):
-        self.tok, self.scripts, self.calls = tok, scripts, []
-
-    def generate(self, prompts, seeds, params):
-        self.calls.append([list(p) for p in prompts])
-        texts = []
-        for p in prompts:
-            turn = sum(1 for call in self.calls[:-1] for q in call if q[0] == p[0])
-            texts.append(self.scripts[p[0]][turn])
-        ids = [self.tok(t, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id] for t in texts]
-        resp = torch.full((len(ids), params.max_new_tokens), self.tok.pad_token_id, dtype=torch.long)
-        for i, r in enumerate(ids):
-            resp[i, :min(len(r), params.max_new_tokens)] = torch.tensor(r[:params.max_new_tokens])
-        mask = response_mask_from(resp, self.tok.eos_token_id)
-        return Batch({"responses": resp, "response_mask": mask,
-                      "rollout_log_probs": -0.5 * mask.float()})  # every sampled token: -0.5
 
 
 def _runner(tok, engine, max_turns=4, max_total=400):

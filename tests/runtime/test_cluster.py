@@ -63,6 +63,12 @@ def test_hosts_talk_over_shaped_links_and_everything_is_torn_down_even_on_an_err
             assert float(sent.stdout) > 0.8 * (megabytes << 20) * 8 / 80e6
             raise RuntimeError("boom")
     assert leftovers(spec) == []
+    assert disaggregated.returncode == 0, disaggregated.stderr[-4000:]
+    apart_summary = json.loads((apart / "summary.json").read_text())
+    assert apart_summary["network"] == "cluster" and apart_summary["placement"] == "disaggregated"
+    apart_steps = [json.loads(line) for line in (apart / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [r["step"] for r in apart_steps] == [1, 2] and apart_steps[1]["async/version_lag_1"] == 1.0
+    assert json.loads((apart / "launcher.json").read_text())["payload_bytes_received"] == 0
 
 
 def test_without_root_the_cluster_says_so_in_one_line(monkeypatch):
@@ -116,6 +122,14 @@ def test_a_run_on_a_ray_cluster_across_hosts_places_one_worker_per_host(tmp_path
 
         bench = {r["mode"]: r for r in measure(Spec(2, 64, 128, 1), ["coordinator", "centralized-zerocopy"], 400,
                                                cluster=spec)}
+        # rollout and training apart, each on a host of its own, samples and weights over the links
+        apart = tmp_path / "apart"
+        disaggregated = c.run(0, [sys.executable, "-m", "distflow.cli", "train", f"runtime.ray_address={spec.ray_address}",
+                                  "runtime.placement=disaggregated", "algorithm.max_staleness=1",
+                                  "trainer.total_steps=2", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
+                                  "algorithm.group_size=4", "data.val_max_samples=4", "rollout.max_new_tokens=16",
+                                  "trainer.progress=false", "trainer.save_final=false", f"trainer.output_dir={apart}"],
+                              capture_output=True, text=True, timeout=400, cwd=tmp_path)
         too_many = c.run(0, [sys.executable, "-m", "distflow.cli", "train", f"runtime.ray_address={spec.ray_address}",
                              "runtime.num_workers=4", f"trainer.output_dir={tmp_path / 'run2'}"],
                          capture_output=True, text=True, timeout=200, cwd=tmp_path)

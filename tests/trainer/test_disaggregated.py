@@ -111,12 +111,12 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_asynchronous_dapo_on_ray_stays_within_its_staleness_and_resumes(tmp_path):
-    """DAPO with max_staleness=1 on Ray: step 2 is generated while step 1 trains (it cannot
+    """DAPO with max_staleness=1 on Ray, 2 train workers and 1 rollout worker: step 2 is generated while step 1 trains (it cannot
     wait for weights it is allowed to be behind), the correction measures the gap, no
     payload reaches the launcher; a resumed run continues without repeating a step and
     regenerates what was in flight with the checkpoint's weights."""
     out = tmp_path / "run"
-    common = [*SMALL, *DISAGGREGATED, "algorithm.name=dapo", "algorithm.max_staleness=1",
+    common = [*SMALL, *DISAGGREGATED, "runtime.train_workers=2", "algorithm.name=dapo", "algorithm.max_staleness=1",
               "trainer.save_final=true", f"trainer.output_dir={out}"]
     _distflow([*common, "trainer.total_steps=2"], tmp_path)
     _distflow([*common, "trainer.total_steps=4"], tmp_path)

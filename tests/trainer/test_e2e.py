@@ -138,14 +138,14 @@ def test_any_local_model_parquet_data_custom_reward_and_periodic_checkpoints(tmp
 
 def test_placements_train_like_plain_data_parallel(tmp_path):
     """The same math as 2 plain data-parallel workers from 4 workers with rollout TP groups
-    of 2 (2 replicas, reshard to DP=4 for training), and from 1 rollout worker + 1 train
+    of 2 (2 replicas, reshard to DP=4 for training), and from 2 rollout workers + 1 train
     worker with max_staleness=0 (runtime.placement=disaggregated: samples streamed to the
     trainer, weights pushed back): same samples, same updates, same held-out accuracy."""
     runs = {}
     for name, extra in {"dp2": ["runtime.num_workers=2"],
                         "tp2": ["runtime.num_workers=4", "rollout.replica_size=2"],
                         "disaggregated": ["runtime.placement=disaggregated", "runtime.train_workers=1",
-                                          "runtime.rollout_workers=1"]}.items():
+                                          "runtime.rollout_workers=2"]}.items():
         out = tmp_path / name
         _distflow([*SMALL, "runtime.launcher=torchrun", "trainer.save_final=false",
                    "actor.ppo_mini_batch_size=2", "actor.micro_batch_size=3", *extra,

@@ -69,3 +69,23 @@ def test_episodes_with_observations_train_alike_on_one_and_two_workers(tmp_path)
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (key, a["step"], a[key], b[key])
         assert a["actor/grad_norm"] > 0
     assert one[0]["val/accuracy"] == two[0]["val/accuracy"]  # the held-out evaluation runs the episodes too
+
+
+def test_an_agent_written_against_the_openai_client_trains(tmp_path):
+    """rollout.agent: examples/agents/arith_agent.py asks, and asks again for a #### line
+    when the reply has none; its calls through the run's endpoint are the samples (the
+    second request's messages become observation tokens) and its return value the reward."""
+    agent = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "agents", "arith_agent.py")
+    out = tmp_path / "agent"
+    proc = subprocess.run([sys.executable, "-m", "distflow.cli", "train",
+                           *[c for c in COMMON if not c.startswith("rollout.tools=")],
+                           "runtime.num_workers=2", f"rollout.agent={os.path.abspath(agent)}:run",
+                           f"trainer.output_dir={out}"], cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert 0.0 < records[0]["val/accuracy"] < 1.0  # the held-out evaluation runs the agent too (greedy)
+    for r in records[1:]:
+        assert 1.0 <= r["turns/mean"] <= 2.0 and r["agent/failed"] == 0.0 and "agent/tool_calls" in r
+        assert 0.0 < r["reward/mean"] < 1.0 and r["actor/grad_norm"] > 0
+        assert r["response/length_mean"] <= 96  # completions and the follow-up within max_total_tokens

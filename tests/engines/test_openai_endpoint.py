@@ -1,0 +1,162 @@
+"""The OpenAI-compatible endpoint, driven by the real `openai` client: token in, token out
+on the real HF engine and the embedded model, OpenAI-shaped errors, tool calls, and the
+agent runner that turns an agent's calls into samples."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import openai
+import pytest
+import torch
+
+from distflow.config import BUILTIN_MODEL
+from distflow.engines.agent import observation_ids
+from distflow.engines.common import load_causal_lm, load_tokenizer, render_prompt
+from distflow.engines.openai_endpoint import AgentRunner, AgentSettings, ChatEndpoint
+from distflow.engines.rollout import HFRolloutEngine, SamplingParams, sample_seed
+from helpers import ScriptedEngine
+
+QUESTION = [{"role": "user", "content": "Q: Tom has 3 apples and buys 4 more. How many apples does he have?"}]
+PARAMS = SamplingParams(temperature=1.0, max_new_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = load_tokenizer(BUILTIN_MODEL)
+    return HFRolloutEngine(load_causal_lm(BUILTIN_MODEL), tok), tok
+
+
+def _prompt(tok, messages=QUESTION) -> list[int]:
+    return tok(render_prompt(tok, messages), add_special_tokens=False)["input_ids"]
+
+
+def _client(endpoint: ChatEndpoint, key: str, token: str | None = None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=endpoint.base_url(key), api_key=token or endpoint.token, max_retries=0, timeout=60)
+
+
+def test_a_conversation_is_recorded_token_in_token_out(tiny):
+    engine, tok = tiny
+    endpoint = ChatEndpoint(engine, tok, PARAMS, max_total_tokens=80, max_calls=3)
+    try:
+        prompt = _prompt(tok)
+        (key,) = endpoint.open([prompt], [1234])
+        client = _client(endpoint, key)
+        first = client.chat.completions.create(model="policy", messages=QUESTION)
+        follow = [{"role": "user", "content": "Give the final answer as #### <number>."}]
+        second = client.chat.completions.create(
+            model="policy", messages=QUESTION + [{"role": "assistant", "content": first.choices[0].message.content}]
+            + follow)
+        trajectory = endpoint.collect(key)
+    finally:
+        endpoint.close()
+    # what the engine itself samples for these contexts and seeds (sampling is per sequence and call)
+    c1 = engine.generate([prompt], [sample_seed(1234, 0)], PARAMS)
+    c1 = c1["responses"][0, :int(c1["response_mask"][0].sum())].tolist()
+    observed = observation_ids(tok, follow)
+    c2 = engine.generate([prompt + c1 + observed], [sample_seed(1234, 1)], PARAMS)
+    c2 = c2["responses"][0, :int(c2["response_mask"][0].sum())].tolist()
+    assert trajectory.tokens == c1 + observed + c2  # the completions as sampled, never re-tokenised
+    assert trajectory.trained == [1] * len(c1) + [0] * len(observed) + [1] * len(c2)
+    assert all(lp < 0 for lp, t in zip(trajectory.log_probs, trajectory.trained) if t)
+    assert all(lp == 0 for lp, t in zip(trajectory.log_probs, trajectory.trained) if not t)
+    assert first.choices[0].message.content == tok.decode(c1, skip_special_tokens=True)
+    assert second.usage.prompt_tokens == len(prompt + c1 + observed) and second.usage.completion_tokens == len(c2)
+    assert trajectory.calls == 2
+
+
+def test_errors_come_in_openai_shapes(tiny):
+    engine, tok = tiny
+    endpoint = ChatEndpoint(engine, tok, PARAMS, max_total_tokens=40, max_calls=1, max_request_bytes=4000)
+    try:
+        (key,) = endpoint.open([_prompt(tok)], [1])
+        client = _client(endpoint, key)
+        with pytest.raises(openai.AuthenticationError) as e:
+            _client(endpoint, key, token="wrong").chat.completions.create(model="policy", messages=QUESTION)
+        assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+        with pytest.raises(openai.NotFoundError) as e:
+            client.chat.completions.create(model="gpt-4o", messages=QUESTION)
+        assert e.value.code == "model_not_found" and "gpt-4o" in e.value.message
+        with pytest.raises(openai.APIStatusError) as e:
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x" * 5000}])
+        assert e.value.status_code == 413 and e.value.code == "request_too_large"
+        with pytest.raises(openai.BadRequestError) as e:  # the first request must be the row's prompt
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hello"}])
+        assert e.value.code == "prompt_mismatch"
+        with pytest.raises(openai.NotFoundError) as e:
+            _client(endpoint, "nosuchsample").chat.completions.create(model="policy", messages=QUESTION)
+        assert e.value.code == "not_found"
+        assert [m.id for m in client.models.list()] == ["policy"]
+        reply = client.chat.completions.create(model="policy", messages=QUESTION)
+        with pytest.raises(openai.BadRequestError) as e:  # rollout.max_turns=1: one call per sample
+            client.chat.completions.create(model="policy", messages=QUESTION + [
+                {"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "?"}])
+        assert e.value.code == "too_many_calls"
+        assert endpoint.collect(key).calls == 1  # the refused requests left no trace
+    finally:
+        endpoint.close()
+
+
+def test_tool_calls_come_back_in_openai_shape_and_a_rewritten_history_is_refused():
+    tok = load_tokenizer(BUILTIN_MODEL)
+    prompt = _prompt(tok)
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "3+4"}}</tool_call>'
+    engine = ScriptedEngine(tok, {prompt[0]: [f"Let me add. {call}", "#### 7"]})
+    endpoint = ChatEndpoint(engine, tok, dataclasses.replace(PARAMS, max_new_tokens=128), max_total_tokens=400,
+                            max_calls=3)
+    try:
+        (key,) = endpoint.open([prompt], [5])
+        client = _client(endpoint, key)
+        reply = client.chat.completions.create(model="policy", messages=QUESTION)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me add."
+        (tool_call,) = choice.message.tool_calls
+        assert tool_call.function.name == "calculator"
+        assert json.loads(tool_call.function.arguments) == {"expression": "3+4"}
+        with pytest.raises(openai.BadRequestError) as e:  # an edited history cannot be token-in-token-out
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "other"},
+                                                                     {"role": "assistant", "content": "x"},
+                                                                     {"role": "user", "content": "y"}])
+        assert e.value.code == "history_mismatch"
+        answer = client.chat.completions.create(model="policy", messages=QUESTION + [
+            choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": tool_call.id, "content": "7"}])
+        assert answer.choices[0].message.content == "#### 7" and answer.choices[0].finish_reason == "stop"
+        trajectory = endpoint.collect(key)
+    finally:
+        endpoint.close()
+    assert trajectory.tool_calls == 1 and trajectory.calls == 2
+    # the engine's second context: the prompt, its first completion, the tool result as the template shows it
+    assert engine.calls[1][0] == prompt + trajectory.tokens[:len(engine.calls[1][0]) - len(prompt)]
+    assert tok.decode([t for t, m in zip(trajectory.tokens, trajectory.trained) if not m]) == \
+        tok.decode(observation_ids(tok, [{"role": "tool", "content": "7"}]))
+
+
+async def _agent(client, row):
+    reply = await client.chat.completions.create(model="policy", messages=row["prompt"])
+    if row["extra_info"].get("fail"):
+        raise RuntimeError("the agent broke")
+    return 1.0 if reply.choices[0].message.content else 0.5
+
+
+def test_the_agent_runner_runs_every_sample_at_once_and_scores_what_run_returns(tiny):
+    engine, tok = tiny
+    runner = AgentRunner(engine, tok, _agent, AgentSettings(max_total_tokens=32, max_calls=2))
+    calls = []
+    generate = engine.generate
+    engine.generate = lambda prompts, seeds, params: calls.append(len(prompts)) or generate(prompts, seeds, params)
+    try:
+        rows = [{"prompt": QUESTION, "ground_truth": "7", "data_source": "arith", "extra_info": {"fail": i == 2}}
+                for i in range(4)]
+        out = runner.generate([_prompt(tok)] * 4, [11, 12, 13, 14], PARAMS, rows)
+    finally:
+        engine.generate = generate
+        runner.close()
+    assert out["responses"].shape == (4, 32) and out["agent_failed"].tolist() == [0.0, 0.0, 1.0, 0.0]
+    assert out["agent_scores"][2] == 0.0 and all(out["agent_scores"][i] in (0.5, 1.0) for i in (0, 1, 3))
+    assert out["num_turns"].tolist() == [1.0] * 4 and torch.all(out["observation_mask"] == 0)
+    assert sum(calls) == 4 and len(calls) < 4  # requests that arrive together share one engine call
+    assert runner.first_error == "RuntimeError: the agent broke"
+    # different seeds, different samples (the sample's seed reaches the engine)
+    assert len({tuple(r.tolist()) for r in out["responses"]}) > 1
