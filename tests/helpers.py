@@ -3,10 +3,14 @@ rollout engine that answers from a script (for replies the tiny model would not 
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import socket
+import subprocess
+import sys
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -36,6 +40,20 @@ def _child(rank: int, world: int, port: int, fn, args, queue) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def distflow_train(args: list[str], cwd: Path, timeout: int = 420) -> subprocess.CompletedProcess:
+    """`distflow train ARGS` in a subprocess; asserts it succeeded (its output tail if not)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
+    proc = subprocess.run([sys.executable, "-m", "distflow.cli", "train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def run_metrics(run_dir: Path) -> list[dict]:
+    """A run folder's metrics.jsonl records."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def run_gloo(fn, world: int, *args, timeout: float = 120.0) -> list:

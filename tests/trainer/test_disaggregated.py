@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from distflow.config import ConfigError, load_config
 from distflow.data.batch import Batch
+from helpers import distflow_train, run_metrics
 from distflow.trainer.nodes import make_policy_loss
 from distflow.trainer.recipes import ROLLOUT_ROLES, build_graph
 
@@ -97,18 +94,6 @@ def test_decoupled_ppo_and_behaviour_ratio_against_hand_computed_values():
 # ---------------------------------------------------------------------------- end to end
 
 
-def _distflow(args: list[str], cwd: Path, timeout: int = 420) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
-    proc = subprocess.run([sys.executable, "-m", "distflow.cli", "train", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.slow
 def test_asynchronous_dapo_on_ray_stays_within_its_staleness_and_resumes(tmp_path):
     """DAPO with max_staleness=1 on Ray, 2 train workers and 1 rollout worker: step 2 is generated while step 1 trains (it cannot
@@ -118,9 +103,9 @@ def test_asynchronous_dapo_on_ray_stays_within_its_staleness_and_resumes(tmp_pat
     out = tmp_path / "run"
     common = [*SMALL, *DISAGGREGATED, "runtime.train_workers=2", "algorithm.name=dapo", "algorithm.max_staleness=1",
               "trainer.save_final=true", f"trainer.output_dir={out}"]
-    _distflow([*common, "trainer.total_steps=2"], tmp_path)
-    _distflow([*common, "trainer.total_steps=4"], tmp_path)
-    records = _metrics(out)
+    distflow_train([*common, "trainer.total_steps=2"], tmp_path)
+    distflow_train([*common, "trainer.total_steps=4"], tmp_path)
+    records = run_metrics(out)
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
     assert records[1]["async/version_lag_max"] == 0  # the starting weights are version 0
     assert records[2]["async/version_lag_1"] == 1.0  # generated before step 1's update existed

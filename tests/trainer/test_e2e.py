@@ -6,10 +6,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import distflow_train, run_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -19,21 +20,8 @@ SMALL = ["trainer.total_steps=3", "data.train_batch_size=4", "actor.ppo_mini_bat
          "trainer.eval_every=0", "trainer.progress=false"]
 
 
-def _distflow(args: list[str], cwd: Path, timeout: int = 420) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
-    proc = subprocess.run([sys.executable, "-m", "distflow.cli", "train", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 PROBE = """
 import json, os
-from pathlib import Path
 from distflow.engines.reward import default_compute_score
 
 def score(data_source, solution_str, ground_truth, extra_info=None):
@@ -56,7 +44,7 @@ def test_ray_launcher_run_leaves_summary_plot_checkpoint_and_no_payload(tmp_path
     (tmp_path / "probe.py").write_text(PROBE)
     out = tmp_path / "run"
     args = [*SMALL, "trainer.total_steps=2", "scheduler.overlap=false", f"reward.custom_fn={tmp_path / 'probe.py'}:score"]
-    proc = _distflow([*args, f"trainer.output_dir={out}"], tmp_path)
+    proc = distflow_train([*args, f"trainer.output_dir={out}"], tmp_path)
     summary = json.loads((out / "summary.json").read_text())
     for key in ("heldout_accuracy_initial", "heldout_accuracy_final", "steps", "num_workers",
                 "wall_seconds", "tokens_per_second"):
@@ -64,7 +52,7 @@ def test_ray_launcher_run_leaves_summary_plot_checkpoint_and_no_payload(tmp_path
     assert summary["num_workers"] == 2 and summary["steps"] == 2 and summary["tokens_per_second"] > 0
     assert "heldout_accuracy_final=" in proc.stdout
     assert (out / "reward.png").stat().st_size > 1000
-    records = _metrics(out)
+    records = run_metrics(out)
     assert [r["step"] for r in records] == [0, 1, 2]
     # held-out accuracy per level of the built-in task too; the levels' rows make up the whole
     levels = [k for k in records[0] if k.startswith("val/accuracy/level_")]
@@ -94,10 +82,10 @@ def test_ray_launcher_run_leaves_summary_plot_checkpoint_and_no_payload(tmp_path
     assert tok.decode(tok("Ann has 3", add_special_tokens=False)["input_ids"]) == "Ann has 3"
 
     central = tmp_path / "centralized"
-    _distflow([*args, "runtime.mode=centralized", "trainer.save_final=false", f"trainer.output_dir={central}"],
+    distflow_train([*args, "runtime.mode=centralized", "trainer.save_final=false", f"trainer.output_dir={central}"],
               tmp_path)
     skip = ("time/", "perf/", "coordinator/")  # timings, and the peer-to-peer transfer counters
-    for a, b in zip(records, _metrics(central), strict=True):
+    for a, b in zip(records, run_metrics(central), strict=True):
         assert {k: v for k, v in a.items() if not k.startswith(skip)} == \
             {k: v for k, v in b.items() if not k.startswith(skip)}  # bit for bit
     driver = json.loads((central / "launcher.json").read_text())
@@ -109,7 +97,7 @@ def test_ray_launcher_run_leaves_summary_plot_checkpoint_and_no_payload(tmp_path
     from distflow.trainer.recipes import build_graph
 
     graph = build_graph(load_config(None, []))
-    ran = {k.removeprefix("time/relay_in_") for k in _metrics(central)[1] if k.startswith("time/relay_in_")}
+    ran = {k.removeprefix("time/relay_in_") for k in run_metrics(central)[1] if k.startswith("time/relay_in_")}
     assert ran == set(graph.order)
     assert driver["driver_steps"] == 2 and driver["driver_node_calls"] == 2 * 2 * len(graph.order)
 
@@ -124,11 +112,11 @@ def test_any_local_model_parquet_data_custom_reward_and_periodic_checkpoints(tmp
         "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    return len(solution_str) / 100.0\n")
     out = tmp_path / "run"
-    _distflow([*SMALL, "trainer.total_steps=2", "runtime.launcher=torchrun", "runtime.num_workers=1",
+    distflow_train([*SMALL, "trainer.total_steps=2", "runtime.launcher=torchrun", "runtime.num_workers=1",
                f"model.path={random_model_dir}", f"data.train_files={train}", f"data.val_files={val}",
                f"reward.custom_fn={tmp_path / 'length_reward.py'}:score", "trainer.save_every=1",
                f"trainer.output_dir={out}"], tmp_path)
-    records = _metrics(out)
+    records = run_metrics(out)
     # the custom reward is used for training (an untrained model never solves a problem,
     # but its responses have length), the rule-based accuracy is still reported
     assert records[1]["reward/mean"] > 0 and records[1]["reward/accuracy"] == 0.0
@@ -147,10 +135,10 @@ def test_placements_train_like_plain_data_parallel(tmp_path):
                         "disaggregated": ["runtime.placement=disaggregated", "runtime.train_workers=1",
                                           "runtime.rollout_workers=2"]}.items():
         out = tmp_path / name
-        _distflow([*SMALL, "runtime.launcher=torchrun", "trainer.save_final=false",
+        distflow_train([*SMALL, "runtime.launcher=torchrun", "trainer.save_final=false",
                    "actor.ppo_mini_batch_size=2", "actor.micro_batch_size=3", *extra,
                    f"trainer.output_dir={out}"], tmp_path)
-        runs[name] = _metrics(out)
+        runs[name] = run_metrics(out)
     # 3 steps of 2 mini-batches (so the old log-probs are recomputed): later steps sample from updated, synced weights
     for other in ("tp2", "disaggregated"):
         assert runs["dp2"][0]["val/accuracy"] == runs[other][0]["val/accuracy"]
@@ -178,9 +166,9 @@ def test_token_budget_micro_batches_train_like_fixed_ones_end_to_end(tmp_path):
     for name, extra in {"fixed": ["actor.micro_batch_size=2"],
                         "budget": ["actor.use_dynamic_bsz=true", "actor.max_tokens_per_micro_batch=160"]}.items():
         out = tmp_path / name
-        _distflow([*SMALL, "runtime.launcher=torchrun", "trainer.total_steps=2", "trainer.save_final=false",
+        distflow_train([*SMALL, "runtime.launcher=torchrun", "trainer.total_steps=2", "trainer.save_final=false",
                    "actor.ppo_mini_batch_size=2", *extra, f"trainer.output_dir={out}"], tmp_path)
-        runs[name] = _metrics(out)
+        runs[name] = run_metrics(out)
     for a, b in zip(runs["fixed"][1:], runs["budget"][1:], strict=True):
         for k in ["reward/mean", "reward/accuracy", "response/length_mean", "tokens/total"]:
             assert a[k] == b[k], (k, a[k], b[k])
@@ -198,10 +186,10 @@ def test_rollout_correction_runs_end_to_end_and_measures_the_mismatch(tmp_path):
     """Token-level TIS on 2 workers: the HF engine samples from the trainer's own weights,
     so the measured mismatch is rounding (KV cache vs full forward) and the weights are 1."""
     out = tmp_path / "tis"
-    _distflow([*SMALL, "runtime.launcher=torchrun", "trainer.total_steps=2", "trainer.save_final=false",
+    distflow_train([*SMALL, "runtime.launcher=torchrun", "trainer.total_steps=2", "trainer.save_final=false",
                "actor.ppo_mini_batch_size=2", "algorithm.rollout_correction=token_tis", f"trainer.output_dir={out}"],
               tmp_path)
-    for record in _metrics(out)[1:]:
+    for record in run_metrics(out)[1:]:
         assert abs(record["rollout_correction/mismatch_kl"]) < 1e-6  # k3 >= 0, but in float32 rounding
         assert record["rollout_correction/weight_mean"] == pytest.approx(1.0, abs=1e-3)
         assert record["rollout_correction/weight_max"] == pytest.approx(1.0, abs=1e-2)
@@ -214,8 +202,8 @@ def test_bf16_compute_trains_on_fp32_master_weights_end_to_end(tmp_path):
     from safetensors.torch import load_file
 
     out = tmp_path / "bf16"
-    _distflow([*SMALL, "runtime.launcher=torchrun", "model.dtype=bfloat16", f"trainer.output_dir={out}"], tmp_path)
-    steps = _metrics(out)[1:]
+    distflow_train([*SMALL, "runtime.launcher=torchrun", "model.dtype=bfloat16", f"trainer.output_dir={out}"], tmp_path)
+    steps = run_metrics(out)[1:]
     assert len(steps) == 3 and all(s["actor/grad_norm"] > 0 for s in steps)
     assert 0 < steps[0]["actor/kl"] < steps[-1]["actor/kl"]
     weights = load_file(out / "checkpoints" / "final" / "model.safetensors")
