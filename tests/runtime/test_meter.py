@@ -4,6 +4,7 @@ return value or in a file the launcher reads) is caught, byte for byte."""
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -58,3 +59,18 @@ def test_a_real_launch_counts_zero_for_a_clean_worker_and_every_leaked_byte(tmp_
     assert leaky["received_by_source"]["result"]["payload"] == 4 * 8 * 8 + 6 * 8
     assert leaky["received_by_source"]["metrics.jsonl"]["payload"] == 3 * 8
     assert leaky["payload_bytes_received"] == 256 + 48 + 24
+
+
+def test_a_resumed_run_replaces_the_earlier_runs_ray_temp_link(tmp_path):
+    """A run folder whose path is too long for Ray's sockets gets a link to a short temp
+    folder, removed at the end; the next run in the same folder (a resume) makes a new one."""
+    from distflow.runtime.ray_launcher import ray_temp_dir
+
+    run_dir = tmp_path / ("r" * 60)
+    run_dir.mkdir()
+    first, cleanup = ray_temp_dir(run_dir)
+    assert cleanup == first and (run_dir / "ray").resolve() == Path(first).resolve()
+    shutil.rmtree(cleanup)  # what the launcher does when the run ends: the link dangles
+    second, cleanup = ray_temp_dir(run_dir)
+    assert (run_dir / "ray").resolve() == Path(second).resolve() and Path(second).is_dir()
+    shutil.rmtree(cleanup)

@@ -22,6 +22,7 @@ SMALL = ["trainer.total_steps=3", "data.train_batch_size=4", "actor.ppo_mini_bat
 
 PROBE = """
 import json, os
+from pathlib import Path
 from distflow.engines.reward import default_compute_score
 
 def score(data_source, solution_str, ground_truth, extra_info=None):

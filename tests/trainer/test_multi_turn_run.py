@@ -79,7 +79,7 @@ def test_an_agent_written_against_the_openai_client_trains(tmp_path):
     out = tmp_path / "agent"
     proc = subprocess.run([sys.executable, "-m", "distflow.cli", "train",
                            *[c for c in COMMON if not c.startswith("rollout.tools=")],
-                           "runtime.num_workers=2", f"rollout.agent={os.path.abspath(agent)}:run",
+                           "runtime.num_workers=2", "trainer.total_steps=1", f"rollout.agent={os.path.abspath(agent)}:run",
                            f"trainer.output_dir={out}"], cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"),
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
