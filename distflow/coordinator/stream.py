@@ -70,8 +70,8 @@ def _recv_message(pg: dist.ProcessGroup, src: int) -> tuple[int, dict, torch.Ten
     return step, json.loads(bytes(message[:note_len].tolist()) or b"{}"), message[note_len:]
 
 
-class _Worker:
-    """A daemon thread over a queue; its first error is re-raised by `check`."""
+class _Thread:
+    """A daemon thread running `target`; its error, if any, is re-raised by `check`."""
 
     def __init__(self, name: str, target):
         self.error: BaseException | None = None
@@ -90,7 +90,7 @@ class _Worker:
                 from self.error
 
 
-class TrajectorySender(_Worker):
+class TrajectorySender(_Thread):
     """On a rollout rank: `send(step, batch, note)` returns at once; a thread sends."""
 
     def __init__(self, pg: dist.ProcessGroup, train_ranks: range):
@@ -124,7 +124,7 @@ class TrajectorySender(_Worker):
         self.check()
 
 
-class TrajectoryReceiver(_Worker):
+class TrajectoryReceiver(_Thread):
     """On a train rank: receives steps `first..last` from every rollout rank, in order,
     ahead of the trainer; `take(step)` waits for that step's samples."""
 
@@ -201,7 +201,7 @@ class WeightPublisher:
         self._broadcast(torch.tensor([END, 0], dtype=torch.int64))
 
 
-class WeightSubscriber(_Worker):
+class WeightSubscriber(_Thread):
     """On a rollout rank: receives every version on a thread and keeps the newest until
     `take_newer` hands it to the generation loop."""
 
