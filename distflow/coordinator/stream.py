@@ -176,29 +176,32 @@ def _flatten(weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[dict, list[to
     return {"order": order, "tensors": index}, [torch.cat(pieces[k]) for k in order]
 
 
+def _broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` from member 0 of the weights group to every member (in place)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    pg.broadcast([tensor], opts).wait()
+    return tensor
+
+
 class WeightPublisher:
     """On train rank 0 (member 0 of the weights group): one broadcast per version."""
 
     def __init__(self, pg: dist.ProcessGroup):
         self.pg = pg
 
-    def _broadcast(self, tensor: torch.Tensor) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        self.pg.broadcast([tensor], opts).wait()
-
     def publish(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         """Send `weights` as `version`; returns the bytes sent."""
         index, flats = _flatten(weights)
         body = json.dumps(index).encode()
-        self._broadcast(torch.tensor([version, len(body)], dtype=torch.int64))
-        self._broadcast(torch.frombuffer(bytearray(body), dtype=torch.uint8))
+        _broadcast(self.pg, torch.tensor([version, len(body)], dtype=torch.int64))
+        _broadcast(self.pg, torch.frombuffer(bytearray(body), dtype=torch.uint8))
         for flat in flats:
-            self._broadcast(flat)
+            _broadcast(self.pg, flat)
         return sum(f.numel() * f.element_size() for f in flats)
 
     def close(self) -> None:
-        self._broadcast(torch.tensor([END, 0], dtype=torch.int64))
+        _broadcast(self.pg, torch.tensor([END, 0], dtype=torch.int64))
 
 
 class WeightSubscriber(_Thread):
@@ -212,25 +215,19 @@ class WeightSubscriber(_Thread):
         self.cond = threading.Condition()
         super().__init__("weight subscriber", self._loop)
 
-    def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        self.pg.broadcast([tensor], opts).wait()
-        return tensor
-
     def _loop(self) -> None:
         while True:
-            version, body_len = self._broadcast(torch.empty(2, dtype=torch.int64)).tolist()
+            version, body_len = _broadcast(self.pg, torch.empty(2, dtype=torch.int64)).tolist()
             if version == END:
                 with self.cond:
                     self.version = END
                     self.cond.notify_all()
                 return
-            index = json.loads(bytes(self._broadcast(torch.empty(body_len, dtype=torch.uint8)).tolist()))
+            index = json.loads(bytes(_broadcast(self.pg, torch.empty(body_len, dtype=torch.uint8)).tolist()))
             sizes: dict[str, int] = {}
             for dtype, offset, shape in index["tensors"].values():
                 sizes[dtype] = max(sizes.get(dtype, 0), offset + torch.Size(shape).numel())
-            flats = {k: self._broadcast(torch.empty(sizes[k], dtype=getattr(torch, k))) for k in index["order"]}
+            flats = {k: _broadcast(self.pg, torch.empty(sizes[k], dtype=getattr(torch, k))) for k in index["order"]}
             weights = [(name, flats[dtype][offset: offset + torch.Size(shape).numel()].view(shape))
                        for name, (dtype, offset, shape) in index["tensors"].items()]
             with self.cond:

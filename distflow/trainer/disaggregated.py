@@ -27,8 +27,6 @@ weights (the first resumed step has lag 0) and nothing is trained twice.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -46,8 +44,9 @@ from distflow.data.batch import Batch
 from distflow.engines.common import load_tokenizer
 from distflow.runtime.roles import Roles, split_roles
 from distflow.trainer import checkpoint, nodes
-from distflow.trainer.loop import (PromptSource, RefillPrompts, Trainer, close_reward_runners, make_episode_runner,
-                                   make_reward_runners, make_rollout_engine, resolve_overlap, worker_device)
+from distflow.trainer.loop import (PromptSource, RefillPrompts, StatusFile, Trainer, close_reward_runners,
+                                   make_episode_runner, make_reward_runners, make_rollout_engine, resolve_overlap,
+                                   worker_device)
 from distflow.trainer.metrics import MeanAccumulator, StageTimer
 from distflow.trainer.recipes import ROLLOUT_ROLES, build_graph
 
@@ -120,6 +119,7 @@ class RolloutWorker:
         import torch.distributed as dist
 
         self.cfg, self.run_dir, self.roles = cfg, run_dir, roles
+        self._status = StatusFile(run_dir, roles.world_rank, " (rollout worker)")  # under its rank in the job
         self.rank, self.world = dist.get_rank(), dist.get_world_size()  # within the rollout workers
         self.graph = build_graph(cfg).split(ROLLOUT_ROLES)[0]
         self.tokenizer = load_tokenizer(cfg.model.path)
@@ -182,15 +182,6 @@ class RolloutWorker:
         acc.add_max("async/rollout_wait_for_weights_s", timer.seconds["wait_for_weights"])
         acc.add_max("time/weight_swap", timer.seconds["weight_swap"])
         return acc.reduce()
-
-    def _status(self, step: int, stage: str) -> None:
-        """As Trainer._status, under this worker's rank in the job."""
-        path = self.run_dir / "status" / f"rank-{self.roles.world_rank}.json"
-        path.parent.mkdir(exist_ok=True)
-        tmp = path.with_suffix(f".{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps({"rank": self.roles.world_rank, "pid": os.getpid(), "step": step,
-                                   "stage": f"{stage} (rollout worker)"}))
-        os.replace(tmp, path)
 
     def close(self) -> None:
         self.scheduler.close()

@@ -65,6 +65,24 @@ def resolve_overlap(cfg: Config, device: torch.device) -> bool:
     return (os.cpu_count() or 1) > local * cfg.runtime.threads_per_worker
 
 
+class StatusFile:
+    """Where a worker is, for the launcher (run_dir/status/rank-<rank>.json): it names the
+    stage when a worker dies. Nodes start on several threads, so writes are serialised,
+    and each is atomic: the launcher never reads half a file."""
+
+    def __init__(self, run_dir: Path, rank: int, role: str = ""):
+        self.path, self.rank, self.role = run_dir / "status" / f"rank-{rank}.json", rank, role
+        self.lock = threading.Lock()
+
+    def __call__(self, step: int, stage: str) -> None:
+        with self.lock:
+            self.path.parent.mkdir(exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"rank": self.rank, "pid": os.getpid(), "step": step,
+                                       "stage": f"{stage}{self.role}"}))
+            os.replace(tmp, self.path)
+
+
 class PromptSource:
     """This worker's prompts: the rows of its shard of data.train_files (metadata only is
     opened; rows are read when a step needs them) under the bad-row policy, tokenised
@@ -246,7 +264,7 @@ class Trainer:
         self.ctx.episodes = make_episode_runner(cfg, rollout, self.tokenizer)
         self.rollout, self.actor, self.relay = rollout, actor, relay
         self.placement = Placement(self.rollout_layout, self.train_layout)
-        self._status_lock = threading.Lock()
+        self._status = StatusFile(run_dir, self.rank)
         self.scheduler = Scheduler(self.graph, placement=self.placement, overlap=overlap,
                                    threads=cfg.scheduler.threads,
                                    refill=RefillPrompts(self.prompts, self.tokenizer, self.ctx)
@@ -432,15 +450,6 @@ class Trainer:
                 f"stopping at step {step}: {self.bad_steps} steps in a row had a non-finite loss or gradient "
                 f"(trainer.max_bad_steps={self.cfg.trainer.max_bad_steps}); updates were skipped, the last "
                 f"checkpoint is intact; check the rewards, the learning rate and the data")
-
-    def _status(self, step: int, stage: str) -> None:
-        """Where this worker is, for the launcher: it names the stage when a worker dies."""
-        path = self.run_dir / "status" / f"rank-{self.rank}.json"
-        with self._status_lock:  # nodes start on several threads
-            path.parent.mkdir(exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"rank": self.rank, "pid": os.getpid(), "step": step, "stage": stage}))
-            os.replace(tmp, path)  # atomic: the launcher never reads half a file
 
     def _log(self, record: dict) -> None:
         if self.writer is not None:
