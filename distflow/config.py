@@ -93,6 +93,10 @@ class RolloutConfig:
     tool_timeout_s: float = _spec(5.0, min=0.01, doc="the python tool's limit per call")
     env: str | None = _spec(None, doc="multi-turn: module:Class or file.py:Class of the environment, made per "
                                       "episode with the rollout's tools (default: their results are the observation)")
+    partial: bool = _spec(False, doc="runtime.placement=disaggregated, HF engine: weights that arrive during a "
+                                     "generation are swapped in at the next token, so in-flight sequences "
+                                     "continue on them; each token is tagged with its version "
+                                     "(rollout_weight_version) and a sample's weight_version is its first token's")
     agent: str | None = _spec(None, doc="module:function or file.py:function, `async def run(client, row) -> reward`: "
                                         "an agent written against an OpenAI client; its calls to the run's "
                                         "OpenAI-compatible endpoint (at most max_turns) are the sample")
@@ -442,6 +446,15 @@ def _validate_turns(cfg: Config) -> None:
 def _validate_placement(cfg: Config) -> None:
     """disaggregated: num_workers is train_workers + rollout_workers; colocated runs are synchronous."""
     rt = cfg.runtime
+    if cfg.rollout.partial:
+        r = cfg.rollout
+        if rt.placement != "disaggregated":
+            raise ConfigError("rollout.partial=true: weights change during a generation only when rollout workers "
+                              "and train workers are apart; use runtime.placement=disaggregated")
+        if r.engine != "hf" or r.max_turns > 1 or r.agent:
+            raise ConfigError("rollout.partial=true: the token-by-token swap is built for the HF engine's "
+                              "single-turn generation; use rollout.engine=hf and rollout.max_turns=1 "
+                              "without rollout.agent")
     if rt.placement == "colocated":
         if cfg.algorithm.max_staleness:
             raise ConfigError(f"algorithm.max_staleness={cfg.algorithm.max_staleness}: colocated workers alternate "

@@ -7,9 +7,14 @@ Throughput: each configuration is one `distflow train` run of `--steps` steps (t
 GRPO, the same seed); tokens/s over the steps after the first, counting the time the
 trainer waited for samples. Configurations: `colocated` (2 workers that both generate
 and train, the default), and 1 rollout worker + 1 train worker (`disaggregated`) with
-max_staleness 0 (synchronous), 1 and 2. Settings: the embedded default, and `heavy`
+max_staleness 0 (synchronous), 1 and 2, and 1 with rollout.partial (weights swapped in
+between two tokens; "samples that changed weights mid-way" is the fraction whose tokens
+came from more than one weight version). Settings: the embedded default, and `heavy`
 (responses allowed up to 96 tokens, at temperature 1.2; the tiny model still ends most
-of them near 24 tokens, so its tail is short).
+of them near 24 tokens, so its tail is short), and `generation-bound` (8 sequences per
+generate call, so generating a step takes longer than training one: the only setting
+here in which weights arrive while a rollout worker generates, which rollout.partial
+is for).
 
 Idle time per worker and step: a colocated worker waits in the update's first
 collective for the other worker to finish generating (from the per-rank traces: the
@@ -33,12 +38,14 @@ import tempfile
 import time
 from pathlib import Path
 
-SETTINGS = {"default": [], "heavy": ["rollout.max_new_tokens=96", "rollout.temperature=1.2"]}
+SETTINGS = {"default": [], "heavy": ["rollout.max_new_tokens=96", "rollout.temperature=1.2"],
+            "generation-bound": ["rollout.micro_batch_size=8"]}
 CONFIGS = {
     "colocated": ["runtime.num_workers=2"],
     "async-k0": ["runtime.placement=disaggregated", "algorithm.max_staleness=0"],
     "async-k1": ["runtime.placement=disaggregated", "algorithm.max_staleness=1"],
     "async-k2": ["runtime.placement=disaggregated", "algorithm.max_staleness=2"],
+    "async-k1-partial": ["runtime.placement=disaggregated", "algorithm.max_staleness=1", "rollout.partial=true"],
 }
 COMMON = ["runtime.launcher=torchrun", "trainer.progress=false", "trainer.save_final=false", "trainer.resume=off"]
 COLLECTIVE_NODES = ("old_log_prob", "actor_update")  # the first one a colocated step's workers meet in
@@ -80,7 +87,8 @@ def throughput(setting: str, config: str, steps: int, out: Path) -> dict:
             "tokens_per_second": tokens / sum(seconds), "step_seconds": sum(seconds) / len(seconds),
             "idle_fraction": {k: sum(v) / len(v) for k, v in idle.items()},
             "response_length_mean": sum(r["response/length_mean"] for r in measured) / len(measured),
-            "version_lag_mean": sum(r.get("async/version_lag_mean", 0.0) for r in measured) / len(measured)}
+            "version_lag_mean": sum(r.get("async/version_lag_mean", 0.0) for r in measured) / len(measured),
+            "partial_samples": sum(r.get("async/partial_samples", 0.0) for r in measured) / len(measured)}
 
 
 def accuracy(config: str, seed: int, out: Path) -> dict:
@@ -108,13 +116,14 @@ def markdown(records: list[dict], command: str) -> str:
              f"Machine: {os.cpu_count()} cores, no GPU; the embedded tiny model; GRPO; 2 processes in every "
              "configuration (colocated: 2 workers; disaggregated: 1 rollout + 1 train worker).", "",
              "| setting | configuration | tokens/s | vs colocated | vs disaggregated k=0 | step s | idle fraction "
-             "| mean version lag | response length |", "|---|---|---|---|---|---|---|---|---|"]
+             "| mean version lag | samples that changed weights mid-way | response length |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in (r for r in records if r["kind"] == "throughput"):
         idle = ", ".join(f"{k} {v:.2f}" for k, v in r["idle_fraction"].items())
         lines.append(f"| {r['setting']} | {r['config']} | {r['tokens_per_second']:.0f} "
                      f"| {r.get('vs_colocated', 0):.2f} | {format(r['vs_disaggregated_sync'], '.2f') if 'vs_disaggregated_sync' in r else '-'} "
                      f"| {r['step_seconds']:.2f} | {idle} | {r['version_lag_mean']:.2f} "
-                     f"| {r['response_length_mean']:.1f} |")
+                     f"| {r.get('partial_samples', 0.0):.2f} | {r['response_length_mean']:.1f} |")
     acc = [r for r in records if r["kind"] == "accuracy"]
     if acc:
         lines += ["", "Held-out accuracy (greedy, 256 problems) after the full run, at equal samples:", "",
@@ -135,7 +144,7 @@ def markdown(records: list[dict], command: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="distflow bench async", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--settings", nargs="+", default=["default", "heavy"], choices=list(SETTINGS))
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--steps", type=int, default=8, help="steps of each throughput run")
     parser.add_argument("--accuracy-seeds", nargs="*", type=int, default=[1, 2],

@@ -57,8 +57,8 @@ from distflow.benchmarks.dataplane_cluster import main as cluster_main
 from distflow.benchmarks.dataplane_common import (IMBALANCE_KS, IMBALANCE_SAMPLES, MODES, VERL_MODES, Spec,
                                                   sample_lengths)
 from distflow.benchmarks.dataplane_coordinator import run_coordinator
-from distflow.benchmarks.dataplane_report import (IMBALANCE_HEADERS, MAIN_HEADERS, _mib, imbalance_rows, main_rows,
-                                                  results_markdown, text_table, verl_lines)
+from distflow.benchmarks.dataplane_report import (IMBALANCE_HEADERS, MAIN_HEADERS, _mib, floor_lines, imbalance_rows,
+                                                  main_rows, results_markdown, text_table, verl_lines)
 from distflow.coordinator.planner import contiguous_split, imbalance, karmarkar_karp
 
 
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"B={args.batch} x L={args.seq_len}, batch {_mib(Spec(1, args.batch, args.seq_len, 1).batch_bytes)} MiB, "
           f"median of {args.repeats}; x coordinator = seconds / coordinator seconds at the same N")
     print(text_table(MAIN_HEADERS, main_rows(records)))
-    for line in verl_lines(records):
+    for line in floor_lines(records) + verl_lines(records):
         print(line)
     print(f"\ntoken imbalance, {IMBALANCE_SAMPLES} long-tailed lengths (max/mean tokens per rank)")
     print(text_table(IMBALANCE_HEADERS, imbalance_rows(imbalance_recs)))

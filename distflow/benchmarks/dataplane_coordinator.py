@@ -2,13 +2,15 @@
 
 N spawned processes form one gloo group on 127.0.0.1, each builds its own rows and calls
 `reshard` for the three transitions. After the timed rounds the same processes time the
-same payload through plain gloo `all_to_all_single` and plain `isend`/`irecv` (the
-raw-transport reference). On the emulated cluster each host's worker runs
+same payload through plain gloo `all_to_all_single`, plain `isend`/`irecv` and plain
+copies through /dev/shm (the raw-transport references; the last is the one-host floor),
+and report the seconds per phase of the coordinator's reshards (`PhaseTimes`). On the emulated cluster each host's worker runs
 `_coordinator_rounds` (see `dataplane_cluster`).
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import statistics
 import time
@@ -29,7 +31,7 @@ def _coordinator_rounds(rank: int, spec: Spec) -> dict[str, Any]:
     """Warm-up plus timed rounds of the three reshards on this rank; maxima over ranks."""
     import torch.distributed as dist
 
-    from distflow.coordinator.executor import TransferStats, reshard
+    from distflow.coordinator.executor import PhaseTimes, TransferStats, reshard
     from distflow.data.batch import Batch
 
     tensors, ground_truth, ids, _ = make_shard(rank, spec)
@@ -38,24 +40,30 @@ def _coordinator_rounds(rank: int, spec: Spec) -> dict[str, Any]:
     dp, tp = Layout(spec.num_workers), Layout(spec.num_workers, tp_size=2)
     steps = [(dp, dp, "none"), (dp, tp, "kk"), (tp, dp, "kk")]
     laps: list[list[float]] = []
+    phases: list[PhaseTimes] = []
     moved, rows = 0, 0
     row_bytes = spec.batch_bytes // spec.batch
     sizes: list[list[int]] = []  # per transition: payload bytes this rank sent to each peer
     for rnd in range(WARMUP_ROUNDS + spec.repeats):
-        stats = TransferStats()
+        stats, times = TransferStats(), PhaseTimes()
         batch, batch_ids, marks, sizes = start_batch, ids, [], []
         dist.barrier()
         start = time.perf_counter()
         for src, dst, balance in steps:
             batch, batch_ids, plan = reshard(batch, batch_ids, [length_of[s] for s in batch_ids], src, dst,
-                                             balance=balance, tolerance=TOLERANCE, stats=stats)
+                                             balance=balance, tolerance=TOLERANCE, stats=stats, times=times)
             marks.append(time.perf_counter())
             sizes.append([row_bytes * sum(m.dst == p for m in plan.sends(rank)) for p in range(spec.num_workers)])
         if rnd >= WARMUP_ROUNDS:
             laps.append([b - a for a, b in zip([start] + marks, marks)])
+            phases.append(times)
             moved = stats.payload_sent + stats.payload_received + stats.meta_sent + stats.meta_received
             rows = len(batch_ids)
     raw = _raw_transport_seconds(sizes, spec)
+    raw["shm_floor_seconds"] = _shm_floor_seconds(sizes, spec)
+    names = sorted({k for t in phases for k in t})
+    phase_s = torch.tensor([statistics.median(t.get(k, 0.0) for t in phases) for k in names], dtype=torch.float64)
+    dist.all_reduce(phase_s, op=dist.ReduceOp.MAX)  # per phase, the slowest rank's median
     # Max over ranks: the slowest rank sets the stage time, the busiest sets the bytes.
     totals = torch.tensor([[sum(lap)] + lap for lap in laps], dtype=torch.float64)
     dist.all_reduce(totals, op=dist.ReduceOp.MAX)
@@ -63,7 +71,8 @@ def _coordinator_rounds(rank: int, spec: Spec) -> dict[str, Any]:
     dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
     held = torch.tensor([rows], dtype=torch.int64)
     dist.all_reduce(held)  # every sample must end on exactly one rank
-    return {"laps": totals[:, 1:].tolist(), "busiest": int(busiest), "rows": int(held), "raw": raw}
+    return {"laps": totals[:, 1:].tolist(), "busiest": int(busiest), "rows": int(held), "raw": raw,
+            "phases": dict(zip(names, phase_s.tolist()))}
 
 
 def _raw_transport_seconds(sizes: list[list[int]], spec: Spec) -> dict[str, float]:
@@ -108,6 +117,61 @@ def _raw_transport_seconds(sizes: list[list[int]], spec: Spec) -> dict[str, floa
     took = torch.tensor(took, dtype=torch.float64)
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
     return {"raw_alltoall_seconds": float(took[0]), "raw_p2p_seconds": float(took[1])}
+
+
+def _shm_floor_seconds(sizes: list[list[int]], spec: Spec) -> float:
+    """The one-host floor for the coordinator's payload: the same bytes per peer pair
+    written by each rank into a mapped /dev/shm file per (transition, peer), a barrier,
+    then read by the peer into a receive buffer: two copies and one synchronisation per
+    transition, with every file and buffer made and touched before the timed rounds (no
+    planning, headers, page faults or allocation). Median of the timed rounds, max over
+    ranks."""
+    import torch.distributed as dist
+
+    world, rank = spec.num_workers, dist.get_rank()
+    token = os.getppid()  # the spawning benchmark process: the same for every rank
+
+    def path(t: int, src: int, dst: int) -> str:
+        return f"/dev/shm/distflow-floor-{token}-{t}-{src}-{dst}"
+
+    outgoing = {}
+    for t, out in enumerate(sizes):
+        for p, n in enumerate(out):
+            if n and p != rank:
+                outgoing[t, p] = torch.from_file(path(t, rank, p), shared=True, size=n, dtype=torch.uint8)
+    dist.barrier()
+    incoming = {}
+    try:
+        for t in range(len(sizes)):
+            for p in range(world):
+                if p != rank and os.path.exists(path(t, p, rank)):
+                    incoming[t, p] = torch.from_file(path(t, p, rank), shared=True,
+                                                     size=os.stat(path(t, p, rank)).st_size, dtype=torch.uint8)
+    finally:
+        dist.barrier()
+        for t, p in outgoing:
+            os.unlink(path(t, rank, p))
+    moving = torch.tensor([sum(out) for out in sizes], dtype=torch.int64)
+    dist.all_reduce(moving)  # a transition in which no rank sends anything has no exchange
+    source = {key: torch.ones_like(slot) for key, slot in outgoing.items()}
+    received = {key: torch.empty_like(slot) for key, slot in incoming.items()}
+    rounds = []
+    for rnd in range(WARMUP_ROUNDS + spec.repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        for t in (t for t, n in enumerate(moving.tolist()) if n):
+            for (tt, p), slot in outgoing.items():
+                if tt == t:
+                    slot.copy_(source[tt, p])
+            dist.barrier()
+            for (tt, p), slot in incoming.items():
+                if tt == t:
+                    received[tt, p].copy_(slot)
+        if rnd >= WARMUP_ROUNDS:
+            rounds.append(time.perf_counter() - start)
+    took = torch.tensor([statistics.median(rounds)], dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return float(took)
 
 
 def _coordinator_entry(rank: int, spec: Spec, port: int, results: Any) -> None:
@@ -180,4 +244,5 @@ def run_coordinator(spec: Spec) -> dict[str, Any]:
         results.close()
     if report["rows"] != spec.batch:
         raise RuntimeError(f"coordinator ended with {report['rows']} rows in all, expected {spec.batch}")
-    return _record("coordinator", spec, report["laps"], report["busiest"], None, **report["raw"])
+    return _record("coordinator", spec, report["laps"], report["busiest"], None, **report["raw"],
+                   phase_seconds=report["phases"])

@@ -27,6 +27,7 @@ import contextlib
 import itertools
 import json
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,6 +54,25 @@ class TransferStats:
 
     def as_metrics(self, prefix: str = "coordinator/") -> dict[str, int]:
         return {f"{prefix}{k}_bytes": v for k, v in vars(self).items()}
+
+
+class PhaseTimes(dict):
+    """Seconds per phase of the reshards it is passed to (summed over calls): `metadata`
+    (the all-gather of ids and lengths), `plan`, `pack` (rows into send buffers and
+    slots), `sizes` (the size exchange, which also waits for the slowest peer), `keep`
+    (kept rows into place), `receive` (arrivals into place, waits on the wire included)."""
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self[phase] = self.get(phase, 0.0) + time.perf_counter() - start
+
+
+def _untimed(phase: str) -> contextlib.nullcontext:
+    return contextlib.nullcontext()
 
 
 def _world(group) -> tuple[int, int]:
@@ -168,17 +188,19 @@ def unpack(buffer: torch.Tensor) -> tuple[Batch, list[int], int]:
 
 
 def execute(plan: ReshardPlan, batch: Batch, sample_ids: Sequence[int], group=None,
-            stats: TransferStats | None = None, transport: str = "auto") -> tuple[Batch, list[int]]:
+            stats: TransferStats | None = None, transport: str = "auto",
+            times: PhaseTimes | None = None) -> tuple[Batch, list[int]]:
     """Apply `plan` to this rank's `batch` (rows labelled by `sample_ids`). Returns the
     rank's new batch and its sample ids, sorted by id (the same order on every replica).
     Every row is copied once into the new batch (kept rows that are not one contiguous
     block twice); a rank that keeps its whole batch in order gets it back uncopied."""
     with gc_paused():
-        return _execute(plan, batch, sample_ids, group, stats if stats is not None else TransferStats(), transport)
+        return _execute(plan, batch, sample_ids, group, stats if stats is not None else TransferStats(), transport,
+                        times if times is not None else _untimed)
 
 
 def _execute(plan: ReshardPlan, batch: Batch, sample_ids: Sequence[int], group, stats: TransferStats,
-             transport: str) -> tuple[Batch, list[int]]:
+             transport: str, timed) -> tuple[Batch, list[int]]:
     rank, world = _world(group)
     mine = plan.samples_for(rank)
     if not plan.moves and mine == list(sample_ids):  # the local cache: nothing to do, not even a copy
@@ -188,11 +210,11 @@ def _execute(plan: ReshardPlan, batch: Batch, sample_ids: Sequence[int], group, 
     kept_rows = [row_of[s] for s in kept]
     if len(kept) == len(mine):  # nothing comes in: one copy of the kept rows, none if that is the batch in order
         if plan.moves:
-            _exchange(plan, batch, row_of, rank, world, group, stats, transport, None)
+            _exchange(plan, batch, row_of, rank, world, group, stats, transport, timed, None)
         return (batch if kept_rows == list(range(len(batch))) else batch.select(kept_rows)), kept
     assembler = _Assembler(mine)
     # the kept rows are copied into place while the wire carries the rest
-    _exchange(plan, batch, row_of, rank, world, group, stats, transport, assembler,
+    _exchange(plan, batch, row_of, rank, world, group, stats, transport, timed, assembler,
               lambda: assembler.add(_rows(batch, kept_rows), kept) if kept else None)
     return assembler.result(rank), mine
 
@@ -400,9 +422,58 @@ def _group_state(group, world: int) -> _GroupState:
 
 
 def _exchange(plan: ReshardPlan, batch: Batch, row_of: dict[int, int], rank: int, world: int, group,
-              stats: TransferStats, transport: str, into: _Assembler | None, while_sending=None) -> None:
+              stats: TransferStats, transport: str, timed, into: _Assembler | None, while_sending=None) -> None:
     """Send this rank's moves, and add what arrives to `into` (None: nothing arrives);
-    `while_sending()` runs once every send is on its way, before the first arrival."""
+    `while_sending()` runs once every send is on its way, before the first arrival.
+    `timed(phase)` times each phase (see `PhaseTimes`)."""
+    with timed("pack"):
+        wired, sizes, slot = _pack_sends(plan, batch, row_of, rank, world, group, stats, transport)
+    state = _group_state(group, world)
+    # The exchange orders every shared-memory write before its read, and tells every
+    # receiver how many bytes to expect over the wire.
+    incoming = torch.empty(world, 3, dtype=torch.int64)  # row p: what peer p sends me
+    with timed("sizes"):
+        dist.all_to_all_single(incoming, sizes, group=group)
+    stats.meta_sent += 24 * (world - 1)
+    stats.meta_received += 24 * (world - 1)
+    # The wire: every receive posted at once, then each peer's buffer filled and sent as
+    # soon as it is ready, rank r starting with r + 1 so that the links start together.
+    # Each peer's bytes arrive on their own connection, in parallel.
+    with timed("pack"):
+        receives = [(p, torch.empty(int(incoming[p, 0]), dtype=torch.uint8))
+                    for p in ((rank - k) % world for k in range(1, world)) if incoming[p, 0]]
+        pending = [(buf, dist.irecv(buf, group_src=p, group=group)) for p, buf in receives]
+        sends = []
+        for peer in ((rank + k) % world for k in range(1, world)):
+            if peer in wired:
+                buf = wired[peer].fill(torch.empty(wired[peer].nbytes, dtype=torch.uint8))
+                sends.append((buf, dist.isend(buf, group_dst=peer, group=group)))
+    if while_sending is not None:
+        with timed("keep"):
+            while_sending()
+
+    def take(chunk: torch.Tensor) -> None:
+        part, ids, head = unpack(chunk)
+        stats.payload_received += len(chunk) - head
+        stats.meta_received += head
+        into.add(part, ids)
+
+    with timed("receive"):
+        for p in range(world):  # shared memory first: it is there already
+            if incoming[p, 1]:
+                take(state.recv_slot(rank, p, slot, int(incoming[p, 2]), int(incoming[p, 1])))
+        for buf, work in pending:  # then each peer's bytes, copied out while the next ones arrive
+            work.wait()
+            take(buf)
+        for _, work in sends:
+            work.wait()
+
+
+def _pack_sends(plan: ReshardPlan, batch: Batch, row_of: dict[int, int], rank: int, world: int, group,
+                stats: TransferStats, transport: str) -> tuple[dict[int, Packing], torch.Tensor, int]:
+    """Every same-host peer's rows written into its shared-memory slot; the wire's
+    packings (filled later, while earlier peers' bytes travel); the sizes to announce
+    (per peer: bytes on the wire, bytes in shared memory, the slot's generation); the slot."""
     state = _group_state(group, world)
     slot = next(state.rounds) % _SLOTS
     shm_ok = transport != "gloo" and os.path.isdir(_SHM_DIR)
@@ -427,63 +498,33 @@ def _exchange(plan: ReshardPlan, batch: Batch, row_of: dict[int, int], rank: int
             sizes[peer, 0] = packing.nbytes
         stats.payload_sent += packing.nbytes - packing.start
         stats.meta_sent += packing.start
-    # The exchange orders every shared-memory write before its read, and tells every
-    # receiver how many bytes to expect over the wire.
-    incoming = torch.empty(world, 3, dtype=torch.int64)  # row p: what peer p sends me
-    dist.all_to_all_single(incoming, sizes, group=group)
-    stats.meta_sent += 24 * (world - 1)
-    stats.meta_received += 24 * (world - 1)
-    # The wire: every receive posted at once, then each peer's buffer filled and sent as
-    # soon as it is ready, rank r starting with r + 1 so that the links start together.
-    # Each peer's bytes arrive on their own connection, in parallel.
-    receives = [(p, torch.empty(int(incoming[p, 0]), dtype=torch.uint8))
-                for p in ((rank - k) % world for k in range(1, world)) if incoming[p, 0]]
-    pending = [(buf, dist.irecv(buf, group_src=p, group=group)) for p, buf in receives]
-    sends = []
-    for peer in ((rank + k) % world for k in range(1, world)):
-        if peer in wired:
-            buf = wired[peer].fill(torch.empty(wired[peer].nbytes, dtype=torch.uint8))
-            sends.append((buf, dist.isend(buf, group_dst=peer, group=group)))
-    if while_sending is not None:
-        while_sending()
-
-    def take(chunk: torch.Tensor) -> None:
-        part, ids, head = unpack(chunk)
-        stats.payload_received += len(chunk) - head
-        stats.meta_received += head
-        into.add(part, ids)
-
-    for p in range(world):  # shared memory first: it is there already
-        if incoming[p, 1]:
-            take(state.recv_slot(rank, p, slot, int(incoming[p, 2]), int(incoming[p, 1])))
-    for buf, work in pending:  # then each peer's bytes, copied out while the next ones arrive
-        work.wait()
-        take(buf)
-    for _, work in sends:
-        work.wait()
+    return wired, sizes, slot
 
 
 def plan_collectively(sample_ids: Sequence[int], lengths: Sequence[int], src: Layout, dst: Layout, *,
                       balance: str = "kk", equal_count: bool = False, tolerance: float = 0.0, group=None,
-                      stats: TransferStats | None = None) -> tuple[ReshardPlan, dict[int, int]]:
+                      stats: TransferStats | None = None,
+                      times: PhaseTimes | None = None) -> tuple[ReshardPlan, dict[int, int]]:
     """The metadata all-gather, then the same pure plan on every rank (or, on an
     oversubscribed host, on the group's rank 0, broadcast). Returns the plan and every
     sample's length."""
-    with gc_paused():
+    timed = times if times is not None else _untimed
+    with gc_paused(), timed("metadata"):
         holdings, all_lengths = gather_metadata(sample_ids, lengths, group, stats)
     rank, world = _world(group)
 
     options = {"balance": balance, "equal_count": equal_count, "tolerance": tolerance}
-    stay = stay_put_plan(src, dst, holdings, all_lengths, **options)  # O(samples), on every rank
-    if stay is not None:
-        return stay, all_lengths
+    with timed("plan"):
+        stay = stay_put_plan(src, dst, holdings, all_lengths, **options)  # O(samples), on every rank
+        if stay is not None:
+            return stay, all_lengths
 
-    def plan() -> ReshardPlan:
-        return plan_reshard(src, dst, holdings, all_lengths, **options)
+        def plan() -> ReshardPlan:
+            return plan_reshard(src, dst, holdings, all_lengths, **options)
 
-    if world == 1 or not _group_state(group, world).plan_on_leader:
-        return plan(), all_lengths
-    return _broadcast_plan(plan if rank == 0 else None, group, stats), all_lengths
+        if world == 1 or not _group_state(group, world).plan_on_leader:
+            return plan(), all_lengths
+        return _broadcast_plan(plan if rank == 0 else None, group, stats), all_lengths
 
 
 def _broadcast_plan(plan_fn, group, stats: TransferStats | None) -> ReshardPlan:
@@ -558,11 +599,13 @@ def decode_plan(code: torch.Tensor) -> ReshardPlan:
 
 def reshard(batch: Batch, sample_ids: Sequence[int], lengths: Sequence[int], src: Layout, dst: Layout,
             *, balance: str = "kk", equal_count: bool = False, tolerance: float = 0.0, group=None,
-            stats: TransferStats | None = None, transport: str = "auto") -> tuple[Batch, list[int], ReshardPlan]:
+            stats: TransferStats | None = None, transport: str = "auto",
+            times: PhaseTimes | None = None) -> tuple[Batch, list[int], ReshardPlan]:
     """Metadata all-gather, the same plan on every rank, then the payload exchange.
     transport: "auto" (shared memory between ranks on one host, the collective backend
-    across hosts) or "gloo" (the collective backend for everything)."""
+    across hosts) or "gloo" (the collective backend for everything). `times` collects
+    seconds per phase."""
     plan, _ = plan_collectively(sample_ids, lengths, src, dst, balance=balance, equal_count=equal_count,
-                                tolerance=tolerance, group=group, stats=stats)
-    new_batch, new_ids = execute(plan, batch, sample_ids, group, stats, transport)
+                                tolerance=tolerance, group=group, stats=stats, times=times)
+    new_batch, new_ids = execute(plan, batch, sample_ids, group, stats, transport, times)
     return new_batch, new_ids, plan

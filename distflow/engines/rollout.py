@@ -14,7 +14,7 @@ and 2 workers produce the same training run.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -137,10 +137,35 @@ def response_mask_from(responses: torch.Tensor, eos_id: int) -> torch.Tensor:
     return (~after_eos).long()
 
 
+class _SwapWeightsBetweenTokens:
+    """A logits processor that runs after each token's forward: it records the weight
+    version that computed the token's logits, then swaps in newer weights if
+    `newer_weights()` has any, so that the next token is computed with them (the cache
+    of the tokens before stays as the older weights computed it, as in verl's and
+    AReaL's partial rollout)."""
+
+    def __init__(self, engine: "HFRolloutEngine"):
+        self.engine, self.versions = engine, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.versions.append(self.engine.weight_version)
+        newer = self.engine.newer_weights()
+        if newer is not None:
+            self.engine.update_weights(newer[1], version=newer[0])
+        return scores
+
+
 class HFRolloutEngine:
     """`shares_trainer_weights`: `model` is the actor's own module (a DDP replica, or one
     worker's), so the engine always generates with the latest weights and a weight push
-    has nothing to copy."""
+    has nothing to copy.
+
+    `newer_weights` (rollout.partial): a function returning (version, weights) when newer
+    weights than the engine's have arrived, else None; it is asked after every token, and
+    what it returns is swapped in before the next one. `generate` then also returns
+    `rollout_weight_version` (B, R): the version that computed each token."""
+
+    newer_weights: Callable[[], tuple[int, Iterable[tuple[str, torch.Tensor]]] | None] | None = None
 
     def __init__(self, model, tokenizer, micro_batch_size: int = 128, shares_trainer_weights: bool = False):
         self.model = model.eval()
@@ -174,7 +199,7 @@ class HFRolloutEngine:
             chunk_seeds = None if seeds is None else seeds[start: start + self.micro_batch_size]
             chunks.append(self._generate_chunk(prompts[start: start + self.micro_batch_size], chunk_seeds, params))
         batch = Batch.concat([Batch({"prompts": ids, "prompt_mask": mask, "responses": resp,
-                                     "rollout_log_probs": log_probs}) for ids, mask, resp, log_probs in chunks])
+                                     "rollout_log_probs": log_probs} | extra) for ids, mask, resp, log_probs, extra in chunks])
         mask = response_mask_from(batch["responses"], self.tokenizer.eos_token_id)  # (B, R); re-padded prompts
         batch.tensors["response_mask"] = mask
         batch.tensors["rollout_log_probs"] = batch["rollout_log_probs"] * mask
@@ -187,6 +212,10 @@ class HFRolloutEngine:
         device = next(self.model.parameters()).device
         ids, mask = left_pad(prompts, self.tokenizer.pad_token_id)
         processors = LogitsProcessorList()
+        swaps = None
+        if self.newer_weights is not None:
+            swaps = _SwapWeightsBetweenTokens(self)
+            processors.append(swaps)
         if not params.greedy:
             assert seeds is not None and len(seeds) == len(prompts), "sampling needs one seed per sequence"
             processors.append(PerSequenceSampler(seeds, params.temperature, params.top_p))
@@ -208,4 +237,8 @@ class HFRolloutEngine:
         if pad:  # every row stopped early
             resp = torch.nn.functional.pad(resp, (0, pad), value=self.tokenizer.pad_token_id)
             log_probs = torch.nn.functional.pad(log_probs, (0, pad))
-        return ids, mask, resp, log_probs
+        extra = {}
+        if swaps is not None:  # the padding after the last token carries the last version
+            versions = swaps.versions + [self.weight_version] * (params.max_new_tokens - len(swaps.versions))
+            extra["rollout_weight_version"] = torch.tensor(versions, dtype=torch.long).expand(len(prompts), -1).clone()
+        return ids, mask, resp, log_probs, extra

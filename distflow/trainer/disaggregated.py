@@ -19,6 +19,12 @@ same updates as the colocated run. With k > 0 the update needs the old (proximal
 policy's log-probs and corrects for the sampler's (algorithm.old_log_probs_from,
 algorithm.rollout_correction; defaults: decoupled PPO with token-level truncated IS).
 
+Partial rollout (rollout.partial): weights that arrive while a rollout worker generates
+are swapped in between two tokens, so in-flight sequences continue on the new policy
+instead of waiting for the step to end; each token carries the version that computed
+it (`rollout_weight_version`) and its log-prob under that version, which the
+token-level correction uses; the staleness bound counts a sample by its first token.
+
 Resuming: the rollout workers start again from the checkpoint's step with its weights,
 so samples that were in flight when the run stopped are generated again with those
 weights (the first resumed step has lag 0) and nothing is trained twice.
@@ -91,6 +97,10 @@ class TrainSide:
         acc.add_max("async/version_lag_max", float(lag.max()) if len(lag) else 0.0)
         for k in range(self.cfg.algorithm.max_staleness + 1):  # the lag histogram, as fractions
             acc.add(f"async/version_lag_{k}", float((lag == k).sum()), len(lag))
+        if "rollout_weight_version" in batch.tensors:  # rollout.partial: samples that changed weights mid-way
+            versions, mask = batch["rollout_weight_version"], batch["response_mask"].bool()
+            newest = versions.masked_fill(~mask, -1).max(dim=1).values
+            acc.add("async/partial_samples", float((newest > batch["weight_version"]).sum()), len(batch))
         return next((n["metrics"] for n in notes if "metrics" in n), {})
 
     def publish(self, actor, version: int) -> None:
@@ -141,6 +151,17 @@ class RolloutWorker:
                                    on_node=lambda name: self._status(self.ctx.step, name))
         self.sender = TrajectorySender(roles.bridge, roles.train_ranks)
         self.weights = WeightSubscriber(roles.weights, self.start_step)
+        self.swaps_in_flight = 0  # rollout.partial: weights swapped in during a generation
+        if cfg.rollout.partial:
+            self.engine.newer_weights = self._newer_weights
+
+    def _newer_weights(self):
+        """(version, weights) newer than the engine's, if any arrived (rollout.partial)."""
+        newest = self.weights.take_newer()
+        if newest is None or newest[0] <= self.engine.weight_version:
+            return None
+        self.swaps_in_flight += 1
+        return newest
 
     def run(self) -> dict:
         cfg, k = self.cfg, self.cfg.algorithm.max_staleness
@@ -161,7 +182,9 @@ class RolloutWorker:
             store.put(sources)
             spans = self.scheduler.run(self.ctx, store, step)
             batch = store.all()
-            batch.tensors["weight_version"] = torch.full((len(batch),), self.engine.weight_version, dtype=torch.long)
+            batch.tensors["weight_version"] = (  # with rollout.partial: the version of the sample's first token
+                batch["rollout_weight_version"][:, 0].clone() if "rollout_weight_version" in batch.tensors
+                else torch.full((len(batch),), self.engine.weight_version, dtype=torch.long))
             busy += time.perf_counter() - t0
             metrics = self._metrics(step, spans, timer)  # a collective among the rollout workers
             self.sender.send(step, batch, {"metrics": metrics} if self.rank == 0 else {})
@@ -181,6 +204,9 @@ class RolloutWorker:
             acc.add_max(f"time/{node}", secs)
         acc.add_max("async/rollout_wait_for_weights_s", timer.seconds["wait_for_weights"])
         acc.add_max("time/weight_swap", timer.seconds["weight_swap"])
+        if self.cfg.rollout.partial:
+            acc.add_total("async/swaps_during_generation", self.swaps_in_flight)
+            self.swaps_in_flight = 0
         return acc.reduce()
 
     def close(self) -> None:

@@ -124,14 +124,21 @@ def rollout(ctx: WorkerContext, batch: Batch) -> Iterator[tuple[range, Batch]]:
     elif ctx.rollout.tensor_parallel_size > 1:  # the replica's ranks generate together: one call each, always
         out = ctx.rollout.generate(prompts, seeds, params)
         if prompts:
-            yield range(len(prompts)), Batch({k: out[k] for k in ("responses", "response_mask", "rollout_log_probs")})
+            yield range(len(prompts)), _generated(out)
     else:
         size = cfg.scheduler.stream_chunk_size if ctx.overlap else max(len(prompts), 1)
         for start in range(0, len(prompts), size):
             rows = range(start, min(start + size, len(prompts)))
             out = ctx.rollout.generate(prompts[rows.start:rows.stop], seeds[rows.start:rows.stop], params)
-            yield rows, Batch({k: out[k] for k in ("responses", "response_mask", "rollout_log_probs")})
+            yield rows, _generated(out)
     ctx.rollout.sleep()  # until the weight push (a no-op where the engine cannot release memory)
+
+
+def _generated(out: Batch) -> Batch:
+    """What a rollout adds to its rows: the responses, their masks, the engine's log-probs
+    and, with rollout.partial, each token's weight version."""
+    return Batch({k: out[k] for k in ("responses", "response_mask", "rollout_log_probs", "rollout_weight_version")
+                  if k in out.tensors})
 
 
 def score_responses(tokenizer, batch: Batch, reward_fn: RewardRunner,

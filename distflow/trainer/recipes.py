@@ -85,6 +85,7 @@ def recipe_graph(cfg: Config) -> Graph:
                          f"recipes (grpo, dapo, rloo, reinforce_plus_plus, ...); {a.estimator!r} needs a critic")
     scoring = SCORING + (("observation_mask",) if episodes else ())
     rollout_out = ("responses", "response_mask", "rollout_log_probs")
+    rollout_out += ("rollout_weight_version",) if cfg.rollout.partial else ()  # each token's weight version
     rollout_out += (("observation_mask", "num_turns", *AGENT_FIELDS) if agent else
                     ("observation_mask", "num_turns", *EPISODE_COUNTS) if episodes else ())
     rollout_in = ("prompts", "prompt_mask", "uid", "sample_k")

@@ -28,7 +28,7 @@ def test_ratios_and_the_table():
     async_rl.add_ratios(records)
     assert records[2]["vs_colocated"] == 0.75 and records[2]["vs_disaggregated_sync"] == 1.5
     text = async_rl.markdown(records, "python benchmarks/async.py")
-    assert "| default | async-k1 | 3000 | 0.75 | 1.50 | 2.00 | train 0.00, rollout 0.30 | 1.00 | 23.0 |" in text
+    assert "| default | async-k1 | 3000 | 0.75 | 1.50 | 2.00 | train 0.00, rollout 0.30 | 1.00 | 0.00 | 23.0 |" in text
     assert "| async-k1 | 1, 2 | 20.0% | 52.0% / 56.0% | 54.0% | -1.0 |" in text  # mean 54% vs 55%
 
 

@@ -121,3 +121,30 @@ def test_the_trainer_scores_at_the_rollouts_temperature(random_model_dir):
         torch.testing.assert_close(scored[mask], out["rollout_log_probs"][mask], atol=1e-4, rtol=0)
     cold = ReferenceModel(load_causal_lm(random_model_dir), torch.device("cpu")).compute_log_probs(out, [[0, 1]])
     assert (cold[mask] - out["rollout_log_probs"][mask]).abs().max() > 1e-2  # at T=1 they would not match
+
+
+def test_partial_rollout_swaps_weights_between_tokens(random_model_dir):
+    """rollout.partial: weights that arrive while token 3 is sampled compute token 4 on.
+    Tokens 0-3 and their log-probs are those of the unchanged engine, every token is
+    tagged with the version that computed it, and later tokens score under the new
+    weights (their log-probs differ)."""
+    engine, tok = _engine(random_model_dir)
+    prompts = _prompts(tok, ["Ann has 3 pens.\nA: ", "Bo buys 4 bags of 5 cups. How many?\nA: "])
+    seeds, params = [sample_seed(3, i) for i in range(2)], SamplingParams(max_new_tokens=10)
+    unchanged = engine.generate(prompts, seeds, params)
+    assert "rollout_weight_version" not in unchanged.tensors  # only with rollout.partial
+    torch.manual_seed(0)
+    policy = load_causal_lm(random_model_dir)
+    for p in policy.parameters():  # tied weights stay tied
+        p.data.add_(0.5 * torch.randn_like(p))
+    newer = policy.state_dict()
+    arrivals = iter([None, None, None, (7, newer.items())])
+    engine.newer_weights = lambda: next(arrivals, None)
+    swapped = engine.generate(prompts, seeds, params)
+    assert swapped["rollout_weight_version"].tolist() == [[0, 0, 0, 0] + [7] * 6] * 2
+    assert engine.weight_version == 7
+    assert torch.equal(swapped["responses"][:, :4], unchanged["responses"][:, :4])
+    torch.testing.assert_close(swapped["rollout_log_probs"][:, :4], unchanged["rollout_log_probs"][:, :4])
+    assert (swapped["rollout_log_probs"][:, 4:] - unchanged["rollout_log_probs"][:, 4:]).abs().max() > 1e-2
+    for name, value in engine.model.state_dict().items():
+        assert torch.equal(value, newer[name])

@@ -56,6 +56,9 @@ def test_placement_settings_are_checked_in_one_line():
         (*DISAGGREGATED, "runtime.rollout_workers=3"): "data.train_batch_size=16: must be divisible by the number of rollout replicas, runtime.rollout_workers",
         (*DISAGGREGATED, "algorithm.max_staleness=1", "algorithm.old_log_probs_from=rollout",
          "algorithm.rollout_correction=token_tis"): "algorithm.rollout_correction='token_tis': with",
+        ("rollout.partial=true",): "rollout.partial=true: weights change during a generation only when",
+        (*DISAGGREGATED, "rollout.partial=true", "rollout.max_turns=2", "rollout.tools=calculator"):
+            "rollout.partial=true: the token-by-token swap is built for the HF engine",
     }
     for overrides, message in cases.items():
         with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
@@ -100,14 +103,16 @@ def test_asynchronous_dapo_stays_within_its_staleness_and_resumes(tmp_path):
     under torchrun): step 2 is generated while step 1 trains (it cannot
     wait for weights it is allowed to be behind), the correction measures the gap, no
     payload reaches the launcher; a resumed run continues without repeating a step and
-    regenerates what was in flight with the checkpoint's weights."""
+    regenerates what was in flight with the checkpoint's weights. The resumed run swaps
+    weights in during generation (rollout.partial): whatever arrives mid-way, every sample
+    is counted by its first token's version and stays within the bound."""
     out = tmp_path / "run"
     common = [*SMALL, *DISAGGREGATED, "runtime.train_workers=2", "algorithm.name=dapo", "algorithm.max_staleness=1",
               "trainer.save_final=true", f"trainer.output_dir={out}"]
     distflow_train([*common, "trainer.total_steps=2"], tmp_path)
     launcher = json.loads((out / "launcher.json").read_text())  # Ray's launcher meters what it receives
     assert launcher["payload_bytes_received"] == 0 and launcher["control_bytes_received"] > 0
-    distflow_train([*common, "trainer.total_steps=4", "runtime.launcher=torchrun"], tmp_path)
+    distflow_train([*common, "trainer.total_steps=4", "runtime.launcher=torchrun", "rollout.partial=true"], tmp_path)
     records = run_metrics(out)
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
     assert records[1]["async/version_lag_max"] == 0  # the starting weights are version 0
@@ -119,5 +124,8 @@ def test_asynchronous_dapo_stays_within_its_staleness_and_resumes(tmp_path):
         assert r["rollout_correction/mismatch_kl"] > -1e-6  # k3 >= 0, up to float32 rounding
         assert "dynamic_sampling/refill_rounds" in r  # the filter ran on the rollout side
     assert records[2]["rollout_correction/mismatch_kl"] > 1e-7  # one update apart: the policies differ
+    for r in records[3:]:  # the resumed steps, with rollout.partial
+        assert r["async/swaps_during_generation"] >= 0 and 0 <= r["async/partial_samples"] <= 1
+    assert "async/partial_samples" not in records[2]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["placement"] == "disaggregated" and summary["steps"] == 4
