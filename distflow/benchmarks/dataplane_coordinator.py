@@ -31,7 +31,7 @@ def _coordinator_rounds(rank: int, spec: Spec) -> dict[str, Any]:
     """Warm-up plus timed rounds of the three reshards on this rank; maxima over ranks."""
     import torch.distributed as dist
 
-    from distflow.coordinator.executor import PhaseTimes, TransferStats, reshard
+    from distflow.coordinator.executor import GlobalView, PhaseTimes, TransferStats, reshard
     from distflow.data.batch import Batch
 
     tensors, ground_truth, ids, _ = make_shard(rank, spec)
@@ -45,13 +45,14 @@ def _coordinator_rounds(rank: int, spec: Spec) -> dict[str, Any]:
     row_bytes = spec.batch_bytes // spec.batch
     sizes: list[list[int]] = []  # per transition: payload bytes this rank sent to each peer
     for rnd in range(WARMUP_ROUNDS + spec.repeats):
-        stats, times = TransferStats(), PhaseTimes()
+        stats, times, view = TransferStats(), PhaseTimes(), GlobalView()  # one step's rows
         batch, batch_ids, marks, sizes = start_batch, ids, [], []
         dist.barrier()
         start = time.perf_counter()
         for src, dst, balance in steps:
             batch, batch_ids, plan = reshard(batch, batch_ids, [length_of[s] for s in batch_ids], src, dst,
-                                             balance=balance, tolerance=TOLERANCE, stats=stats, times=times)
+                                             balance=balance, tolerance=TOLERANCE, stats=stats, times=times,
+                                             view=view)
             marks.append(time.perf_counter())
             sizes.append([row_bytes * sum(m.dst == p for m in plan.sends(rank)) for p in range(spec.num_workers)])
         if rnd >= WARMUP_ROUNDS:

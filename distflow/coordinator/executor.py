@@ -4,7 +4,8 @@ Three steps at most, all rank-to-rank (no process sees more than its own share):
 
 1. `gather_metadata`: an all-gather of (sample id, token length) pairs, a few bytes per
    sample, so that every rank can run the pure planner on identical inputs (where a
-   host has more ranks than cores, rank 0 plans alone and broadcasts the plan);
+   host has more ranks than cores, rank 0 plans alone and broadcasts the plan); a later
+   reshard of the same rows skips it (`GlobalView`: the earlier plan says who holds what);
 2. a size exchange (`all_to_all_single` of three int64 per peer): how many bytes each
    rank sends each other rank, and where (shared memory or the wire);
 3. the payload exchange: one uint8 buffer per peer, through shared memory to peers on
@@ -29,7 +30,7 @@ import json
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,37 @@ class TransferStats:
 
     def as_metrics(self, prefix: str = "coordinator/") -> dict[str, int]:
         return {f"{prefix}{k}_bytes": v for k, v in vars(self).items()}
+
+
+@dataclass
+class GlobalView:
+    """Which samples every rank holds and every sample's length, as all ranks know them
+    after a reshard (every rank computed, or received, the same plan). Passed to the
+    next reshard of the same rows it stands in for that reshard's metadata all-gather:
+    a reshard with an empty view gathers and fills it; each later one checks this rank's
+    own ids and lengths against it and updates it with its plan. The caller passes one
+    only where every rank knows the rows are unchanged since (the scheduler: no filter
+    ran in between)."""
+
+    holdings: dict[int, list[int]] = field(default_factory=dict)
+    lengths: dict[int, int] = field(default_factory=dict)
+
+    def known(self, rank: int, sample_ids: Sequence[int], lengths: Sequence[int]) -> bool:
+        """True when filled; raises when this rank's rows are not the ones it records."""
+        if not self.lengths:
+            return False
+        if self.holdings.get(rank, []) != [int(s) for s in sample_ids] or \
+                any(self.lengths.get(int(s)) != int(n) for s, n in zip(sample_ids, lengths)):
+            raise ValueError(f"rank {rank}: the rows passed to reshard are not those its GlobalView records "
+                             f"({len(sample_ids)} samples against {len(self.holdings.get(rank, []))}); pass a "
+                             "new GlobalView after the rows change")
+        return True
+
+    def update(self, plan: ReshardPlan, world: int, lengths: dict[int, int]) -> None:
+        holdings = {r: list(plan.keep.get(r, [])) for r in range(world)}
+        for m in plan.moves:
+            holdings[m.dst].append(m.sample)
+        self.holdings, self.lengths = {r: sorted(v) for r, v in holdings.items()}, lengths
 
 
 class PhaseTimes(dict):
@@ -503,28 +535,31 @@ def _pack_sends(plan: ReshardPlan, batch: Batch, row_of: dict[int, int], rank: i
 
 def plan_collectively(sample_ids: Sequence[int], lengths: Sequence[int], src: Layout, dst: Layout, *,
                       balance: str = "kk", equal_count: bool = False, tolerance: float = 0.0, group=None,
-                      stats: TransferStats | None = None,
-                      times: PhaseTimes | None = None) -> tuple[ReshardPlan, dict[int, int]]:
-    """The metadata all-gather, then the same pure plan on every rank (or, on an
-    oversubscribed host, on the group's rank 0, broadcast). Returns the plan and every
-    sample's length."""
+                      stats: TransferStats | None = None, times: PhaseTimes | None = None,
+                      view: GlobalView | None = None) -> tuple[ReshardPlan, dict[int, int]]:
+    """The metadata all-gather (unless `view` already knows every rank's rows), then the
+    same pure plan on every rank (or, on an oversubscribed host, on the group's rank 0,
+    broadcast). Returns the plan and every sample's length; fills or updates `view`."""
     timed = times if times is not None else _untimed
-    with gc_paused(), timed("metadata"):
-        holdings, all_lengths = gather_metadata(sample_ids, lengths, group, stats)
     rank, world = _world(group)
+    if view is not None and view.known(rank, sample_ids, lengths):
+        holdings, all_lengths = view.holdings, view.lengths
+    else:
+        with gc_paused(), timed("metadata"):
+            holdings, all_lengths = gather_metadata(sample_ids, lengths, group, stats)
 
     options = {"balance": balance, "equal_count": equal_count, "tolerance": tolerance}
     with timed("plan"):
-        stay = stay_put_plan(src, dst, holdings, all_lengths, **options)  # O(samples), on every rank
-        if stay is not None:
-            return stay, all_lengths
-
-        def plan() -> ReshardPlan:
-            return plan_reshard(src, dst, holdings, all_lengths, **options)
-
-        if world == 1 or not _group_state(group, world).plan_on_leader:
-            return plan(), all_lengths
-        return _broadcast_plan(plan if rank == 0 else None, group, stats), all_lengths
+        plan = stay_put_plan(src, dst, holdings, all_lengths, **options)  # O(samples), on every rank
+        if plan is None and (world == 1 or not _group_state(group, world).plan_on_leader):
+            plan = plan_reshard(src, dst, holdings, all_lengths, **options)
+        elif plan is None:
+            plan = _broadcast_plan(
+                (lambda: plan_reshard(src, dst, holdings, all_lengths, **options)) if rank == 0 else None,
+                group, stats)
+    if view is not None:
+        view.update(plan, world, all_lengths)
+    return plan, all_lengths
 
 
 def _broadcast_plan(plan_fn, group, stats: TransferStats | None) -> ReshardPlan:
@@ -599,13 +634,13 @@ def decode_plan(code: torch.Tensor) -> ReshardPlan:
 
 def reshard(batch: Batch, sample_ids: Sequence[int], lengths: Sequence[int], src: Layout, dst: Layout,
             *, balance: str = "kk", equal_count: bool = False, tolerance: float = 0.0, group=None,
-            stats: TransferStats | None = None, transport: str = "auto",
-            times: PhaseTimes | None = None) -> tuple[Batch, list[int], ReshardPlan]:
-    """Metadata all-gather, the same plan on every rank, then the payload exchange.
-    transport: "auto" (shared memory between ranks on one host, the collective backend
-    across hosts) or "gloo" (the collective backend for everything). `times` collects
-    seconds per phase."""
+            stats: TransferStats | None = None, transport: str = "auto", times: PhaseTimes | None = None,
+            view: GlobalView | None = None) -> tuple[Batch, list[int], ReshardPlan]:
+    """Metadata all-gather (none when `view` knows the rows: see GlobalView), the same
+    plan on every rank, then the payload exchange. transport: "auto" (shared memory
+    between ranks on one host, the collective backend across hosts) or "gloo" (the
+    collective backend for everything). `times` collects seconds per phase."""
     plan, _ = plan_collectively(sample_ids, lengths, src, dst, balance=balance, equal_count=equal_count,
-                                tolerance=tolerance, group=group, stats=stats, times=times)
+                                tolerance=tolerance, group=group, stats=stats, times=times, view=view)
     new_batch, new_ids = execute(plan, batch, sample_ids, group, stats, transport, times)
     return new_batch, new_ids, plan

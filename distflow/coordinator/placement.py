@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from distflow.coordinator.executor import TransferStats, reshard
+from distflow.coordinator.executor import GlobalView, TransferStats, reshard
 from distflow.coordinator.layout import Layout
 from distflow.coordinator.store import LocalStore
 from distflow.data.batch import sequence_lengths
@@ -25,6 +25,7 @@ class Placement:
     stats: TransferStats = field(default_factory=TransferStats)
     balance: str = "kk"
     tolerance: float = 0.02
+    view: GlobalView = field(default_factory=GlobalView)  # who holds which rows since the last move
 
     def moves(self, src: str, dst: str) -> bool:
         if src == dst:
@@ -39,9 +40,13 @@ class Placement:
             return self.train, self.rollout, "none"
         return self.rollout if src == "groups" else self.train, self.train, self.balance
 
-    def move(self, store: LocalStore, src: str, dst: str) -> None:
+    def move(self, store: LocalStore, src: str, dst: str, same_rows: bool = False) -> None:
+        """`same_rows`: every rank's rows are those the previous move left (the caller
+        knows it on every rank alike), so its plan replaces the metadata all-gather."""
         batch = store.all()
         source, target, balance = self.layouts(src, dst)
+        if not same_rows:
+            self.view = GlobalView()
         new, _, _ = reshard(batch, batch["sample_id"], sequence_lengths(batch), source, target,
-                            balance=balance, tolerance=self.tolerance, stats=self.stats)
+                            balance=balance, tolerance=self.tolerance, stats=self.stats, view=self.view)
         store.replace(new)

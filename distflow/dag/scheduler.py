@@ -87,6 +87,7 @@ class Scheduler:
         self.spans: list[Span] = []
         self.counters: dict[str, float] = {}  # per step, the same on every worker (e.g. refill rounds)
         self.step = 0
+        self._placed: LocalStore | None = None
 
     def close(self) -> None:
         if self.pool is not None:
@@ -103,6 +104,7 @@ class Scheduler:
     def begin(self, step: int) -> None:
         """A new step: spans, counters and the store's layout start afresh."""
         self.step, self.spans, self.state, self.counters = step, [], "local", {}
+        self._placed = None  # the store whose rows the last move placed, while no filter has changed them
 
     def _run_nodes(self, ctx: Any, store: LocalStore, order: list[str], top_level: bool) -> None:
         futures: dict[str, Future] = {}
@@ -118,8 +120,10 @@ class Scheduler:
                 if LAYOUT_ORDER[node.layout] > LAYOUT_ORDER[self.state]:
                     if self.placement.moves(self.state, node.layout):
                         self._wait(futures)  # rows are about to change under them
+                        same_rows = self._placed is store
                         self.timed(f"reshard_{node.layout}",
-                                    lambda: self.placement.move(store, self.state, node.layout))
+                                    lambda: self.placement.move(store, self.state, node.layout, same_rows))
+                        self._placed = store
                     self.state = node.layout
                 if node.stream:
                     handled |= self.run_stream(ctx, store, node, order, futures)
@@ -293,11 +297,13 @@ class Scheduler:
     # ------------------------------------------------------------------ filters
 
     def _run_filter(self, ctx: Any, store: LocalStore, node: Node, top_level: bool) -> None:
+        self._placed = None  # the rows change (and a refill moves other rows meanwhile)
         keep = self._check(node, self._call(ctx, node, self._inputs(store, node)), len(store))
         store.put(keep)
         if node.refill and self.refill is not None:
             if top_level:  # inside a refill round the rows stay, flagged, for the final choice
                 self.timed(f"{node.name}_refill", lambda: self._refill(ctx, store, node))
+                self._placed = None
             return
         store.replace(store.all().select(keep[node.outputs[0]].bool().nonzero().flatten()))
 

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from distflow.coordinator.executor import TransferStats, _Assembler, pack, reshard, unpack
+from distflow.coordinator.executor import GlobalView, TransferStats, _Assembler, pack, reshard, unpack
 from distflow.coordinator.layout import Layout
 from distflow.data.batch import Batch
 from helpers import run_gloo
@@ -75,6 +75,39 @@ def test_dp_to_tp_groups_and_back():
     for r in results:
         assert r["same_moves"] == 0
         assert r["same"]["payload_sent"] == r["same"]["payload_received"] == 0
+
+
+def _with_and_without_a_view(rank, world):
+    """DP -> TP -> DP twice: with one GlobalView (the second and third reshards skip the
+    metadata all-gather) and without; then a view that no longer fits this rank's rows."""
+    dp, tp = Layout.data_parallel(world), Layout(world, tp_size=2)
+    length = lambda ids: [3 + (s * 7) % 11 for s in ids]  # noqa: E731
+    out = {}
+    for name, view in (("plain", None), ("view", GlobalView())):
+        batch, ids, lengths = _sample_batch(rank)
+        meta = []
+        for src, dst in ((dp, tp), (tp, dp), (dp, tp)):
+            stats = TransferStats()
+            batch, ids, _ = reshard(batch, ids, length(ids), src, dst, stats=stats, view=view)
+            meta.append(stats.meta_sent)
+        _check_rows(batch, ids)
+        out[name] = {"ids": ids, "prompts": batch["prompts"].tolist(), "meta": meta}
+    batch, ids, lengths = _sample_batch(rank)
+    try:
+        reshard(batch, ids, lengths, dp, tp, view=view)  # the view records the TP layout's rows
+    except ValueError as e:
+        out["stale"] = str(e)
+    return out
+
+
+def test_a_global_view_replaces_the_metadata_all_gather_of_later_reshards():
+    for r in run_gloo(_with_and_without_a_view, WORLD):
+        assert r["view"]["ids"] == r["plain"]["ids"] and r["view"]["prompts"] == r["plain"]["prompts"]
+        assert r["view"]["meta"][0] == r["plain"]["meta"][0]  # the first one gathers
+        metadata = 8 * (1 + 2 * 6) * (WORLD - 1)  # the all-gather of 6 (id, length) pairs to 3 peers
+        for plain, viewed in zip(r["plain"]["meta"][1:], r["view"]["meta"][1:]):
+            assert plain - viewed >= metadata
+        assert "the rows passed to reshard are not those its GlobalView records" in r["stale"]
 
 
 def test_pack_roundtrip_keeps_dtypes_shapes_and_strings():
