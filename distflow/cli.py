@@ -244,13 +244,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _exec_torchrun(cfg: Config, argv: list[str]) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={cfg.runtime.num_workers}", "-m", "distflow.train"]
-    cmd += argv + [f"trainer.output_dir={cfg.trainer.output_dir}"]
-    code = subprocess.call(cmd)
-    if code != 0:  # torchrun has printed the failed ranks; add where each worker was
-        return _fail(f"torchrun workers failed (exit {code}); last stage per worker: "
-                     f"{_worker_stages(Path(cfg.trainer.output_dir))}", EXIT_FAILED)
+    """torchrun's launcher in this process (torch is imported already for the graph
+    check; a `python -m torch.distributed.run` child would import it again)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={cfg.runtime.num_workers}",
+                                         "-m", "distflow.train", *argv,
+                                         f"trainer.output_dir={cfg.trainer.output_dir}"])
+    try:
+        run(args)
+    except ChildFailedError as e:  # torchrun's table of the failed ranks, then where each worker was
+        print(e, file=sys.stderr)
+        return _fail(f"torchrun workers failed (exit {e.get_first_failure()[1].exitcode}); last stage per "
+                     f"worker: {_worker_stages(Path(cfg.trainer.output_dir))}", EXIT_FAILED)
+    except SignalException as e:  # Ctrl-C or a kill: torchrun has stopped the workers
+        return _fail(f"stopped by signal {e.sigval.name}; last stage per worker: "
+                     f"{_worker_stages(Path(cfg.trainer.output_dir))}", 128 + int(e.sigval))
     return 0
 
 

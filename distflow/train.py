@@ -4,7 +4,8 @@
 
 `--runs FILE.json` (a list of override lists) runs several configurations one after
 another in the same workers and process group: a sweep pays the start-up once (the
-recipe tests and benchmarks/scheduler.py use it). The key=value arguments apply to all.
+recipe tests and benchmarks/scheduler.py use it). The key=value arguments apply to all;
+a run's own settings override them.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     runs = json.loads(open(args.runs).read()) if args.runs else [[]]
-    fixed = [*args.overrides, f"runtime.num_workers={world}", "runtime.launcher=torchrun"]
+    launch = [f"runtime.num_workers={world}", "runtime.launcher=torchrun"]
     try:
-        configs = [load_config(args.config, [*run, *fixed]) for run in runs]
+        configs = [load_config(args.config, [*args.overrides, *run, *launch]) for run in runs]
     except ConfigError as e:
         if rank == 0:
             print(f"distflow: error: {e}", file=sys.stderr)

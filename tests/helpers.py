@@ -51,6 +51,22 @@ def distflow_train(args: list[str], cwd: Path, timeout: int = 420) -> subprocess
     return proc
 
 
+def distflow_sweep(runs: dict[str, list[str]], workers: int, cwd: Path, common: list[str] = (),
+                   timeout: int = 900) -> dict[str, Path]:
+    """Several training configurations in one torchrun launch of `workers` workers
+    (`python -m distflow.train --runs`: the start-up is paid once); `common` applies to
+    all. Returns each run's folder by name; asserts the launch succeeded."""
+    folders = {name: cwd / name for name in runs}
+    spec = cwd / f"runs-{workers}.json"
+    spec.write_text(json.dumps([[*args, f"trainer.output_dir={folders[name]}"] for name, args in runs.items()]))
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={workers}", "-m", "distflow.train", "--runs", str(spec), *common],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return folders
+
+
 def run_metrics(run_dir: Path) -> list[dict]:
     """A run folder's metrics.jsonl records."""
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

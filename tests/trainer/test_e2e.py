@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from helpers import distflow_train, run_metrics
+from helpers import distflow_sweep, distflow_train, run_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -125,20 +125,38 @@ def test_any_local_model_parquet_data_custom_reward_and_periodic_checkpoints(tmp
     assert (out / "checkpoints" / "final" / "model.safetensors").exists()
 
 
-def test_placements_train_like_plain_data_parallel(tmp_path):
+# Runs on 2 torchrun workers that differ only in their settings share one launch
+# (`python -m distflow.train --runs`): the start-up is paid once.
+PLACEMENTS = ["trainer.save_final=false", "actor.ppo_mini_batch_size=2", "actor.micro_batch_size=3"]
+TWO_WORKER_RUNS = {
+    "dp2": PLACEMENTS,  # test_placements_train_like_plain_data_parallel's reference
+    "fixed": ["trainer.total_steps=2", "trainer.save_final=false", "actor.ppo_mini_batch_size=2",
+              "actor.micro_batch_size=2"],
+    "budget": ["trainer.total_steps=2", "trainer.save_final=false", "actor.ppo_mini_batch_size=2",
+               "actor.use_dynamic_bsz=true", "actor.max_tokens_per_micro_batch=160"],
+    "tis": ["trainer.total_steps=2", "trainer.save_final=false", "actor.ppo_mini_batch_size=2",
+            "algorithm.rollout_correction=token_tis"],
+    "bf16": ["model.dtype=bfloat16"],
+}
+
+
+@pytest.fixture(scope="module")
+def two_worker_runs(tmp_path_factory) -> dict:
+    return distflow_sweep(TWO_WORKER_RUNS, 2, tmp_path_factory.mktemp("two-workers"), SMALL)
+
+
+def test_placements_train_like_plain_data_parallel(two_worker_runs, tmp_path):
     """The same math as 2 plain data-parallel workers from 4 workers with rollout TP groups
     of 2 (2 replicas, reshard to DP=4 for training), and from 2 rollout workers + 1 train
     worker with max_staleness=0 (runtime.placement=disaggregated: samples streamed to the
     trainer, weights pushed back): same samples, same updates, same held-out accuracy."""
-    runs = {}
-    for name, extra in {"dp2": ["runtime.num_workers=2"],
-                        "tp2": ["runtime.num_workers=4", "rollout.replica_size=2"],
+    runs = {"dp2": run_metrics(two_worker_runs["dp2"])}
+    for name, extra in {"tp2": ["runtime.num_workers=4", "rollout.replica_size=2"],
                         "disaggregated": ["runtime.placement=disaggregated", "runtime.train_workers=1",
                                           "runtime.rollout_workers=2"]}.items():
         out = tmp_path / name
-        distflow_train([*SMALL, "runtime.launcher=torchrun", "trainer.save_final=false",
-                   "actor.ppo_mini_batch_size=2", "actor.micro_batch_size=3", *extra,
-                   f"trainer.output_dir={out}"], tmp_path)
+        distflow_train([*SMALL, "runtime.launcher=torchrun", *PLACEMENTS, *extra, f"trainer.output_dir={out}"],
+                       tmp_path)
         runs[name] = run_metrics(out)
     # 3 steps of 2 mini-batches (so the old log-probs are recomputed): later steps sample from updated, synced weights
     for other in ("tp2", "disaggregated"):
@@ -158,19 +176,13 @@ def test_placements_train_like_plain_data_parallel(tmp_path):
     assert runs["dp2"][1]["coordinator/payload_received_bytes"] == 0
 
 
-def test_token_budget_micro_batches_train_like_fixed_ones_end_to_end(tmp_path):
+def test_token_budget_micro_batches_train_like_fixed_ones_end_to_end(two_worker_runs, tmp_path):
     """actor.use_dynamic_bsz on 2 workers: micro-batches formed by a token budget give the
     same run as fixed-size ones (the loss is normalised by global counts, so how a
     mini-batch is cut cannot change the update); a budget below the longest sequence
     stops the run naming the key, so the budget path really ran."""
-    runs = {}
-    for name, extra in {"fixed": ["actor.micro_batch_size=2"],
-                        "budget": ["actor.use_dynamic_bsz=true", "actor.max_tokens_per_micro_batch=160"]}.items():
-        out = tmp_path / name
-        distflow_train([*SMALL, "runtime.launcher=torchrun", "trainer.total_steps=2", "trainer.save_final=false",
-                   "actor.ppo_mini_batch_size=2", *extra, f"trainer.output_dir={out}"], tmp_path)
-        runs[name] = run_metrics(out)
-    for a, b in zip(runs["fixed"][1:], runs["budget"][1:], strict=True):
+    fixed, budget = run_metrics(two_worker_runs["fixed"]), run_metrics(two_worker_runs["budget"])
+    for a, b in zip(fixed[1:], budget[1:], strict=True):
         for k in ["reward/mean", "reward/accuracy", "response/length_mean", "tokens/total"]:
             assert a[k] == b[k], (k, a[k], b[k])
         for k in ["actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "actor/clip_frac"]:
@@ -183,27 +195,22 @@ def test_token_budget_micro_batches_train_like_fixed_ones_end_to_end(tmp_path):
     assert proc.returncode != 0 and "actor.max_tokens_per_micro_batch=10 is smaller than a" in proc.stderr
 
 
-def test_rollout_correction_runs_end_to_end_and_measures_the_mismatch(tmp_path):
+def test_rollout_correction_runs_end_to_end_and_measures_the_mismatch(two_worker_runs):
     """Token-level TIS on 2 workers: the HF engine samples from the trainer's own weights,
     so the measured mismatch is rounding (KV cache vs full forward) and the weights are 1."""
-    out = tmp_path / "tis"
-    distflow_train([*SMALL, "runtime.launcher=torchrun", "trainer.total_steps=2", "trainer.save_final=false",
-               "actor.ppo_mini_batch_size=2", "algorithm.rollout_correction=token_tis", f"trainer.output_dir={out}"],
-              tmp_path)
-    for record in run_metrics(out)[1:]:
+    for record in run_metrics(two_worker_runs["tis"])[1:]:
         assert abs(record["rollout_correction/mismatch_kl"]) < 1e-6  # k3 >= 0, but in float32 rounding
         assert record["rollout_correction/weight_mean"] == pytest.approx(1.0, abs=1e-3)
         assert record["rollout_correction/weight_max"] == pytest.approx(1.0, abs=1e-2)
         assert record["rollout_correction/corrected_fraction"] == 0.0
 
 
-def test_bf16_compute_trains_on_fp32_master_weights_end_to_end(tmp_path):
+def test_bf16_compute_trains_on_fp32_master_weights_end_to_end(two_worker_runs):
     """model.dtype=bfloat16 on 2 workers: the run trains (the KL to the bf16 reference
     grows from bf16 rounding at step 1) and the saved policy is the fp32 master copy."""
     from safetensors.torch import load_file
 
-    out = tmp_path / "bf16"
-    distflow_train([*SMALL, "runtime.launcher=torchrun", "model.dtype=bfloat16", f"trainer.output_dir={out}"], tmp_path)
+    out = two_worker_runs["bf16"]
     steps = run_metrics(out)[1:]
     assert len(steps) == 3 and all(s["actor/grad_norm"] > 0 for s in steps)
     assert 0 < steps[0]["actor/kl"] < steps[-1]["actor/kl"]
