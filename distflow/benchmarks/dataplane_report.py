@@ -146,23 +146,23 @@ CAVEATS = """\
   centralized path cuts equal-count chunks, so the two end with different placements."""
 
 
+def _section(title: str, intro: str, lines: list[str]) -> str:
+    """A markdown section of bullet lines; nothing when there are none."""
+    return f"## {title}\n\n{intro}\n\n" + "\n".join(f"- {line}" for line in lines) + "\n\n" if lines else ""
+
+
 def _floor_section(records: list[dict[str, Any]]) -> str:
-    lines = floor_lines(records)
-    if not lines:
-        return ""
-    return ("## Against shared memory's floor\n\n`plain shm copies`: the coordinator's payload bytes per rank pair "
-            "written into mapped /dev/shm files and read out by the peer, one barrier per transition, files and "
-            "buffers made and touched beforehand. Phases: `PhaseTimes` in `distflow/coordinator/executor.py`.\n\n"
-            + "\n".join(f"- {line}" for line in lines) + "\n\n")
+    return _section("Against shared memory's floor",
+                    "`plain shm copies`: the coordinator's payload bytes per rank pair written into mapped /dev/shm "
+                    "files and read out by the peer, one barrier per transition, files and buffers made and touched "
+                    "beforehand. Phases: `PhaseTimes` in `distflow/coordinator/executor.py`.", floor_lines(records))
 
 
 def _verl_section(records: list[dict[str, Any]]) -> str:
-    lines = verl_lines(records)
-    if not lines:
-        return ""
-    return ("## Against verl's own dispatch\n\n`centralized-verl` and `centralized-verl-numpy` run verl's DataProto "
-            "code (concat, chunk, one object-store put per chunk) with its default (torch.save) and numpy "
-            "serialisation, on the same actors and batch.\n\n" + "\n".join(f"- {line}" for line in lines) + "\n\n")
+    return _section("Against verl's own dispatch",
+                    "`centralized-verl` and `centralized-verl-numpy` run verl's DataProto code (concat, chunk, one "
+                    "object-store put per chunk) with its default (torch.save) and numpy serialisation, on the same "
+                    "actors and batch.", verl_lines(records))
 
 
 def results_markdown(records: list[dict[str, Any]], imbalance_recs: list[dict[str, Any]],
