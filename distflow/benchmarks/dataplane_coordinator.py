@@ -27,8 +27,9 @@ from distflow.coordinator.layout import Layout
 TOLERANCE = 0.02
 
 
-def _coordinator_rounds(rank: int, spec: Spec) -> dict[str, Any]:
-    """Warm-up plus timed rounds of the three reshards on this rank; maxima over ranks."""
+def _coordinator_rounds(rank: int, spec: Spec, one_host: bool = True) -> dict[str, Any]:
+    """Warm-up plus timed rounds of the three reshards on this rank; maxima over ranks.
+    `one_host`: all ranks share /dev/shm, so its floor is measured too."""
     import torch.distributed as dist
 
     from distflow.coordinator.executor import GlobalView, PhaseTimes, TransferStats, reshard
@@ -61,7 +62,8 @@ def _coordinator_rounds(rank: int, spec: Spec) -> dict[str, Any]:
             moved = stats.payload_sent + stats.payload_received + stats.meta_sent + stats.meta_received
             rows = len(batch_ids)
     raw = _raw_transport_seconds(sizes, spec)
-    raw["shm_floor_seconds"] = _shm_floor_seconds(sizes, spec)
+    if one_host:
+        raw["shm_floor_seconds"] = _shm_floor_seconds(sizes, spec)
     names = sorted({k for t in phases for k in t})
     phase_s = torch.tensor([statistics.median(t.get(k, 0.0) for t in phases) for k in names], dtype=torch.float64)
     dist.all_reduce(phase_s, op=dist.ReduceOp.MAX)  # per phase, the slowest rank's median
@@ -130,7 +132,9 @@ def _shm_floor_seconds(sizes: list[list[int]], spec: Spec) -> float:
     import torch.distributed as dist
 
     world, rank = spec.num_workers, dist.get_rank()
-    token = os.getppid()  # the spawning benchmark process: the same for every rank
+    token = torch.tensor([int.from_bytes(os.urandom(6), "little")], dtype=torch.int64)
+    dist.broadcast(token, src=0)  # names this measurement's files alike on every rank
+    token = int(token)
 
     def path(t: int, src: int, dst: int) -> str:
         return f"/dev/shm/distflow-floor-{token}-{t}-{src}-{dst}"

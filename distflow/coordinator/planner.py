@@ -41,10 +41,13 @@ Partition, then match (``plan_reshard``)
     is therefore free to pick the assignment that maximises the tokens each group's
     members already hold, which minimises bytes moved (exactly, by a DP over subsets
     of groups, for up to 8 groups; greedily beyond). What this does *not* do is pick,
-    among equally balanced partitions, the one with the most locality; as a cheap
-    guard the planner also builds the "stay put" partition (``balance="none"``) and
-    keeps it whenever its largest bin is no larger than the balancer's, so an
-    already balanced placement moves nothing.
+    among equally balanced partitions, the one with the most locality; so the planner
+    first builds the "stay put" partition (``balance="none"``) and keeps it when its
+    largest bin is within the tolerance of the bound no partition can beat, so an
+    already balanced placement moves nothing; failing that it repairs it, moving single
+    samples from the heaviest bin to the lightest until it is (``_repaired``: a few
+    samples move instead of most); only where that cannot get there does the balancer
+    partition afresh.
 
 Sources
     A destination rank that lacks a sample of its bin fetches it from one of the
@@ -319,6 +322,9 @@ def _plan(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]], lengt
     bins = stay
     bound = _bound(dst, lengths)
     if balance != "none" and _largest_bin(stay, lengths) > bound * (1.0 + tolerance):
+        repaired = None if equal_count else _repaired(stay, lengths, bound * (1.0 + tolerance))
+        if repaired is not None:  # a few samples moved, the rest stays: within the tolerance of the bound
+            return _route(_match_bins(repaired, dst, holders, lengths), dst, holders, lengths)
         split = karmarkar_karp if balance == "kk" else greedy_lpt
         ids = sorted(lengths)
         parts = split([lengths[s] for s in ids], dst.dp_size, equal_count)
@@ -327,6 +333,34 @@ def _plan(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]], lengt
         if _largest_bin(balanced, lengths) * (1.0 + tolerance) < _largest_bin(stay, lengths):
             bins = balanced
     return _route(_match_bins(bins, dst, holders, lengths), dst, holders, lengths)
+
+
+def _repaired(bins: list[list[int]], lengths: Mapping[int, int], target: float) -> list[list[int]] | None:
+    """`bins` with single samples moved from the heaviest bin to the lightest until none
+    holds more than `target` tokens, or None where moves of single samples do not get
+    there (then the balancer partitions afresh). Each move takes the longest sample
+    that keeps the lightest bin within the target (else the longest that still narrows
+    the gap), so few samples move; ties by sample id, so every rank repairs alike."""
+    import bisect
+
+    order = [sorted((lengths[s], s) for s in b) for b in bins]
+    totals = [sum(n for n, _ in b) for b in order]
+    for _ in range(len(lengths) + 1):
+        heavy = max(range(len(order)), key=lambda g: (totals[g], -g))
+        if totals[heavy] <= target:
+            return [sorted(s for _, s in b) for b in order]
+        light = min(range(len(order)), key=lambda g: (totals[g], g))
+        gap, items = totals[heavy] - totals[light], order[heavy]
+        fits = bisect.bisect_right(items, (min(gap - 1, target - totals[light]), sys.maxsize)) - 1
+        narrows = bisect.bisect_right(items, (gap - 1, sys.maxsize)) - 1
+        pick = fits if fits >= 0 and items[fits][0] > 0 else narrows
+        if pick < 0 or items[pick][0] <= 0:
+            return None
+        n, sample = items.pop(pick)
+        bisect.insort(order[light], (n, sample))
+        totals[heavy] -= n
+        totals[light] += n
+    return None
 
 
 def _validate(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]],

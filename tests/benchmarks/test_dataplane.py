@@ -30,6 +30,9 @@ def test_quick_run_reports_every_mode(tmp_path):
     assert coordinator["busiest_process_bytes"] > 0  # DP -> TP pairs really moves data
     # the plain-transport references moved the same payload and were timed
     assert coordinator["raw_alltoall_seconds"] > 0 and coordinator["raw_p2p_seconds"] > 0
+    assert coordinator["shm_floor_seconds"] > 0  # the plain /dev/shm copies of the same bytes
+    # where the time goes: the payload phases and the one metadata all-gather of the step
+    assert {"metadata", "plan", "pack", "sizes", "receive"} <= set(coordinator["phase_seconds"])
     for mode in CENTRALIZED:
         r = by_mode[mode]
         assert coordinator["busiest_process_bytes"] < r["busiest_process_bytes"]
@@ -47,3 +50,4 @@ def test_quick_run_reports_every_mode(tmp_path):
     for mode in ("coordinator", *CENTRALIZED):
         assert f"| 2 | {mode} |" in report
     assert "python -m distflow.benchmarks.dataplane --quick" in report and "nproc" in report
+    assert "## Against shared memory's floor" in report and "x the plain shared-memory copies" in report

@@ -436,3 +436,23 @@ def test_tolerance_keeps_a_nearly_balanced_placement():
     assert 0 < gap < 0.1
     assert not plan_reshard(layout, layout, holdings, lengths, balance="kk", tolerance=gap * 1.01).moves
     assert plan_reshard(layout, layout, holdings, lengths, balance="kk", tolerance=gap * 0.99).moves
+
+
+def test_an_unbalanced_placement_is_repaired_by_moving_a_few_samples():
+    """DP(4) -> TP pairs, each rank holding a block of long-tailed lengths: every rank
+    needs its partner's rows (512 moves at the least), and bringing the pairs within 2%
+    of the bound moves a few samples more, not the half of each pair's that a fresh
+    partition would (the balancer still runs where a repair cannot get there)."""
+    rng = random.Random(0)  # the first pair's samples run longer
+    lengths = {s: min(2048, int(rng.lognormvariate(5.6 if s < 256 else 5.5, 0.8))) for s in range(512)}
+    holdings = {r: list(range(128 * r, 128 * (r + 1))) for r in range(4)}
+    dp, tp = Layout.data_parallel(4), Layout(4, tp_size=2)
+    pairs = [sum(lengths[s] for r in g for s in holdings[r]) for g in tp.dp_groups()]
+    bound = max(max(lengths.values()), -(-sum(lengths.values()) // 2))
+    assert max(pairs) > 1.02 * bound  # staying put is out of tolerance
+    plan = plan_reshard(dp, tp, holdings, lengths, balance="kk", tolerance=0.02)
+    check_plan(plan, dp, tp, holdings, lengths)
+    assert max(totals(lengths, plan.assignment)) <= 1.02 * bound
+    assert 512 < len(plan.moves) <= 512 + 16
+    fresh = plan_reshard(dp, tp, holdings, lengths, balance="kk", tolerance=0.0)  # no repair reaches the bound itself
+    assert len(fresh.moves) > 600
