@@ -153,14 +153,17 @@ class RolloutWorker:
         self.weights = WeightSubscriber(roles.weights, self.start_step)
         self.swaps_in_flight = 0  # rollout.partial: weights swapped in during a generation
         if cfg.rollout.partial:
-            self.engine.newer_weights = self._newer_weights
+            self.engine.newer_weights = self._swap_during_generation
 
     def _newer_weights(self):
-        """(version, weights) newer than the engine's, if any arrived (rollout.partial)."""
+        """(version, weights) newer than the engine's, if any arrived; else None."""
         newest = self.weights.take_newer()
-        if newest is None or newest[0] <= self.engine.weight_version:
-            return None
-        self.swaps_in_flight += 1
+        return newest if newest is not None and newest[0] > self.engine.weight_version else None
+
+    def _swap_during_generation(self):
+        """rollout.partial: asked by the engine after every token; counted when it swaps."""
+        newest = self._newer_weights()
+        self.swaps_in_flight += newest is not None
         return newest
 
     def run(self) -> dict:
@@ -173,8 +176,8 @@ class RolloutWorker:
             with timer("wait_for_weights"):
                 self.weights.wait_for(step - 1 - k, cfg.runtime.collective_timeout_s)
             with timer("weight_swap"):
-                newest = self.weights.take_newer()
-                if newest is not None and newest[0] > self.engine.weight_version:
+                newest = self._newer_weights()
+                if newest is not None:
                     self.engine.update_weights(newest[1], version=newest[0])
             t0 = time.perf_counter()
             self.ctx.step, self.ctx.acc = step, MeanAccumulator()
