@@ -90,8 +90,7 @@ def _raw_transport_seconds(sizes: list[list[int]], spec: Spec) -> dict[str, floa
     recv_sizes = torch.empty(len(sizes), world, dtype=torch.int64)
     dist.all_to_all_single(recv_sizes.view(-1), torch.tensor(sizes, dtype=torch.int64).t().contiguous().view(-1))
     recv_sizes = recv_sizes.view(world, len(sizes)).t().tolist()
-    moving = torch.tensor([sum(out) for out in sizes], dtype=torch.int64)
-    dist.all_reduce(moving)  # a transition in which no rank sends anything has no exchange
+    active = _active_transitions(sizes)
     send = [torch.ones(sum(out), dtype=torch.uint8) for out in sizes]
     recv = [torch.empty(sum(inn), dtype=torch.uint8) for inn in recv_sizes]
     rank = dist.get_rank()
@@ -105,19 +104,12 @@ def _raw_transport_seconds(sizes: list[list[int]], spec: Spec) -> dict[str, floa
         for work in works:
             work.wait()
 
-    took = []
-    for exchange in (alltoall, p2p):
-        rounds = []
-        for rnd in range(WARMUP_ROUNDS + spec.repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            for out, inn, sb, rb, active in zip(sizes, recv_sizes, send, recv, moving.tolist()):
-                if active:
-                    exchange(out, inn, sb, rb)
-            if rnd >= WARMUP_ROUNDS:
-                rounds.append(time.perf_counter() - start)
-        took.append(statistics.median(rounds))
-    took = torch.tensor(took, dtype=torch.float64)
+    def exchanges(exchange) -> None:
+        for t in active:
+            exchange(sizes[t], recv_sizes[t], send[t], recv[t])
+
+    took = torch.tensor([_median_round_seconds(spec, lambda: exchanges(exchange)) for exchange in (alltoall, p2p)],
+                        dtype=torch.float64)
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
     return {"raw_alltoall_seconds": float(took[0]), "raw_p2p_seconds": float(took[1])}
 
@@ -156,15 +148,12 @@ def _shm_floor_seconds(sizes: list[list[int]], spec: Spec) -> float:
         dist.barrier()
         for t, p in outgoing:
             os.unlink(path(t, rank, p))
-    moving = torch.tensor([sum(out) for out in sizes], dtype=torch.int64)
-    dist.all_reduce(moving)  # a transition in which no rank sends anything has no exchange
     source = {key: torch.ones_like(slot) for key, slot in outgoing.items()}
     received = {key: torch.empty_like(slot) for key, slot in incoming.items()}
-    rounds = []
-    for rnd in range(WARMUP_ROUNDS + spec.repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        for t in (t for t, n in enumerate(moving.tolist()) if n):
+    active = _active_transitions(sizes)
+
+    def copies() -> None:
+        for t in active:
             for (tt, p), slot in outgoing.items():
                 if tt == t:
                     slot.copy_(source[tt, p])
@@ -172,11 +161,35 @@ def _shm_floor_seconds(sizes: list[list[int]], spec: Spec) -> float:
             for (tt, p), slot in incoming.items():
                 if tt == t:
                     received[tt, p].copy_(slot)
-        if rnd >= WARMUP_ROUNDS:
-            rounds.append(time.perf_counter() - start)
-    took = torch.tensor([statistics.median(rounds)], dtype=torch.float64)
+
+    took = torch.tensor([_median_round_seconds(spec, copies)], dtype=torch.float64)
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
     return float(took)
+
+
+def _active_transitions(sizes: list[list[int]]) -> list[int]:
+    """The transitions in which some rank sends something (a collective: every rank
+    learns the same list)."""
+    import torch.distributed as dist
+
+    moving = torch.tensor([sum(out) for out in sizes], dtype=torch.int64)
+    dist.all_reduce(moving)
+    return [t for t, n in enumerate(moving.tolist()) if n]
+
+
+def _median_round_seconds(spec: Spec, one_round) -> float:
+    """`one_round()` after a barrier, warm-up rounds untimed, then `spec.repeats` timed
+    rounds: their median (this rank's)."""
+    import torch.distributed as dist
+
+    rounds = []
+    for rnd in range(WARMUP_ROUNDS + spec.repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        one_round()
+        if rnd >= WARMUP_ROUNDS:
+            rounds.append(time.perf_counter() - start)
+    return statistics.median(rounds)
 
 
 def _coordinator_entry(rank: int, spec: Spec, port: int, results: Any) -> None:

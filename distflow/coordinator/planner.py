@@ -57,6 +57,7 @@ Sources
 
 from __future__ import annotations
 
+import bisect
 import gc
 import heapq
 import sys
@@ -341,8 +342,6 @@ def _repaired(bins: list[list[int]], lengths: Mapping[int, int], target: float) 
     there (then the balancer partitions afresh). Each move takes the longest sample
     that keeps the lightest bin within the target (else the longest that still narrows
     the gap), so few samples move; ties by sample id, so every rank repairs alike."""
-    import bisect
-
     order = [sorted((lengths[s], s) for s in b) for b in bins]
     totals = [sum(n for n, _ in b) for b in order]
     for _ in range(len(lengths) + 1):
