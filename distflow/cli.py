@@ -1,7 +1,7 @@
 """`distflow` command line.
 
     distflow train [--config FILE] [section.key=value ...]
-    distflow build-tiny-model [--out DIR]
+    distflow build-tiny-model --out DIR [--tools] [--steps N]
     distflow make-data --split train --num 1000 --out FILE.parquet
     distflow bench dataplane [--quick] [--workers N ...] [--json FILE] [--results-md FILE]
     distflow bench scheduler [--settings default compute] [--json FILE] [--results-md FILE]
@@ -25,6 +25,7 @@ A config or input error prints one line and exits with code 2; a failed worker e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -34,6 +35,7 @@ import time
 from pathlib import Path
 
 from distflow.config import BUILTIN_MODEL, Config, ConfigError, load_config
+from distflow.data.dataset import BUILTIN_TASKS
 from distflow.runtime import netns
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
@@ -289,9 +291,13 @@ def run_files(run_dir: Path) -> list[str]:
 
 
 def cmd_build_tiny_model(args: argparse.Namespace) -> int:
-    from distflow.engines.tiny_model import SFTSpec, build_tiny_model
+    from distflow.engines.tiny_model import ASSET_DIR, TOOL_SFT, SFTSpec, build_tiny_model
 
-    record = build_tiny_model(args.out, sft=SFTSpec() if args.steps is None else SFTSpec(steps=args.steps))
+    if args.tools:  # continues from the shipped default model
+        sft = TOOL_SFT if args.steps is None else dataclasses.replace(TOOL_SFT, steps=args.steps)
+        record = build_tiny_model(args.out, sft=sft, base=ASSET_DIR)
+    else:
+        record = build_tiny_model(args.out, sft=SFTSpec() if args.steps is None else SFTSpec(steps=args.steps))
     print(json.dumps({k: record[k] for k in ("num_parameters", "build_seconds")} | record["history"][-1]))
     return 0
 
@@ -299,7 +305,7 @@ def cmd_build_tiny_model(args: argparse.Namespace) -> int:
 def cmd_make_data(args: argparse.Namespace) -> int:
     from distflow.data.tasks.arith import write_parquet
 
-    print(write_parquet(args.out, args.split, args.num, args.seed))
+    print(write_parquet(args.out, args.split, args.num, args.seed, levels=BUILTIN_TASKS[args.task]))
     return 0
 
 
@@ -427,8 +433,12 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("build-tiny-model", help=f"rebuild the embedded default model ({BUILTIN_MODEL})")
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--steps", type=int, default=None)
+    tiny.add_argument("--tools", action="store_true", help="the tool-using model (builtin:tiny-arith-tools), "
+                                                          "fine-tuned from the default one on calculator traces")
     tiny.set_defaults(fn=cmd_build_tiny_model)
     data = sub.add_parser("make-data", help="write the built-in task as a verl-format parquet file")
+    data.add_argument("--task", choices=tuple(BUILTIN_TASKS), default="arith",
+                      help="arith-tools: the tool task (a fourth level, two-digit products)")
     data.add_argument("--split", choices=("train", "test"), default="train")
     data.add_argument("--num", type=int, default=1000)
     data.add_argument("--seed", type=int, default=0)

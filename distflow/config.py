@@ -33,6 +33,7 @@ def _spec(default: Any, *, min: float | None = None, max: float | None = None,
 
 
 BUILTIN_MODEL = "builtin:tiny-arith"
+BUILTIN_MODELS = (BUILTIN_MODEL, "builtin:tiny-arith-tools")  # folders in distflow/assets (engines/tiny_model.py)
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # distflow.trainer.tracking
 TOOLS = ("calculator", "python")  # distflow.engines.tools
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs", "k1+", "k3+", "low_var_kl+")  # distflow.algos.kl
@@ -43,7 +44,8 @@ ALGORITHMS = tuple(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    path: str = _spec(BUILTIN_MODEL, doc="local HuggingFace causal-LM folder, or builtin:tiny-arith")
+    path: str = _spec(BUILTIN_MODEL, doc="local HuggingFace causal-LM folder, or builtin:tiny-arith "
+                                               "(builtin:tiny-arith-tools: warm-started to call a calculator)")
     dtype: str = _spec("float32", choices=("float32", "bfloat16"),
                        doc="compute dtype: the rollout and the reference run in it, the actor and the critic "
                            "compute in it on fp32 master weights and AdamW state")
@@ -92,7 +94,8 @@ class RolloutConfig:
                                "<tool_call> format: calculator, python (the code sandbox)")
     tool_timeout_s: float = _spec(5.0, min=0.01, doc="the python tool's limit per call")
     env: str | None = _spec(None, doc="multi-turn: module:Class or file.py:Class of the environment, made per "
-                                      "episode with the rollout's tools (default: their results are the observation)")
+                                      "episode with the rollout's tools (default: their results are the "
+                                      "observation); openenv:module:Class for an OpenEnv environment, run as it is")
     partial: bool = _spec(False, doc="runtime.placement=disaggregated, HF engine: weights that arrive during a "
                                      "generation are swapped in at the next token, so in-flight sequences "
                                      "continue on them; each token is tagged with its version "
@@ -201,6 +204,8 @@ class RewardConfig:
     gsm8k_mode: str = _spec("strict", choices=("strict", "flexible"),
                             doc="the default reward's #### rule: strict needs '#### N'; flexible reads the last "
                                 "number when there is no #### (verl's modes); accuracy stays strict")
+    from_env: bool = _spec(False, doc="multi-turn with rollout.env: the sum of the environment's step rewards is the "
+                                      "sample's reward instead of the function's (accuracy stays the function's)")
 
 
 @dataclass(kw_only=True)
@@ -414,6 +419,12 @@ def _validate_turns(cfg: Config) -> None:
     import importlib.util
 
     r = cfg.rollout
+    if cfg.reward.from_env and (r.env is None or r.max_turns == 1):
+        raise ConfigError("reward.from_env=true: needs rollout.env (an environment whose steps give rewards) "
+                          "and rollout.max_turns > 1")
+    if r.env is not None and r.env.startswith("openenv:") and importlib.util.find_spec("openenv") is None:
+        raise ConfigError(f'rollout.env={r.env!r}: the openenv package is not installed; '
+                          'pip install "distflow[openenv]"')
     if r.agent is not None:
         if r.tools or r.env:
             raise ConfigError(f"rollout.agent={r.agent!r}: the agent runs its own tools and environment; leave "
@@ -498,12 +509,12 @@ def _validate_cross(cfg: Config) -> None:
         if cfg.runtime.network == "loopback":
             raise ConfigError(f"runtime.ray_address={cfg.runtime.ray_address!r}: a cluster cannot be "
                               "loopback-only; use runtime.network=auto or host")
-    if cfg.model.path != BUILTIN_MODEL:
+    if cfg.model.path not in BUILTIN_MODELS:
         path = os.path.expanduser(cfg.model.path)
         if not any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
             raise ConfigError(
                 f"model.path={cfg.model.path!r}: not a local HuggingFace model folder "
-                f"(no config.json there); use {BUILTIN_MODEL}, a folder made by save_pretrained or a LoRA checkpoint")
+                f"(no config.json there); use {' or '.join(BUILTIN_MODELS)}, a folder made by save_pretrained or a LoRA checkpoint")
         if not any(name.endswith(".safetensors") for name in os.listdir(path)):
             raise ConfigError(f"model.path={cfg.model.path!r}: no .safetensors weights there (pickled .bin "
                               f"weights are never loaded; re-save with save_pretrained(safe_serialization=True))")

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from distflow.data.tasks import arith
 
-BUILTIN_PREFIX = "builtin:arith:"
+BUILTIN_TASKS = {"arith": arith.LEVELS, "arith-tools": arith.TOOL_TASK_LEVELS}  # builtin:NAME:SPLIT[:SIZE]
 BUILTIN_SIZES = {"train": 20000, "test": 256}
 
 
@@ -67,12 +67,13 @@ def _row(raw: Any, index: int, where: str) -> PromptRow:
 
 
 def _builtin(spec: str) -> list[Any]:
-    rest = spec[len(BUILTIN_PREFIX):]
+    name, _, rest = spec.removeprefix("builtin:").partition(":")
     split, _, size = rest.partition(":")
-    if split not in BUILTIN_SIZES:
-        raise DatasetError(f"{spec}: unknown built-in split; use {BUILTIN_PREFIX}train or {BUILTIN_PREFIX}test")
+    if name not in BUILTIN_TASKS or split not in BUILTIN_SIZES:
+        raise DatasetError(f"{spec}: unknown built-in dataset; use builtin:TASK:train or builtin:TASK:test "
+                           f"with TASK one of {', '.join(BUILTIN_TASKS)}")
     num = int(size) if size else BUILTIN_SIZES[split]
-    return arith.verl_rows(split, num)
+    return arith.verl_rows(split, num, levels=BUILTIN_TASKS[name])
 
 
 def load_rows(spec: str, limit: int | None = None) -> list[PromptRow]:
@@ -148,7 +149,7 @@ class _ListSource:
 
 
 def open_source(source: str):
-    if source.startswith(BUILTIN_PREFIX):
+    if source.startswith("builtin:"):
         return _ListSource(_builtin(source))
     path = os.path.expanduser(source)
     if path.endswith(".parquet"):

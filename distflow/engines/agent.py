@@ -37,12 +37,14 @@ class EnvStep:
     observation: Messages  # what the environment answers (nothing when done)
     done: bool
     counts: dict[str, int] = field(default_factory=dict)  # of COUNTS
+    reward: float = 0.0  # the step's reward; their sum is the sample's with reward.from_env
 
 
 class Environment(Protocol):
     """One episode's environment (`rollout.env=module:Class`, made with the rollout's
-    Toolbox). `reset` gets the dataset row's task (ground_truth, data_source,
-    extra_info); the episode's first messages are the row's prompt."""
+    Toolbox; `openenv:module:Class` for an OpenEnv one, engines/openenv_env.py). `reset`
+    gets the dataset row's task (prompt, ground_truth, data_source, extra_info) and the
+    episode's seed (None when greedy); the episode's first messages are the row's prompt."""
 
     def reset(self, task: dict) -> None: ...
 
@@ -66,8 +68,12 @@ class ToolEnvironment:
         results = [self.toolbox.run(body) for body in calls]
         counts = {"tool_calls": len(results), "tool_errors": sum(r.status == "error" for r in results),
                   "tool_timeouts": sum(r.status == "timeout" for r in results)}
-        return EnvStep([{"role": "tool", "content": f"<tool_response>\n{r.text}\n</tool_response>"}
-                        for r in results], False, counts)
+        return EnvStep([tool_message(r.text) for r in results], False, counts)
+
+
+def tool_message(result: str) -> dict[str, str]:
+    """A tool's result as the observation message the model sees (Hermes' framing)."""
+    return {"role": "tool", "content": f"<tool_response>\n{result}\n</tool_response>"}
 
 
 _BEFORE = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
@@ -89,6 +95,7 @@ def observation_ids(tokenizer, messages: Messages) -> list[int]:
 class EpisodeSettings:
     max_turns: int
     max_total_tokens: int  # response tokens of an episode: its turns and observations together
+    step_last_turn: bool = False  # reward.from_env: the last turn is stepped too, for its reward
 
 
 class EpisodeRunner:
@@ -103,10 +110,10 @@ class EpisodeRunner:
         """`prompts` (token ids) with their `tasks`; greedy when `seeds` is None."""
         s, n = self.settings, len(prompts)
         envs = [self.make_env() for _ in range(n)]
-        for env, task in zip(envs, tasks):
-            env.reset(task)
+        for i, (env, task) in enumerate(zip(envs, tasks)):
+            env.reset(task | {"seed": None if seeds is None else seeds[i]})
         tokens, trained, log_probs = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
-        turns, counts = [0] * n, [Counter() for _ in range(n)]
+        turns, counts, rewards = [0] * n, [Counter() for _ in range(n)], [0.0] * n
         active = list(range(n))
         for turn in range(s.max_turns):
             if not active:
@@ -123,11 +130,13 @@ class EpisodeRunner:
                 trained[i] += [1] * len(new)
                 log_probs[i] += out["rollout_log_probs"][j, :len(new)].tolist()
                 turns[i] += 1
-                if len(tokens[i]) >= s.max_total_tokens or turn == s.max_turns - 1:
+                last = turn == s.max_turns - 1
+                if len(tokens[i]) >= s.max_total_tokens or (last and not s.step_last_turn):
                     continue
                 step = envs[i].step(self.tokenizer.decode(new, skip_special_tokens=True))
                 counts[i].update(step.counts)
-                if step.done:
+                rewards[i] += float(step.reward)
+                if step.done or last:
                     continue
                 observed = observation_ids(self.tokenizer, step.observation)[: s.max_total_tokens - len(tokens[i])]
                 tokens[i] += observed
@@ -136,15 +145,16 @@ class EpisodeRunner:
                 if len(tokens[i]) < s.max_total_tokens:
                     running.append(i)
             active = running
-        return self._batch(tokens, trained, log_probs, turns, counts)
+        return self._batch(tokens, trained, log_probs, turns, counts, rewards)
 
     def close(self) -> None:
         """Nothing to release: environments live for one episode."""
 
-    def _batch(self, tokens, trained, log_probs, turns, counts) -> Batch:
+    def _batch(self, tokens, trained, log_probs, turns, counts, rewards) -> Batch:
         batch = trajectory_batch(tokens, trained, log_probs, self.settings.max_total_tokens,
                                  self.tokenizer.pad_token_id)
         batch.tensors["num_turns"] = torch.tensor(turns, dtype=torch.float32)
+        batch.tensors["env_scores"] = torch.tensor(rewards, dtype=torch.float32)
         batch.tensors |= {name: torch.tensor([c[name] for c in counts], dtype=torch.float32) for name in COUNTS}
         return batch
 

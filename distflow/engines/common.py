@@ -10,14 +10,14 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from distflow.algos.core import entropy_from_logits, log_probs_from_logits
-from distflow.config import BUILTIN_MODEL
+from distflow.config import BUILTIN_MODELS
 
 
 def resolve_model_path(path: str) -> str:
-    if path == BUILTIN_MODEL:
-        from distflow.engines.tiny_model import ASSET_DIR
+    if path in BUILTIN_MODELS:
+        from distflow.engines.tiny_model import ASSETS
 
-        return str(ASSET_DIR)
+        return str(ASSETS / path.removeprefix("builtin:"))
     return os.path.expanduser(path)
 
 

@@ -12,6 +12,17 @@ the rule reward does not accept (as verl's strict GSM8K score would not). The mo
 learns both styles and part of the arithmetic, so it starts in the 10-60% band of
 held-out accuracy, and RL has two real things to learn: prefer the verifiable answer
 style, and get more sums right.
+
+The tool-using model (`builtin:tiny-arith-tools`, in `distflow/assets/tiny-arith-tools`)
+continues from it on the tool task, whose level 4 multiplies two two-digit numbers:
+
+    distflow build-tiny-model --tools --out distflow/assets/tiny-arith-tools
+
+30% of its traces work the problem out with the calculator, in the token layout a
+multi-turn rollout produces: the assistant's Hermes `<tool_call>`, the tool's result as
+the observation (not trained), then the answer. The rest answer directly, which a model
+this small cannot do for level 4, so RL with the tool has one more thing to learn: call
+it where it helps. (Greedy, the model starts by answering directly.)
 """
 
 from __future__ import annotations
@@ -27,8 +38,12 @@ from pathlib import Path
 import torch
 
 from distflow.data.tasks import arith
+from distflow.engines.agent import EpisodeRunner, EpisodeSettings, ToolEnvironment, observation_ids, tool_message
+from distflow.engines.rollout import HFRolloutEngine, SamplingParams
+from distflow.engines.tools import Toolbox, calculator, tool_call_text
 
-ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-arith"
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+ASSET_DIR = ASSETS / "tiny-arith"
 SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
 CHARS = tuple(string.ascii_letters + string.digits + string.punctuation + " \n")
 # The chat template renders one user turn and opens the answer; verl-format prompts
@@ -58,6 +73,17 @@ class SFTSpec:
     eval_every: int = 100
     eval_size: int = 256
     unverifiable_style_fraction: float = 0.5
+    levels: tuple[int, ...] = arith.LEVELS
+    tool_levels: tuple[int, ...] = ()  # levels some of whose traces call the calculator
+    tool_fraction: float = 0.0  # of those levels' traces
+
+
+# The tool model's fine-tune, from the default model's weights.
+TOOL_SFT = SFTSpec(steps=300, lr=2e-3, warmup=30, levels=arith.TOOL_TASK_LEVELS,
+                   tool_levels=arith.TOOL_TASK_LEVELS, tool_fraction=0.3)
+# Its episodes: a call, the result, the answer (rollout.max_turns / max_new_tokens / max_total_tokens).
+TOOL_EPISODE = EpisodeSettings(max_turns=2, max_total_tokens=160)
+TOOL_TURN_TOKENS = 96
 
 
 def build_tokenizer():
@@ -97,20 +123,32 @@ def sft_target(p: arith.Problem, unverifiable: bool) -> str:
     return f"{steps}\nThe answer is {p.answer}."
 
 
-def _sft_batch(tokenizer, problems: list[arith.Problem], targets: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask, labels), right-padded; loss only on the answer."""
-    seqs, label_seqs = [], []
-    for p, target in zip(problems, targets):
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": p.question}],
-                                               add_generation_prompt=True, tokenize=False)
-        p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        a_ids = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        seqs.append(p_ids + a_ids)
-        label_seqs.append([-100] * len(p_ids) + a_ids)
-    width = max(map(len, seqs))
-    ids = torch.full((len(seqs), width), tokenizer.pad_token_id)  # (B, T)
-    labels = torch.full((len(seqs), width), -100)
-    for i, (s, lab) in enumerate(zip(seqs, label_seqs)):
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def sft_sequence(tokenizer, p: arith.Problem, unverifiable: bool, calls_tool: bool) -> tuple[list[int], list[int]]:
+    """(token ids, labels) of one trace: the prompt, then the answer, or with
+    `calls_tool` the calculator call, its result (label -100: the environment's tokens)
+    and the answer. Each assistant turn ends with EOS, as the engine ends it."""
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": p.question}],
+                                           add_generation_prompt=True, tokenize=False)
+    ids = _ids(tokenizer, prompt)
+    labels = [-100] * len(ids)
+    if calls_tool:
+        call = _ids(tokenizer, tool_call_text("calculator", {"expression": p.expression})) + [tokenizer.eos_token_id]
+        result = observation_ids(tokenizer, [tool_message(calculator(p.expression))])
+        ids, labels = ids + call + result, labels + call + [-100] * len(result)
+    answer = _ids(tokenizer, sft_target(p, unverifiable)) + [tokenizer.eos_token_id]
+    return ids + answer, labels + answer
+
+
+def _sft_batch(tokenizer, sequences: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, labels), right-padded; loss only on the assistant's tokens."""
+    width = max(len(ids) for ids, _ in sequences)
+    ids = torch.full((len(sequences), width), tokenizer.pad_token_id)  # (B, T)
+    labels = torch.full((len(sequences), width), -100)
+    for i, (s, lab) in enumerate(sequences):
         ids[i, : len(s)] = torch.tensor(s)
         labels[i, : len(lab)] = torch.tensor(lab)
     return ids, ids != tokenizer.pad_token_id, labels
@@ -135,10 +173,33 @@ def greedy_accuracy(model, tokenizer, problems: list[arith.Problem], max_new_tok
     return correct / len(problems)
 
 
+@torch.no_grad()
+def tool_accuracy_by_level(model, tokenizer, problems: list[arith.Problem]) -> dict[int, float]:
+    """Greedy held-out accuracy per level of episodes with the calculator, as a
+    multi-turn rollout runs them (what the engine generated is scored)."""
+    from distflow.engines.reward import gsm8k_score
+
+    model.eval()
+    runner = EpisodeRunner(HFRolloutEngine(model, tokenizer, shares_trainer_weights=True), tokenizer,
+                           lambda: ToolEnvironment(Toolbox(["calculator"])), TOOL_EPISODE)
+    prompts = [_ids(tokenizer, tokenizer.apply_chat_template([{"role": "user", "content": p.question}],
+                                                             add_generation_prompt=True, tokenize=False))
+               for p in problems]
+    out = runner.generate(prompts, None, SamplingParams(max_new_tokens=TOOL_TURN_TOKENS, greedy=True),
+                          [{} for _ in problems])
+    generated = out["responses"] * out["response_mask"] + tokenizer.pad_token_id * (1 - out["response_mask"])
+    texts = tokenizer.batch_decode(generated, skip_special_tokens=True)
+    model.train()
+    by_level: dict[int, list[float]] = {}
+    for text, p in zip(texts, problems):
+        by_level.setdefault(p.level, []).append(gsm8k_score(text, str(p.answer)))
+    return {level: sum(v) / len(v) for level, v in sorted(by_level.items())}
+
+
 def supervised_finetune(model, tokenizer, sft: SFTSpec, log=print) -> list[dict]:
     rng = random.Random(sft.seed)
-    train = arith.generate("train", 20000, seed=0)
-    test = arith.generate("test", sft.eval_size, seed=0)
+    train = arith.generate("train", 20000, seed=0, levels=sft.levels)
+    test = arith.generate("test", sft.eval_size, seed=0, levels=sft.levels)
     opt = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / sft.warmup) * max(0.0, 1 - s / sft.steps))
@@ -146,8 +207,12 @@ def supervised_finetune(model, tokenizer, sft: SFTSpec, log=print) -> list[dict]
     model.train()
     for step in range(1, sft.steps + 1):
         problems = rng.sample(train, sft.batch_size)
-        targets = [sft_target(p, rng.random() < sft.unverifiable_style_fraction) for p in problems]
-        ids, mask, labels = _sft_batch(tokenizer, problems, targets)
+        sequences = []
+        for p in problems:
+            unverifiable = rng.random() < sft.unverifiable_style_fraction
+            calls_tool = p.level in sft.tool_levels and rng.random() < sft.tool_fraction
+            sequences.append(sft_sequence(tokenizer, p, unverifiable, calls_tool))
+        ids, mask, labels = _sft_batch(tokenizer, sequences)
         loss = model(input_ids=ids, attention_mask=mask.long(), labels=labels).loss
         opt.zero_grad()
         loss.backward()
@@ -157,25 +222,37 @@ def supervised_finetune(model, tokenizer, sft: SFTSpec, log=print) -> list[dict]
         if step % sft.eval_every == 0 or step == sft.steps:
             acc = greedy_accuracy(model, tokenizer, test)
             history.append({"step": step, "loss": round(loss.item(), 4), "heldout_accuracy": acc})
-            log(f"sft step {step}: loss {loss.item():.4f} held-out accuracy {acc:.3f}")
+            if sft.tool_levels:
+                history[-1]["heldout_accuracy_with_tools_by_level"] = tool_accuracy_by_level(model, tokenizer, test)
+            log(f"sft step {step}: loss {loss.item():.4f} held-out accuracy {acc:.3f}"
+                + (f" with tools by level {history[-1]['heldout_accuracy_with_tools_by_level']}"
+                   if sft.tool_levels else ""))
     return history
 
 
 def build_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = None,
-                     sft: SFTSpec | None = None, log=print) -> dict:
-    """Build, warm-start and save the tiny model; returns the build record (also saved)."""
+                     sft: SFTSpec | None = None, log=print, base: str | os.PathLike | None = None) -> dict:
+    """Build, warm-start and save the tiny model (from the weights in `base` when given,
+    else from random ones of `spec`); returns the build record (also saved)."""
     spec, sft = spec or TinyModelSpec(), sft or SFTSpec()
     torch.set_num_threads(1)  # single-threaded CPU math keeps the build reproducible
     start = time.time()
-    tokenizer = build_tokenizer()
-    model = build_model(tokenizer, spec, seed=sft.seed)
+    if base is None:
+        tokenizer = build_tokenizer()
+        model = build_model(tokenizer, spec, seed=sft.seed)
+    else:
+        from transformers import AutoTokenizer, LlamaForCausalLM
+
+        tokenizer, model = AutoTokenizer.from_pretrained(base), LlamaForCausalLM.from_pretrained(base)
+        tokenizer.padding_side = "left"
+        spec = None
     history = supervised_finetune(model, tokenizer, sft, log=log)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    record = {"model": spec.__dict__, "sft": sft.__dict__, "history": history,
+    record = {"model": spec.__dict__ if spec else {"base": Path(base).name}, "sft": sft.__dict__, "history": history,
               "num_parameters": sum(p.numel() for p in model.parameters()),
               "build_seconds": round(time.time() - start, 1)}
     (out / "distflow_build.json").write_text(json.dumps(record, indent=1))

@@ -27,6 +27,11 @@ TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 MAX_POWER = 64  # an exponent past this is refused: 9**9**9 must not hang a worker
 
 
+def tool_call_text(name: str, arguments: dict) -> str:
+    """A call as the model writes it (compact JSON: fewer tokens to generate)."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments}, separators=(',', ':'))}\n</tool_call>"
+
+
 class ToolTimeout(RuntimeError):
     """The tool ran past its time limit."""
 

@@ -179,9 +179,16 @@ def make_episode_runner(cfg: Config, engine: RolloutEngine, tokenizer) -> Episod
     if r.max_turns == 1:
         return None
     toolbox = Toolbox([t.strip() for t in r.tools.split(",") if t.strip()], r.tool_timeout_s)
-    env_class = load_callable(r.env, "rollout.env") if r.env else ToolEnvironment
-    return EpisodeRunner(engine, tokenizer, lambda: env_class(toolbox),
-                         EpisodeSettings(max_turns=r.max_turns, max_total_tokens=budget))
+    if r.env is not None and r.env.startswith("openenv:"):
+        from distflow.engines.openenv_env import OpenEnvEnvironment
+
+        env_class = load_callable(r.env.removeprefix("openenv:"), "rollout.env")
+        make_env = partial(OpenEnvEnvironment, env_class)
+    else:
+        env_class = load_callable(r.env, "rollout.env") if r.env else ToolEnvironment
+        make_env = partial(env_class, toolbox)
+    return EpisodeRunner(engine, tokenizer, make_env, EpisodeSettings(
+        max_turns=r.max_turns, max_total_tokens=budget, step_last_turn=cfg.reward.from_env))
 
 
 def make_reward_runners(cfg: Config) -> tuple[RewardRunner, RewardRunner]:

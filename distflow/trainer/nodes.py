@@ -160,8 +160,9 @@ def score_responses(tokenizer, batch: Batch, reward_fn: RewardRunner,
 
 def reward(ctx: WorkerContext, batch: Batch) -> Batch:
     scores, correct, status = score_responses(ctx.tokenizer, batch, ctx.reward_fn, ctx.accuracy_fn)
-    if "agent_scores" in batch:  # rollout.agent: its run's return value is the reward; accuracy as always
-        scores, status = batch["agent_scores"], torch.zeros_like(status)
+    for given in ("agent_scores", "env_scores"):  # rollout.agent's return value / reward.from_env's sum of
+        if given in batch:                       # the environment's rewards is the reward; accuracy as always
+            scores, status = batch[given], torch.zeros_like(status)
     return Batch({"scores": scores, "accuracy": correct, "reward_status": status})
 
 

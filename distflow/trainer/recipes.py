@@ -87,13 +87,14 @@ def recipe_graph(cfg: Config) -> Graph:
     rollout_out = ("responses", "response_mask", "rollout_log_probs")
     rollout_out += ("rollout_weight_version",) if cfg.rollout.partial else ()  # each token's weight version
     rollout_out += (("observation_mask", "num_turns", *AGENT_FIELDS) if agent else
-                    ("observation_mask", "num_turns", *EPISODE_COUNTS) if episodes else ())
+                    ("observation_mask", "num_turns", *EPISODE_COUNTS, "env_scores") if episodes else ())
     rollout_in = ("prompts", "prompt_mask", "uid", "sample_k")
     rollout_in += ("ground_truth", "data_source", "extra_info", "prompt_messages") if episodes else ()
     built = [
         _node("rollout", "rollout", rollout_in, rollout_out, stream=True),
         _node("reward", "reward", ("responses", "response_mask", "ground_truth", "data_source", "extra_info")
-              + (("agent_scores",) if agent else ()), ("scores", "accuracy", "reward_status")),
+              + (("agent_scores",) if agent else ("env_scores",) if cfg.reward.from_env else ()),
+              ("scores", "accuracy", "reward_status")),
     ]
     reward_field = "scores"
     gate: tuple[str, ...] = ()  # with dynamic sampling, everything after the filter sees only the kept groups

@@ -18,12 +18,21 @@ def test_other_seed_other_problems():
 
 
 def test_solutions_are_correct_arithmetic_and_gsm8k_format():
-    for p in arith.generate("train", 300):
+    for p in arith.generate("train", 400, levels=arith.TOOL_TASK_LEVELS):
         for lhs, rhs in re.findall(r"([\d+\-*]+)=(\d+)", p.solution):
             assert eval(lhs) == int(rhs)  # noqa: S307 - digits and operators only
-        assert p.solution.endswith(f"#### {p.answer}")
+        assert p.solution.endswith(f"#### {p.answer}") and eval(p.expression) == p.answer  # noqa: S307
         assert gsm8k_score(p.solution, str(p.answer)) == 1.0
     assert {p.level for p in arith.generate("test", 30)} == set(arith.LEVELS)
+
+
+def test_the_tool_task_adds_two_digit_products_and_keeps_the_other_levels():
+    rows = load_rows("builtin:arith-tools:test:40")
+    assert [r.extra_info["level"] for r in rows[:4]] == [1, 2, 3, 4]
+    large = [p for p in arith.generate("test", 40, levels=arith.TOOL_TASK_LEVELS) if p.level == 4]
+    assert len(large) == 10 and all(p.answer >= 121 for p in large)
+    assert not {p.question for p in large} & {p.question for p in arith.generate("train", 4000,
+                                                                                 levels=arith.TOOL_TASK_LEVELS)}
 
 
 def test_parquet_roundtrip_equals_builtin(tmp_path):

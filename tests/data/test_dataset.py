@@ -61,8 +61,10 @@ def test_not_parquet_empty_and_bad_json(tmp_path):
     latin.write_bytes(json.dumps(_verl_row(0)).encode() + b"\n" + b'{"prompt": "caf\xe9"}\n')
     with pytest.raises(DatasetError, match="line 2 is not UTF-8 JSON"):
         load_rows(str(latin))
-    with pytest.raises(DatasetError, match="unknown built-in split"):
+    with pytest.raises(DatasetError, match="unknown built-in dataset"):
         load_rows("builtin:arith:dev")
+    with pytest.raises(DatasetError, match="TASK one of arith, arith-tools"):
+        load_rows("builtin:gsm8k:train")
 
 
 def test_a_worker_reads_only_the_row_groups_of_its_shard(tmp_path):

@@ -1,10 +1,12 @@
+import dataclasses
 import json
 
 import torch
 
 from distflow.data.tasks import arith
 from distflow.engines.common import load_causal_lm, load_tokenizer
-from distflow.engines.tiny_model import ASSET_DIR, SFTSpec, TinyModelSpec, build_tiny_model, greedy_accuracy, sft_target
+from distflow.engines.tiny_model import (ASSET_DIR, TOOL_SFT, SFTSpec, TinyModelSpec, build_tiny_model, greedy_accuracy,
+                                         sft_target)
 
 SMALL = TinyModelSpec(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
 
@@ -40,3 +42,41 @@ def test_shipped_model_starts_inside_the_10_to_60_percent_band():
     assert 0.10 <= accuracy <= 0.60
     # the shipped file is the recorded build (float kernels may differ slightly across CPUs)
     assert abs(accuracy - record["history"][-1]["heldout_accuracy"]) <= 0.03
+
+
+def test_a_tool_trace_is_laid_out_as_a_multi_turn_rollout_lays_it_out():
+    """The SFT trace of a calculator call is token for token the episode the rollout
+    makes of the same turns: the call and the answer trained, the result not."""
+    from distflow.engines.agent import EpisodeRunner, ToolEnvironment
+    from distflow.engines.rollout import SamplingParams
+    from distflow.engines.tiny_model import TOOL_EPISODE, TOOL_TURN_TOKENS, build_tokenizer, sft_sequence
+    from distflow.engines.tools import Toolbox, tool_call_text
+    from helpers import ScriptedEngine
+
+    tok = build_tokenizer()
+    p = next(q for q in arith.generate("train", 8, levels=arith.TOOL_TASK_LEVELS) if q.level == 4)
+    ids, labels = sft_sequence(tok, p, unverifiable=False, calls_tool=True)
+    prompt = tok(tok.apply_chat_template([{"role": "user", "content": p.question}], add_generation_prompt=True,
+                                         tokenize=False), add_special_tokens=False)["input_ids"]
+    assert ids[:len(prompt)] == prompt and set(labels[:len(prompt)]) == {-100}
+    engine = ScriptedEngine(tok, {prompt[0]: [tool_call_text("calculator", {"expression": p.expression}),
+                                              sft_target(p, False)]})
+    out = EpisodeRunner(engine, tok, lambda: ToolEnvironment(Toolbox(["calculator"])), TOOL_EPISODE).generate(
+        [prompt], [1], SamplingParams(max_new_tokens=TOOL_TURN_TOKENS), [{}])
+    k = len(ids) - len(prompt)
+    assert k <= TOOL_EPISODE.max_total_tokens and out["tool_calls"].tolist() == [1.0]
+    assert out["responses"][0, :k].tolist() == ids[len(prompt):]
+    assert out["response_mask"][0, :k].tolist() == [int(label != -100) for label in labels[len(prompt):]]
+    assert f"\n{p.answer}\n" in tok.decode([t for t, label in zip(ids, labels) if label == -100])  # the result, observed
+
+
+def test_the_tool_model_continues_from_its_base(tmp_path):
+    sft = SFTSpec(steps=2, batch_size=4, eval_every=2, eval_size=8, warmup=1)
+    build_tiny_model(tmp_path / "base", SMALL, sft, log=lambda s: None)
+    tools = dataclasses.replace(TOOL_SFT, steps=2, batch_size=4, eval_every=2, eval_size=8, warmup=1)
+    record = build_tiny_model(tmp_path / "tools", sft=tools, log=lambda s: None, base=tmp_path / "base")
+    assert record["model"] == {"base": "base"} and record["sft"]["tool_levels"] == arith.TOOL_TASK_LEVELS
+    assert set(record["history"][-1]["heldout_accuracy_with_tools_by_level"]) == {1, 2, 3, 4}
+    base, tuned = load_causal_lm(str(tmp_path / "base")), load_causal_lm(str(tmp_path / "tools"))
+    assert base.config.hidden_size == tuned.config.hidden_size == SMALL.hidden_size
+    assert not torch.equal(base.model.layers[0].mlp.up_proj.weight, tuned.model.layers[0].mlp.up_proj.weight)

@@ -4,6 +4,8 @@ that raises, one that runs past its limit) answered with an error the model sees
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from distflow.engines.tools import Toolbox, calculator
@@ -59,3 +61,20 @@ def test_python_runs_in_the_sandbox_prints_raises_and_times_out():
 def test_an_unknown_tool_in_the_config_is_one_line():
     with pytest.raises(ValueError, match=r"^unknown tool 'browser'; built in: calculator, python$"):
         Toolbox(["calculator", "browser"])
+
+
+def test_environment_rewards_and_openenv_settings_are_checked_in_one_line():
+    import importlib.util
+
+    from distflow.config import ConfigError, load_config
+
+    cfg = load_config(None, ["rollout.max_turns=2", "rollout.env=my_env.py:Game", "reward.from_env=true"])
+    assert cfg.reward.from_env
+    cases = {("reward.from_env=true",): "reward.from_env=true: needs rollout.env",
+             ("reward.from_env=true", "rollout.max_turns=2", "rollout.tools=calculator"): "needs rollout.env"}
+    if importlib.util.find_spec("openenv") is None:
+        cases[("rollout.max_turns=2", "rollout.env=openenv:game:Guess")] = (
+            "rollout.env='openenv:game:Guess': the openenv package is not installed; pip install \"distflow[openenv]\"")
+    for overrides, message in cases.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(None, list(overrides))

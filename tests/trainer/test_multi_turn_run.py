@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from helpers import distflow_sweep, run_metrics
 
@@ -44,16 +45,25 @@ COMMON = ["rollout.max_turns=2", "rollout.max_new_tokens=24", "rollout.max_total
           "data.val_max_samples=16", "trainer.progress=false", "trainer.save_final=false",
           "actor.lr_scheduler=constant", "actor.lr_warmup_steps=0"]
 AGENT = Path(__file__).resolve().parents[2] / "examples" / "agents" / "arith_agent.py"
+TOOLS = Path(__file__).resolve().parents[2] / "examples" / "tools" / "calculator.yaml"
+
+
+def _overrides(yaml_file: Path) -> list[str]:
+    """A config file's keys as section.key=value overrides (its run, in a sweep)."""
+    return [f"{section}.{key}={value}" for section, keys in yaml.safe_load(yaml_file.read_text()).items()
+            for key, value in keys.items()]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """The episodes on 1 and on 2 workers, and the agent on 2 (one launch per worker count)."""
+    """The episodes on 1 and on 2 workers, the embedded tool task on 1 (its example's
+    settings, 3 steps) and the agent on 2 (one launch per worker count)."""
     base = tmp_path_factory.mktemp("multi-turn")
     (base / "env.py").write_text(ENV)
     episodes = ["rollout.tools=calculator", f"rollout.env={base / 'env.py'}:CheckOnce",
                 f"reward.custom_fn={base / 'env.py'}:by_length"]
-    folders = distflow_sweep({"w1": episodes}, 1, base, COMMON)
+    tools = [*_overrides(TOOLS), "trainer.total_steps=3", "trainer.eval_every=0", "data.val_max_samples=32"]
+    folders = distflow_sweep({"w1": episodes, "tools": tools}, 1, base, COMMON)
     return folders | distflow_sweep({"w2": episodes, "agent": ["trainer.total_steps=1", f"rollout.agent={AGENT}:run"]},
                                     2, base, COMMON)
 
@@ -69,6 +79,18 @@ def test_episodes_with_observations_train_alike_on_one_and_two_workers(runs):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (key, a["step"], a[key], b[key])
         assert a["actor/grad_norm"] > 0
     assert one[0]["val/accuracy"] == two[0]["val/accuracy"]  # the held-out evaluation runs the episodes too
+
+
+def test_the_embedded_tool_task_calls_the_calculator_in_training_and_evaluation(runs):
+    """examples/tools/calculator.yaml: the tool model's episodes call the calculator (Hermes
+    format, well formed: its results come back), are scored on what the model generated,
+    and the held-out evaluation runs them per level, the two-digit products included."""
+    records = run_metrics(runs["tools"])
+    assert set(records[0]) >= {f"val/accuracy/level_{k}" for k in (1, 2, 3, 4)}
+    for r in records[1:]:
+        assert 1.0 < r["turns/mean"] <= 2.0 and r["tool/calls"] > 0 and r["tool/errors"] <= r["tool/calls"] / 4
+        assert 0.0 < r["reward/mean"] < 1.0 and r["actor/grad_norm"] > 0
+    assert records[-1]["val/accuracy"] > 0.0
 
 
 def test_an_agent_written_against_the_openai_client_trains(runs):

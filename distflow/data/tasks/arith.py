@@ -1,9 +1,11 @@
 """The built-in verifiable task: arithmetic word problems with integer answers.
 
 GSM8K's convention: the worked solution ends with `#### <answer>`. Three difficulty
-levels (one addition; add then subtract; a product). Train and test are disjoint and
-deterministic: a problem belongs to a split by a stable hash of its question text, so the
-same seed always yields the same rows whatever the requested sizes.
+levels (one addition; add then subtract; a product of small numbers). The tool task
+(`builtin:arith-tools:...`) adds a fourth, a product of two two-digit numbers, which the
+tiny model cannot work out by itself but can with a calculator. Train and test are
+disjoint and deterministic: a problem belongs to a split by a stable hash of its question
+text, so the same seed always yields the same rows whatever the requested sizes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ _NAMES = ("Ann", "Bob", "Cat", "Dan", "Eve", "Fay", "Gus", "Hal", "Ivy", "Jo", "
 _ITEMS = ("pens", "cups", "eggs", "hats", "keys", "maps", "nuts", "pins", "toys", "jars", "apples", "books")
 
 LEVELS = (1, 2, 3)
+TOOL_TASK_LEVELS = LEVELS + (4,)
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,7 @@ class Problem:
     solution: str  # worked steps, then "#### <answer>"
     answer: int
     level: int
+    expression: str  # the whole computation in one line, as a calculator takes it
 
 
 def make_problem(rng: random.Random, level: int) -> Problem:
@@ -34,22 +38,27 @@ def make_problem(rng: random.Random, level: int) -> Problem:
         a, b = rng.randint(1, 30), rng.randint(1, 30)
         ans = a + b
         q = f"{name} has {a} {item}, gets {b} more. How many?"
-        steps = f"{a}+{b}={ans}"
+        steps, expression = f"{a}+{b}={ans}", f"{a}+{b}"
     elif level == 2:
         a, b = rng.randint(10, 40), rng.randint(1, 9)
         c = rng.randint(1, 20)
         mid = a - b
         ans = mid + c
         q = f"{name} has {a} {item}, loses {b}, gets {c}. How many?"
-        steps = f"{a}-{b}={mid}\n{mid}+{c}={ans}"
+        steps, expression = f"{a}-{b}={mid}\n{mid}+{c}={ans}", f"{a}-{b}+{c}"
     elif level == 3:
         a, b = rng.randint(2, 9), rng.randint(2, 12)
         ans = a * b
         q = f"{name} buys {a} bags of {b} {item}. How many?"
-        steps = f"{a}*{b}={ans}"
+        steps, expression = f"{a}*{b}={ans}", f"{a}*{b}"
+    elif level == 4:
+        a, b = rng.randint(11, 99), rng.randint(11, 99)
+        ans = a * b
+        q = f"{name} packs {a} crates of {b} {item}. How many?"
+        steps, expression = f"{a}*{b}={ans}", f"{a}*{b}"
     else:
-        raise ValueError(f"level={level}: allowed levels are {LEVELS}")
-    return Problem(question=q, solution=f"{steps}\n#### {ans}", answer=ans, level=level)
+        raise ValueError(f"level={level}: allowed levels are {TOOL_TASK_LEVELS}")
+    return Problem(question=q, solution=f"{steps}\n#### {ans}", answer=ans, level=level, expression=expression)
 
 
 def _split_of(question: str) -> str:
@@ -57,15 +66,15 @@ def _split_of(question: str) -> str:
     return "test" if digest[0] < 26 else "train"  # about 10% of the problem space is held out
 
 
-def generate(split: str, num: int, seed: int = 0) -> list[Problem]:
-    """`num` distinct problems of `split` ('train' or 'test'), levels mixed evenly."""
+def generate(split: str, num: int, seed: int = 0, levels: tuple[int, ...] = LEVELS) -> list[Problem]:
+    """`num` distinct problems of `split` ('train' or 'test'), `levels` mixed evenly."""
     if split not in ("train", "test"):
         raise ValueError(f"split={split!r}: allowed are train, test")
     rng = random.Random(f"arith-{seed}")
     seen: set[str] = set()
     out: list[Problem] = []
     while len(out) < num:
-        p = make_problem(rng, LEVELS[len(out) % len(LEVELS)])
+        p = make_problem(rng, levels[len(out) % len(levels)])
         if p.question in seen or _split_of(p.question) != split:
             continue
         seen.add(p.question)
@@ -84,13 +93,13 @@ def to_verl_row(p: Problem, index: int, split: str) -> dict:
     }
 
 
-def verl_rows(split: str, num: int, seed: int = 0) -> list[dict]:
-    return [to_verl_row(p, i, split) for i, p in enumerate(generate(split, num, seed))]
+def verl_rows(split: str, num: int, seed: int = 0, levels: tuple[int, ...] = LEVELS) -> list[dict]:
+    return [to_verl_row(p, i, split) for i, p in enumerate(generate(split, num, seed, levels))]
 
 
-def write_parquet(path: str, split: str, num: int, seed: int = 0) -> str:
+def write_parquet(path: str, split: str, num: int, seed: int = 0, levels: tuple[int, ...] = LEVELS) -> str:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.Table.from_pylist(verl_rows(split, num, seed)), path)
+    pq.write_table(pa.Table.from_pylist(verl_rows(split, num, seed, levels)), path)
     return path
