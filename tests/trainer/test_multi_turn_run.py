@@ -57,15 +57,19 @@ def _overrides(yaml_file: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """The episodes on 1 and on 2 workers, the embedded tool task on 1 (its example's
-    settings, 3 steps) and the agent on 2 (one launch per worker count)."""
+    settings, 3 steps), the agent on 2, and DAPO's episodes on 2 workers straight and
+    resumed from a 1-worker checkpoint (one launch per worker count)."""
     base = tmp_path_factory.mktemp("multi-turn")
     (base / "env.py").write_text(ENV)
     episodes = ["rollout.tools=calculator", f"rollout.env={base / 'env.py'}:CheckOnce",
                 f"reward.custom_fn={base / 'env.py'}:by_length"]
     tools = [*_overrides(TOOLS), "trainer.total_steps=3", "trainer.eval_every=0", "data.val_max_samples=32"]
-    folders = distflow_sweep({"w1": episodes, "tools": tools}, 1, base, COMMON)
-    return folders | distflow_sweep({"w2": episodes, "agent": ["trainer.total_steps=1", f"rollout.agent={AGENT}:run"]},
-                                    2, base, COMMON)
+    dapo = [*episodes, "algorithm.name=dapo"]
+    folders = distflow_sweep({"w1": episodes, "tools": tools,
+                              "dapo_half": [*dapo, "trainer.total_steps=1", "trainer.save_final=true"]}, 1, base, COMMON)
+    resume = f"trainer.resume={folders['dapo_half'] / 'checkpoints' / 'final'}"
+    return folders | distflow_sweep({"w2": episodes, "agent": ["trainer.total_steps=1", f"rollout.agent={AGENT}:run"],
+                                     "dapo": dapo, "dapo_resumed": [*dapo, resume]}, 2, base, COMMON)
 
 
 def test_episodes_with_observations_train_alike_on_one_and_two_workers(runs):
@@ -79,6 +83,17 @@ def test_episodes_with_observations_train_alike_on_one_and_two_workers(runs):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (key, a["step"], a[key], b[key])
         assert a["actor/grad_norm"] > 0
     assert one[0]["val/accuracy"] == two[0]["val/accuracy"]  # the held-out evaluation runs the episodes too
+
+
+def test_multi_turn_dapo_resumes_on_another_worker_count_like_an_uninterrupted_run(runs):
+    """DAPO's dynamic sampling over episodes (its refills run episodes too); step 1 run
+    on 1 worker and checkpointed, step 2 resumed on 2, equals the 2-worker run straight."""
+    want, got = run_metrics(runs["dapo"]), run_metrics(runs["dapo_resumed"])
+    assert [r["step"] for r in got] == [0, 1, 2] and want[2]["turns/mean"] == 2.0
+    for key in ("reward/mean", "response/length_mean", "tokens/total", "turns/mean", "tool/calls"):
+        assert want[2][key] == got[2][key], key
+    for key in [k for k in want[2] if k.startswith("actor/")]:
+        assert want[2][key] == pytest.approx(got[2][key], rel=1e-4, abs=1e-6), key
 
 
 def test_the_embedded_tool_task_calls_the_calculator_in_training_and_evaluation(runs):
