@@ -15,6 +15,7 @@ import torch
 from distflow.engines.actor import Actor, OptimConfig
 from distflow.engines.common import load_causal_lm
 from distflow.trainer import checkpoint
+from helpers import distflow_sweep
 
 SMALL = ["trainer.total_steps=3", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
          "algorithm.group_size=4", "data.val_max_samples=16", "rollout.max_new_tokens=24",
@@ -114,17 +115,12 @@ def test_ppo_resumes_from_a_path_on_another_worker_count_like_an_uninterrupted_r
     common = ["algorithm.name=ppo", "algorithm.use_kl_in_reward=true", "algorithm.reward_kl_ctrl=adaptive",
               "algorithm.reward_kl_target=0.0001", "algorithm.reward_kl_horizon=10", "trainer.total_steps=4",
               "actor.strategy=fsdp2", "critic.strategy=fsdp2"]
-    straight, first, second = tmp_path / "straight", tmp_path / "first", tmp_path / "second"
-    assert _train([*common, "runtime.num_workers=2", f"trainer.output_dir={straight}"], tmp_path).returncode == 0
-    proc = _train([*common, "runtime.num_workers=1", "trainer.total_steps=2", f"trainer.output_dir={first}"],
-                  tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    first = distflow_sweep({"first": ["trainer.total_steps=2"]}, 1, tmp_path, [*SMALL, *common])["first"]
     ckpt = first / "checkpoints" / "final"
     assert (ckpt / "critic.safetensors").is_file() and (ckpt / "critic_optimizer.safetensors").is_file()
-    proc = _train([*common, "runtime.num_workers=2", f"trainer.resume={ckpt}", f"trainer.output_dir={second}"],
-                  tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    want, got = _metrics(straight), _metrics(second)
+    # one 2-worker launch: the uninterrupted run, then the resumed one
+    runs = distflow_sweep({"straight": [], "second": [f"trainer.resume={ckpt}"]}, 2, tmp_path, [*SMALL, *common])
+    want, got = _metrics(runs["straight"]), _metrics(runs["second"])
     assert [r["step"] for r in got] == [0, 1, 2, 3, 4]  # the checkpoint's metrics, then the resumed steps
     for a, b in zip(want[3:], got[3:], strict=True):
         for key in ("reward/mean", "reward/accuracy", "response/length_mean", "tokens/total"):
