@@ -16,6 +16,7 @@ from distflow.data.batch import Batch
 from distflow.engines.actor import Actor, OptimConfig
 from distflow.engines.common import load_causal_lm
 from distflow.engines.lora import AdapterDisabledReference, LoraSettings, merged_weights, with_lora
+from helpers import distflow_sweep
 
 SETTINGS = LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear")
 
@@ -97,20 +98,18 @@ LORA = ["actor.lora_rank=8", "actor.lr=1e-3", "actor.lr_scheduler=constant", "ac
 
 @pytest.mark.slow
 def test_a_lora_run_learns_resumes_exactly_evaluates_and_exports(tmp_path):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    proc = _cli(["train", *LORA, "trainer.total_steps=4", "trainer.save_every=2", f"trainer.output_dir={straight}"],
-                tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # one 2-worker launch: the run, then trainer.resume=PATH from its step 2 into a new folder
+    resume = f"trainer.resume={tmp_path / 'straight' / 'checkpoints' / 'step_2'}"
+    runs = distflow_sweep({"straight": ["trainer.save_every=2"], "resumed": [resume]}, 2, tmp_path,
+                          [*LORA, "trainer.total_steps=4"])
+    straight, resumed = runs["straight"], runs["resumed"]
     summary = json.loads((straight / "summary.json").read_text())
     # measured: 0.156 -> 0.375 in 4 steps (64 held-out prompts, greedy)
     assert summary["heldout_accuracy_final"] >= summary["heldout_accuracy_initial"] + 0.10, summary
     assert summary["trainable_parameters"] < summary["total_parameters"] / 10
     ckpt = straight / "checkpoints" / "step_2"
     assert (ckpt / "adapter_model.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
-    # trainer.resume=PATH from step 2 into a new folder: steps 3-4 as the uninterrupted run's
-    proc = _cli(["train", *LORA, "trainer.total_steps=4", f"trainer.resume={ckpt}", f"trainer.output_dir={resumed}"],
-                tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # resumed from step 2: steps 3-4 as the uninterrupted run's
     want, got = _metrics(straight), _metrics(resumed)
     assert [r["step"] for r in got] == list(range(5))
     for a, b in zip(want[3:], got[3:], strict=True):

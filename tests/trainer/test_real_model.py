@@ -18,6 +18,7 @@ from distflow.data.dataset import PromptRow
 from distflow.engines.common import load_causal_lm, load_tokenizer
 from distflow.engines.rollout import HFRolloutEngine, SamplingParams
 from distflow.trainer.nodes import encode_prompt
+from helpers import distflow_sweep
 
 
 def test_the_folders_chat_template_and_special_tokens_are_used(qwen2_model_dir):
@@ -52,16 +53,14 @@ def test_a_real_architecture_trains_tracked_resumes_evaluates_and_exports(qwen2_
               "algorithm.group_size=4", "data.val_max_samples=16", "rollout.max_new_tokens=24",
               "trainer.eval_every=0", "trainer.progress=false", "runtime.launcher=torchrun", "trainer.total_steps=3",
               "model.dtype=bfloat16"]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    proc = _cli(["train", *common, "trainer.save_every=2", "trainer.logger=jsonl,tensorboard,wandb,mlflow",
-                 f"trainer.output_dir={straight}"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # one 2-worker launch: the tracked run, then trainer.resume=PATH from its step 2 into a new folder
+    resume = f"trainer.resume={tmp_path / 'straight' / 'checkpoints' / 'step_2'}"
+    runs = distflow_sweep({"straight": ["trainer.save_every=2", "trainer.logger=jsonl,tensorboard,wandb,mlflow"],
+                           "resumed": [resume]}, 2, tmp_path, common)
+    straight, resumed = runs["straight"], runs["resumed"]
     want = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in want] == [0, 1, 2, 3] and want[3]["actor/grad_norm"] > 0
     check_trackers_hold(straight, want)  # TensorBoard, W&B and MLflow hold what metrics.jsonl holds
-    proc = _cli(["train", *common, f"trainer.resume={straight / 'checkpoints' / 'step_2'}",
-                 f"trainer.output_dir={resumed}"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     got = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
     for key in ("reward/mean", "response/length_mean", "tokens/total"):
         assert got[3][key] == want[3][key], key
