@@ -55,8 +55,8 @@ from typing import IO, Any
 
 from distflow.benchmarks.dataplane_centralized import _centralized_child, run_centralized
 from distflow.benchmarks.dataplane_cluster import main as cluster_main
-from distflow.benchmarks.dataplane_common import (IMBALANCE_KS, IMBALANCE_SAMPLES, MODES, VERL_MODES, Spec,
-                                                  sample_lengths)
+from distflow.benchmarks.dataplane_common import (BASELINE_MODES, IMBALANCE_KS, IMBALANCE_SAMPLES, MODES, VERL_MODES,
+                                                  Spec, refuse_verl_modes_without_verl, sample_lengths)
 from distflow.benchmarks.dataplane_coordinator import run_coordinator
 from distflow.benchmarks.dataplane_report import (IMBALANCE_HEADERS, MAIN_HEADERS, _mib, floor_lines, imbalance_rows,
                                                   main_rows, results_markdown, text_table, verl_lines)
@@ -106,17 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-BASELINE_MODES = {"ours": MODES,
-                  "verl": ("coordinator", "centralized-zerocopy", "centralized-verl-numpy", "centralized-verl")}
-
-
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    import importlib.util
-
     args.modes = args.modes or list(BASELINE_MODES[args.baseline])
-    if set(args.modes) & set(VERL_MODES) and importlib.util.find_spec("verl") is None:
-        parser.error("the verl modes need verl in this Python: python -m venv --system-site-packages .venv-verl && "
-                     ".venv-verl/bin/pip install verl==0.9.1 torch==2.13.0, then run with .venv-verl/bin/python")
+    refuse_verl_modes_without_verl(parser, args.modes)
     for n in args.workers:
         if n < 2 or n % 2:
             parser.error(f"--workers {n}: each N must be even and >= 2 (the TP layout has pairs)")

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from distflow.benchmarks.dataplane_centralized import _centralized_rounds
-from distflow.benchmarks.dataplane_common import MODES, TIMEOUT_S, VERL_MODES, WARMUP_ROUNDS, Spec, _record
+from distflow.benchmarks.dataplane_common import (BASELINE_MODES, MODES, TIMEOUT_S, VERL_MODES, WARMUP_ROUNDS, Spec,
+                                                  _record, refuse_verl_modes_without_verl)
 
 
 def _child(mode: str, spec: Spec, address: str, out: str) -> int:
@@ -134,8 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rate-mbit", type=float, default=400.0)
-    p.add_argument("--modes", nargs="+", choices=MODES + VERL_MODES, default=list(MODES),
-                   help="the verl modes need verl in this Python (README: Benchmarks)")
+    p.add_argument("--baseline", choices=tuple(BASELINE_MODES), default="ours",
+                   help="as without --cluster: our imitation, or verl's own DataProto dispatch (needs verl)")
+    p.add_argument("--modes", nargs="+", choices=MODES + VERL_MODES,
+                   help="instead of --baseline's set; the verl modes need verl in this Python (README: Benchmarks)")
     p.add_argument("--json", help="append one JSON record per measurement")
     p.add_argument("--_child", choices=MODES + VERL_MODES, help=argparse.SUPPRESS)
     p.add_argument("--_address", help=argparse.SUPPRESS)
@@ -144,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     if args._child:
         return _child(args._child, Spec(args.workers[0], args.batch, args.seq_len, args.repeats), args._address,
                       args._out)
+    args.modes = args.modes or list(BASELINE_MODES[args.baseline])
+    refuse_verl_modes_without_verl(p, args.modes)
     records = []
     for n in args.workers:
         if n < 2 or n % 2:

@@ -15,9 +15,10 @@ HAS_VERL = importlib.util.find_spec("verl") is not None
 
 
 @pytest.mark.skipif(HAS_VERL, reason="checks the answer without verl")
-def test_without_verl_the_verl_baseline_says_how_to_get_it(capsys):
+@pytest.mark.parametrize("where", [["--quick"], ["--cluster"]])
+def test_without_verl_the_verl_baseline_says_how_to_get_it(capsys, where):
     with pytest.raises(SystemExit) as e:
-        main(["--quick", "--baseline", "verl"])
+        main([*where, "--baseline", "verl"])
     assert e.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1].endswith(
         "error: the verl modes need verl in this Python: python -m venv --system-site-packages .venv-verl && "
