@@ -1,6 +1,6 @@
 """OpenEnv environments in a multi-turn rollout, as they are: `rollout.env=openenv:module:Class`.
 
-OpenEnv (`openenv-core`, the environment library TRL trains with) defines an environment
+OpenEnv (the `openenv` package, the environment library TRL trains with) defines an environment
 as a subclass of `openenv.core.env_server.Environment[Action, Observation, State]` with
 pydantic actions and observations. Each episode makes its own instance and runs it in
 the rollout worker's process (no server, no container):
@@ -9,8 +9,8 @@ the rollout worker's process (no server, no container):
   The episode's first messages are the dataset row's prompt, as in TRL's OpenEnv
   rollouts; what reset returns is not shown.
 - Each assistant turn becomes the action: the action model's one string field gets the
-  turn's text (`extra="forbid"` actions with more required fields are refused when the
-  run starts, naming them).
+  turn's text (a class whose action has other required fields is refused when the
+  rollout worker starts, naming them).
 - The observation's own fields (all but done, reward and metadata) become the next user
   message: its one string field as it is, several as JSON. Its `reward` is the step's
   reward (the sample's, summed, with `reward.from_env`); `done` ends the episode.
@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import json
 import typing
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
 from distflow.engines.agent import EnvStep
 
@@ -74,9 +75,15 @@ def observation_text(observation: Any) -> str:
 class OpenEnvEnvironment:
     """One episode of an OpenEnv environment as a DistFlow `Environment`."""
 
-    def __init__(self, env_class: type):
-        self.action_class, self.text_field = action_text_field(env_class)
+    def __init__(self, env_class: type, action_class: type, text_field: str):
+        self.action_class, self.text_field = action_class, text_field
         self.env = env_class()
+
+    @classmethod
+    def episodes_of(cls, env_class: type) -> Callable[[], "OpenEnvEnvironment"]:
+        """A maker of one episode's environment; a class the adapter cannot drive is
+        refused here, before any episode."""
+        return partial(cls, env_class, *action_text_field(env_class))
 
     def reset(self, task: dict) -> None:
         self.env.reset(seed=task.get("seed"))

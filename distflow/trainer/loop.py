@@ -183,7 +183,7 @@ def make_episode_runner(cfg: Config, engine: RolloutEngine, tokenizer) -> Episod
         from distflow.engines.openenv_env import OpenEnvEnvironment
 
         env_class = load_callable(r.env.removeprefix("openenv:"), "rollout.env")
-        make_env = partial(OpenEnvEnvironment, env_class)
+        make_env = OpenEnvEnvironment.episodes_of(env_class)
     else:
         env_class = load_callable(r.env, "rollout.env") if r.env else ToolEnvironment
         make_env = partial(env_class, toolbox)

@@ -89,7 +89,7 @@ def test_an_openenv_game_runs_through_the_adapter(game):
     tok = build_tokenizer()
     a, b = _ids(tok, "A?"), _ids(tok, "B?")
     engine = ScriptedEngine(tok, {a[0]: ["5", "8", "7"], b[0]: ["3", "1", "0"]})
-    runner = EpisodeRunner(engine, tok, lambda: OpenEnvEnvironment(module.GuessDigit),
+    runner = EpisodeRunner(engine, tok, OpenEnvEnvironment.episodes_of(module.GuessDigit),
                            EpisodeSettings(max_turns=3, max_total_tokens=200, step_last_turn=True))
     # seeds 7 and 13: secrets 7 and 3
     out = runner.generate([a, b], [7, 13], SamplingParams(max_new_tokens=8), [{}, {}])
