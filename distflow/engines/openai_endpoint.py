@@ -48,6 +48,7 @@ from distflow.engines.rollout import RolloutEngine, SamplingParams, sample_seed
 from distflow.engines.tools import TOOL_CALL
 
 MODEL = "policy"
+DRAIN_LIMIT_BYTES = 16 << 20  # an oversized request body is read and dropped up to this size before its 413
 AGENT_FIELDS = ("agent_tool_calls", "agent_failed", "agent_scores")  # per sample, beside the rollout's fields
 _PATH = re.compile(r"^/samples/(?P<key>[A-Za-z0-9_-]+)/v1/(?P<route>chat/completions|models)$")
 
@@ -273,6 +274,15 @@ def _handler(endpoint: ChatEndpoint):
             self.end_headers()
             self.wfile.write(data)
 
+        def _discard(self, size: int) -> None:
+            """Read an oversized body in chunks and drop it: a reply sent over an unread
+            body can reach the client as a connection reset instead of the 413. Past
+            DRAIN_LIMIT_BYTES the connection is closed unread."""
+            left = min(size, DRAIN_LIMIT_BYTES)
+            while left > 0 and (chunk := self.rfile.read(min(left, 1 << 16))):
+                left -= len(chunk)
+            self.close_connection = size > DRAIN_LIMIT_BYTES
+
         def _route(self) -> tuple[str, str]:
             if self.headers.get("Authorization") != f"Bearer {endpoint.token}":
                 raise RequestError(401, "Incorrect API key provided: this endpoint takes the run's bearer token",
@@ -298,7 +308,7 @@ def _handler(endpoint: ChatEndpoint):
                 key, route = self._route()
                 size = int(self.headers.get("Content-Length") or 0)
                 if size > endpoint.max_request_bytes:
-                    self.close_connection = True  # the body stays unread
+                    self._discard(size)
                     raise RequestError(413, f"the request has {size} bytes; at most {endpoint.max_request_bytes} "
                                             "are accepted", "request_too_large")
                 body = self.rfile.read(size)
