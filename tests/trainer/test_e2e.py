@@ -147,17 +147,14 @@ def two_worker_runs(tmp_path_factory) -> dict:
 
 def test_placements_train_like_plain_data_parallel(two_worker_runs, tmp_path):
     """The same math as 2 plain data-parallel workers from 4 workers with rollout TP groups
-    of 2 (2 replicas, reshard to DP=4 for training), and from 2 rollout workers + 1 train
-    worker with max_staleness=0 (runtime.placement=disaggregated: samples streamed to the
+    of 2 (2 replicas, reshard to DP=4 for training), and from 2 rollout workers + 2 train
+    workers with max_staleness=0 (runtime.placement=disaggregated: samples streamed to the
     trainer, weights pushed back): same samples, same updates, same held-out accuracy."""
     runs = {"dp2": run_metrics(two_worker_runs["dp2"])}
-    for name, extra in {"tp2": ["runtime.num_workers=4", "rollout.replica_size=2"],
-                        "disaggregated": ["runtime.placement=disaggregated", "runtime.train_workers=1",
-                                          "runtime.rollout_workers=2"]}.items():
-        out = tmp_path / name
-        distflow_train([*SMALL, "runtime.launcher=torchrun", *PLACEMENTS, *extra, f"trainer.output_dir={out}"],
-                       tmp_path)
-        runs[name] = run_metrics(out)
+    four = distflow_sweep({"tp2": ["runtime.num_workers=4", "rollout.replica_size=2"],
+                           "disaggregated": ["runtime.placement=disaggregated", "runtime.train_workers=2",
+                                             "runtime.rollout_workers=2"]}, 4, tmp_path, [*SMALL, *PLACEMENTS])
+    runs |= {name: run_metrics(folder) for name, folder in four.items()}
     # 3 steps of 2 mini-batches (so the old log-probs are recomputed): later steps sample from updated, synced weights
     for other in ("tp2", "disaggregated"):
         assert runs["dp2"][0]["val/accuracy"] == runs[other][0]["val/accuracy"]

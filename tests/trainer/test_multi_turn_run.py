@@ -57,13 +57,13 @@ def _overrides(yaml_file: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """The episodes on 1 and on 2 workers, the embedded tool task on 1 (its example's
-    settings, 3 steps), the agent on 2, and DAPO's episodes on 2 workers straight and
+    settings, 2 steps), the agent on 2, and DAPO's episodes on 2 workers straight and
     resumed from a 1-worker checkpoint (one launch per worker count)."""
     base = tmp_path_factory.mktemp("multi-turn")
     (base / "env.py").write_text(ENV)
     episodes = ["rollout.tools=calculator", f"rollout.env={base / 'env.py'}:CheckOnce",
                 f"reward.custom_fn={base / 'env.py'}:by_length"]
-    tools = [*_overrides(TOOLS), "trainer.total_steps=3", "trainer.eval_every=0", "data.val_max_samples=32"]
+    tools = [*_overrides(TOOLS), "trainer.total_steps=2", "trainer.eval_every=0", "data.val_max_samples=16"]
     dapo = [*episodes, "algorithm.name=dapo"]
     folders = distflow_sweep({"w1": episodes, "tools": tools,
                               "dapo_half": [*dapo, "trainer.total_steps=1", "trainer.save_final=true"]}, 1, base, COMMON)
