@@ -17,15 +17,6 @@ from distflow.coordinator.planner import contiguous_split
 MODES = ("coordinator", "centralized-pickle", "centralized-zerocopy")
 # verl's own DataProto dispatch (needs verl: README, Benchmarks): its default (torch.save) and numpy paths
 VERL_MODES = ("centralized-verl", "centralized-verl-numpy")
-def refuse_verl_modes_without_verl(parser, modes: list[str]) -> None:
-    """One line (argparse's error) when a verl mode is asked for in a Python without verl."""
-    import importlib.util
-
-    if set(modes) & set(VERL_MODES) and importlib.util.find_spec("verl") is None:
-        parser.error("the verl modes need verl in this Python: python -m venv --system-site-packages .venv-verl && "
-                     ".venv-verl/bin/pip install verl==0.9.1 torch==2.13.0, then run with .venv-verl/bin/python")
-
-
 # --baseline: the single controller the coordinator is compared with
 BASELINE_MODES = {"ours": MODES,
                   "verl": ("coordinator", "centralized-zerocopy", "centralized-verl-numpy", "centralized-verl")}
@@ -37,6 +28,15 @@ VOCAB = 32_000
 WARMUP_ROUNDS = 1
 IMBALANCE_SAMPLES, IMBALANCE_KS = 1024, (2, 4, 8)
 TIMEOUT_S = 900  # one measurement, generous for N=8 on 2 shared cores
+
+
+def refuse_verl_modes_without_verl(parser, modes: list[str]) -> None:
+    """One line (argparse's error) when a verl mode is asked for in a Python without verl."""
+    import importlib.util
+
+    if set(modes) & set(VERL_MODES) and importlib.util.find_spec("verl") is None:
+        parser.error("the verl modes need verl in this Python: python -m venv --system-site-packages .venv-verl && "
+                     ".venv-verl/bin/pip install verl==0.9.1 torch==2.13.0, then run with .venv-verl/bin/python")
 
 
 @dataclass(frozen=True)
