@@ -39,6 +39,7 @@ import torch
 
 from distflow.data.tasks import arith
 from distflow.engines.agent import EpisodeRunner, EpisodeSettings, ToolEnvironment, observation_ids, tool_message
+from distflow.engines.common import render_prompt
 from distflow.engines.rollout import HFRolloutEngine, SamplingParams
 from distflow.engines.tools import Toolbox, calculator, tool_call_text
 
@@ -123,6 +124,10 @@ def sft_target(p: arith.Problem, unverifiable: bool) -> str:
     return f"{steps}\nThe answer is {p.answer}."
 
 
+def _prompt(tokenizer, p: arith.Problem) -> str:
+    return render_prompt(tokenizer, [{"role": "user", "content": p.question}])
+
+
 def _ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -131,9 +136,7 @@ def sft_sequence(tokenizer, p: arith.Problem, unverifiable: bool, calls_tool: bo
     """(token ids, labels) of one trace: the prompt, then the answer, or with
     `calls_tool` the calculator call, its result (label -100: the environment's tokens)
     and the answer. Each assistant turn ends with EOS, as the engine ends it."""
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": p.question}],
-                                           add_generation_prompt=True, tokenize=False)
-    ids = _ids(tokenizer, prompt)
+    ids = _ids(tokenizer, _prompt(tokenizer, p))
     labels = [-100] * len(ids)
     if calls_tool:
         call = _ids(tokenizer, tool_call_text("calculator", {"expression": p.expression})) + [tokenizer.eos_token_id]
@@ -162,8 +165,7 @@ def greedy_accuracy(model, tokenizer, problems: list[arith.Problem], max_new_tok
     correct = 0
     for start in range(0, len(problems), 128):
         chunk = problems[start: start + 128]
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p.question}],
-                                                 add_generation_prompt=True, tokenize=False) for p in chunk]
+        prompts = [_prompt(tokenizer, p) for p in chunk]
         enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
@@ -182,9 +184,7 @@ def tool_accuracy_by_level(model, tokenizer, problems: list[arith.Problem]) -> d
     model.eval()
     runner = EpisodeRunner(HFRolloutEngine(model, tokenizer, shares_trainer_weights=True), tokenizer,
                            lambda: ToolEnvironment(Toolbox(["calculator"])), TOOL_EPISODE)
-    prompts = [_ids(tokenizer, tokenizer.apply_chat_template([{"role": "user", "content": p.question}],
-                                                             add_generation_prompt=True, tokenize=False))
-               for p in problems]
+    prompts = [_ids(tokenizer, _prompt(tokenizer, p)) for p in problems]
     out = runner.generate(prompts, None, SamplingParams(max_new_tokens=TOOL_TURN_TOKENS, greedy=True),
                           [{} for _ in problems])
     generated = out["responses"] * out["response_mask"] + tokenizer.pad_token_id * (1 - out["response_mask"])
