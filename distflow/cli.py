@@ -1,7 +1,7 @@
 """`distflow` command line.
 
     distflow train [--config FILE] [section.key=value ...]
-    distflow build-tiny-model --out DIR [--tools] [--steps N]
+    distflow build-tiny-model --out DIR [--tools | --vision] [--steps N]
     distflow make-data --split train --num 1000 --out FILE.parquet
     distflow bench dataplane [--quick] [--workers N ...] [--json FILE] [--results-md FILE]
     distflow bench scheduler [--settings default compute] [--json FILE] [--results-md FILE]
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from distflow.config import BUILTIN_MODEL, Config, ConfigError, load_config
-from distflow.data.dataset import BUILTIN_TASKS
+from distflow.data.dataset import BUILTIN_TASKS, write_builtin_parquet
 from distflow.runtime import netns
 
 EXIT_USAGE, EXIT_FAILED = 2, 1
@@ -293,9 +293,15 @@ def run_files(run_dir: Path) -> list[str]:
 def cmd_build_tiny_model(args: argparse.Namespace) -> int:
     from distflow.engines.tiny_model import ASSET_DIR, TOOL_SFT, SFTSpec, build_tiny_model
 
+    if args.tools and args.vision:
+        raise SystemExit("distflow: error: build-tiny-model takes --tools or --vision, not both")
     if args.tools:  # continues from the shipped default model
         sft = TOOL_SFT if args.steps is None else dataclasses.replace(TOOL_SFT, steps=args.steps)
         record = build_tiny_model(args.out, sft=sft, base=ASSET_DIR)
+    elif args.vision:  # a Qwen2-VL whose language model starts as the shipped default model
+        from distflow.engines.tiny_vlm import VisionSFTSpec, build_tiny_vlm
+
+        record = build_tiny_vlm(args.out, sft=VisionSFTSpec() if args.steps is None else VisionSFTSpec(steps=args.steps))
     else:
         record = build_tiny_model(args.out, sft=SFTSpec() if args.steps is None else SFTSpec(steps=args.steps))
     print(json.dumps({k: record[k] for k in ("num_parameters", "build_seconds")} | record["history"][-1]))
@@ -303,9 +309,7 @@ def cmd_build_tiny_model(args: argparse.Namespace) -> int:
 
 
 def cmd_make_data(args: argparse.Namespace) -> int:
-    from distflow.data.tasks.arith import write_parquet
-
-    print(write_parquet(args.out, args.split, args.num, args.seed, levels=BUILTIN_TASKS[args.task]))
+    print(write_builtin_parquet(args.out, args.task, args.split, args.num, args.seed))
     return 0
 
 
@@ -435,6 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--steps", type=int, default=None)
     tiny.add_argument("--tools", action="store_true", help="the tool-using model (builtin:tiny-arith-tools), "
                                                           "fine-tuned from the default one on calculator traces")
+    tiny.add_argument("--vision", action="store_true", help="the vision-language model (builtin:tiny-dots-vl): a "
+                                                           "Qwen2-VL on the default one, fine-tuned to count dots")
     tiny.set_defaults(fn=cmd_build_tiny_model)
     data = sub.add_parser("make-data", help="write the built-in task as a verl-format parquet file")
     data.add_argument("--task", choices=tuple(BUILTIN_TASKS), default="arith",

@@ -33,7 +33,7 @@ def _spec(default: Any, *, min: float | None = None, max: float | None = None,
 
 
 BUILTIN_MODEL = "builtin:tiny-arith"
-BUILTIN_MODELS = (BUILTIN_MODEL, "builtin:tiny-arith-tools")  # folders in distflow/assets (engines/tiny_model.py)
+BUILTIN_MODELS = (BUILTIN_MODEL, "builtin:tiny-arith-tools", "builtin:tiny-dots-vl")  # folders in distflow/assets (engines/tiny_model.py)
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # distflow.trainer.tracking
 TOOLS = ("calculator", "python")  # distflow.engines.tools
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs", "k1+", "k3+", "low_var_kl+")  # distflow.algos.kl
@@ -53,8 +53,9 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    train_files: str = _spec("builtin:arith:train", doc="comma-separated parquet/jsonl files or builtin:arith:train")
-    val_files: str = _spec("builtin:arith:test", doc="comma-separated parquet/jsonl files or builtin:arith:test")
+    train_files: str = _spec("builtin:arith:train", doc="comma-separated parquet/jsonl files or builtin:TASK:train "
+                                                        "(TASK: arith, arith-tools, dots)")
+    val_files: str = _spec("builtin:arith:test", doc="comma-separated parquet/jsonl files or builtin:TASK:test")
     train_batch_size: int = _spec(16, min=1, doc="prompts per step, over all workers")
     val_max_samples: int = _spec(256, min=1)
     max_prompt_length: int = _spec(192, min=1, doc="tokens; see on_long_prompt")
@@ -62,6 +63,8 @@ class DataConfig:
                             doc="a malformed row: stop naming file and row, or skip it (counted, replaced)")
     on_long_prompt: str = _spec("error", choices=("error", "skip", "truncate"),
                                 doc="a prompt over max_prompt_length: stop, skip it, or keep its last tokens")
+    max_image_pixels: int = _spec(12_845_056, min=1, doc="an image of more pixels is a bad row (on_bad_row); "
+                                                        "Qwen2-VL's processor's own largest size by default")
 
 
 @dataclass(kw_only=True)

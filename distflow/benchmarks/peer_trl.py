@@ -36,10 +36,10 @@ PROMPTS_PER_STEP, GROUP, MAX_NEW_TOKENS, LR, KL = 8, 8, 32, 1e-4, 0.001
 
 
 def write_task(folder: Path) -> tuple[str, str]:
-    from distflow.data.tasks.arith import write_parquet
+    from distflow.data.dataset import write_builtin_parquet
 
-    return (write_parquet(str(folder / "train.parquet"), "train", TRAIN_ROWS),
-            write_parquet(str(folder / "test.parquet"), "test", HELDOUT_ROWS))
+    return (write_builtin_parquet(str(folder / "train.parquet"), "arith", "train", TRAIN_ROWS),
+            write_builtin_parquet(str(folder / "test.parquet"), "arith", "test", HELDOUT_ROWS))
 
 
 def heldout_accuracy(model_path: str, test_file: str) -> float:

@@ -268,7 +268,7 @@ def _rows(batch: Batch, rows: list[int]) -> Batch:
 class _Assembler:
     """The new batch in `ids` order, built piece by piece as pieces arrive (each holds a
     disjoint subset of `ids`): every piece's rows are copied once, straight to their final
-    positions. 2-D fields of different widths are padded with 0 to the widest, on the left
+    positions. Fields of different widths (dimension 1) are padded with 0 to the widest, on the left
     for LEFT_PADDED fields (as `Batch.concat` does); a piece wider than the ones before it
     widens that field (one more copy of it)."""
 
@@ -287,12 +287,12 @@ class _Assembler:
             out = self.tensors.get(name)
             if out is None:
                 out = self.tensors[name] = torch.empty((n, *part.shape[1:]), dtype=part.dtype)
-            elif part.dim() == 2 and part.shape[1] > out.shape[1]:
-                wider = torch.zeros((n, part.shape[1]), dtype=out.dtype)
+            elif part.dim() >= 2 and part.shape[1] > out.shape[1]:
+                wider = torch.zeros((n, *part.shape[1:]), dtype=out.dtype)
                 self._columns(wider, out.shape[1], name).copy_(out)
                 out = self.tensors[name] = wider
             target = out
-            if part.dim() == 2 and part.shape[1] < out.shape[1]:
+            if part.dim() >= 2 and part.shape[1] < out.shape[1]:
                 if index is None:
                     out[spots[0]: spots[0] + len(spots)].zero_()
                 else:

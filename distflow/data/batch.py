@@ -13,11 +13,19 @@ import torch
 LEFT_PADDED = frozenset({"prompts", "prompt_mask"})
 
 
+def pad_columns(t: torch.Tensor, width: int, left: bool = False) -> torch.Tensor:
+    """`t` with zeros added along dimension 1 up to `width` (on the left for LEFT_PADDED fields)."""
+    short = width - t.shape[1]
+    if short <= 0:
+        return t
+    trailing = [0, 0] * (t.dim() - 2)  # F.pad counts dimensions from the last
+    return torch.nn.functional.pad(t, trailing + ([short, 0] if left else [0, short]))
+
+
 def _cat_padded(parts: list[torch.Tensor], left: bool) -> torch.Tensor:
-    if parts[0].dim() == 2:
+    if parts[0].dim() >= 2:
         width = max(p.shape[1] for p in parts)
-        parts = [torch.nn.functional.pad(p, (width - p.shape[1], 0) if left else (0, width - p.shape[1]))
-                 if p.shape[1] < width else p for p in parts]
+        parts = [pad_columns(p, width, left) for p in parts]
     return torch.cat(parts)
 
 
@@ -66,8 +74,9 @@ class Batch:
 
     @staticmethod
     def concat(batches: Sequence["Batch"]) -> "Batch":
-        """Row-wise concatenation; 2-D fields of different widths are padded with 0 to
-        the widest (on the left for LEFT_PADDED fields, e.g. prompts)."""
+        """Row-wise concatenation; fields of different widths (dimension 1: tokens, or a
+        VLM's patches and images) are padded with 0 to the widest (on the left for
+        LEFT_PADDED fields, e.g. prompts)."""
         first = batches[0]
         return Batch({k: _cat_padded([b.tensors[k] for b in batches], left=k in LEFT_PADDED) for k in first.tensors},
                      {k: [x for b in batches for x in b.meta[k]] for k in first.meta})

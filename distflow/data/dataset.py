@@ -16,11 +16,16 @@ import random
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, Callable
 
-from distflow.data.tasks import arith
+from distflow.data.tasks import arith, dots
 
-BUILTIN_TASKS = {"arith": arith.LEVELS, "arith-tools": arith.TOOL_TASK_LEVELS}  # builtin:NAME:SPLIT[:SIZE]
+BUILTIN_TASKS = {  # builtin:NAME:SPLIT[:SIZE] -> its rows (split, number, seed)
+    "arith": arith.verl_rows,
+    "arith-tools": lambda split, num, seed=0: arith.verl_rows(split, num, seed, levels=arith.TOOL_TASK_LEVELS),
+    "dots": dots.VerlRows,  # images: counting dots
+}
 BUILTIN_SIZES = {"train": 20000, "test": 256}
 
 
@@ -35,6 +40,7 @@ class PromptRow:
     ground_truth: str
     data_source: str
     extra_info: dict[str, Any] = field(default_factory=dict)
+    images: list[Any] = field(default_factory=list)  # verl's `images` column, decoded when the row is encoded
 
 
 def _row(raw: Any, index: int, where: str) -> PromptRow:
@@ -57,23 +63,36 @@ def _row(raw: Any, index: int, where: str) -> PromptRow:
         raise DatasetError(f"{where}: 'reward_model.ground_truth' must be a string or a number, "
                            f"not {type(reward_model['ground_truth']).__name__}")
     extra = raw.get("extra_info") or {}
+    images = raw.get("images")
+    if images is not None and not isinstance(images, (list, tuple)):
+        raise DatasetError(f"{where}: 'images' must be a list of images, not {type(images).__name__}")
     return PromptRow(
         index=index,
         messages=[{"role": str(m["role"]), "content": m["content"]} for m in messages],
         ground_truth=str(reward_model["ground_truth"]),
         data_source=str(raw.get("data_source") or "unknown"),
         extra_info=dict(extra) if isinstance(extra, dict) else {},
+        images=list(images or []),
     )
 
 
-def _builtin(spec: str) -> list[Any]:
+def _builtin(spec: str) -> Sequence[Any]:
     name, _, rest = spec.removeprefix("builtin:").partition(":")
     split, _, size = rest.partition(":")
     if name not in BUILTIN_TASKS or split not in BUILTIN_SIZES:
         raise DatasetError(f"{spec}: unknown built-in dataset; use builtin:TASK:train or builtin:TASK:test "
                            f"with TASK one of {', '.join(BUILTIN_TASKS)}")
     num = int(size) if size else BUILTIN_SIZES[split]
-    return arith.verl_rows(split, num, levels=BUILTIN_TASKS[name])
+    return BUILTIN_TASKS[name](split, num)
+
+
+def write_builtin_parquet(path: str, task: str, split: str, num: int, seed: int = 0) -> str:
+    """A built-in task's rows as a parquet file in verl's schema (`distflow make-data`)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(list(BUILTIN_TASKS[task](split, num, seed))), path)
+    return path
 
 
 def load_rows(spec: str, limit: int | None = None) -> list[PromptRow]:
@@ -140,7 +159,7 @@ class _JsonlSource:
 
 
 class _ListSource:
-    def __init__(self, rows: list[Any]):
+    def __init__(self, rows: Sequence[Any]):
         self.rows, self.num_rows, self.rows_read = rows, len(rows), 0
 
     def read(self, index: int) -> Any:
@@ -229,7 +248,10 @@ class PromptReader:
             for attempt in range(MAX_REPLACEMENTS + 1):
                 try:
                     row, ids = self.data[index], None
-                    ids = encode(row)
+                    try:
+                        ids = encode(row)
+                    except DatasetError as e:  # found while encoding (an image): name the row
+                        raise DatasetError(f"{self.data.locate(index)[1]}: {e}") from None
                     if len(ids) > self.max_len:
                         raise PromptTooLong(f"{self.data.locate(index)[1]}: the prompt has {len(ids)} tokens > "
                                             f"data.max_prompt_length={self.max_len}")
@@ -241,6 +263,9 @@ class PromptReader:
                     if policy == "error":
                         hint = "data.on_long_prompt=skip or truncate" if long else "data.on_bad_row=skip"
                         raise DatasetError(f"{e} ({hint} to go on)") from None
+                    if policy == "truncate" and getattr(ids, "pixel_values", None) is not None:
+                        raise DatasetError(f"{e}; a prompt with images cannot be truncated (raise "
+                                           f"data.max_prompt_length or use data.on_long_prompt=skip)") from None
                     if policy == "truncate":
                         counts["truncated_prompts"] += 1
                         out.append((row, ids[-self.max_len:]))

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from distflow.data.batch import Batch
+from distflow.data.images import IMAGE_FIELDS
 from distflow.engines.common import first_of_tied, forward_response
 from distflow.engines.lora import is_lora, merged_weights
 
@@ -82,7 +83,8 @@ def policy_forward(model, micro: Batch, train: bool, temperature: float = 1.0):
     """Log-probs of the responses at the sampling temperature, and their entropy when training."""
     return forward_response(model, micro["prompts"], micro["prompt_mask"], micro["responses"],
                             micro["response_mask"], with_entropy=train, temperature=temperature,
-                            observation_mask=micro.tensors.get("observation_mask"))
+                            observation_mask=micro.tensors.get("observation_mask"),
+                            images={k: micro.tensors[k] for k in IMAGE_FIELDS if k in micro.tensors})
 
 
 def _micro(batch: Batch, rows: list[int]) -> Batch:

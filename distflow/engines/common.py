@@ -1,5 +1,6 @@
-"""Pieces the engines share: loading a HF causal LM and tokenizer from a local folder,
-and the one forward pass that turns (prompt, response) pairs into per-token log-probs."""
+"""Pieces the engines share: loading a HF causal LM (or a vision-language model), its
+tokenizer and image processor from a local folder, and the one forward pass that turns
+(prompt, response) pairs into per-token log-probs."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from distflow.algos.core import entropy_from_logits, log_probs_from_logits
 from distflow.config import BUILTIN_MODELS
+from distflow.data.images import ImagePrompter, model_inputs
 
 
 def resolve_model_path(path: str) -> str:
@@ -39,29 +41,55 @@ def load_tokenizer(path: str):
     return tok
 
 
+def _model_class(config):
+    """AutoModelForCausalLM, or for a vision-language config (Qwen2-VL's) AutoModelForImageTextToText."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+
+
 def load_causal_lm(path: str, dtype: str = "float32", device: torch.device | str = "cpu"):
-    """A HF causal-LM folder; a LoRA checkpoint (an adapter folder) as its base with the adapter merged."""
-    from transformers import AutoModelForCausalLM
+    """A HF causal-LM (or vision-language) folder; a LoRA checkpoint (an adapter folder) as
+    its base with the adapter merged."""
+    from transformers import AutoConfig
 
     from distflow.engines.lora import is_adapter_folder, load_merged
 
     if is_adapter_folder(resolve_model_path(path)):
         return load_merged(resolve_model_path(path), lambda base: load_causal_lm(base, dtype, device))
     quiet_transformers()
+    folder = resolve_model_path(path)
     # safetensors only (never unpickle weights) and no code from the model folder
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=getattr(torch, dtype),
-                                                 use_safetensors=True, trust_remote_code=False)
+    model = _model_class(AutoConfig.from_pretrained(folder)).from_pretrained(
+        folder, dtype=getattr(torch, dtype), use_safetensors=True, trust_remote_code=False)
     return model.to(device)
 
 
 def causal_lm_skeleton(path: str):
     """The model's class and config with no weights (meta device): what writes a HF
     folder from a state dict (`save_pretrained(dir, state_dict=...)`)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     quiet_transformers()
+    config = AutoConfig.from_pretrained(resolve_model_path(path))
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_model_path(path)))
+        return _model_class(config).from_config(config)
+
+
+def takes_images(path: str) -> bool:
+    """Whether the model folder is a vision-language model's: it has an image processor."""
+    return os.path.isfile(os.path.join(resolve_model_path(path), "preprocessor_config.json"))
+
+
+def load_image_prompter(path: str, tokenizer) -> ImagePrompter | None:
+    """The model folder's image processor as an ImagePrompter; None for a text-only model."""
+    from transformers import AutoConfig, AutoImageProcessor
+
+    if not takes_images(path):
+        return None
+    folder = resolve_model_path(path)
+    quiet_transformers()
+    return ImagePrompter(AutoImageProcessor.from_pretrained(folder), tokenizer, AutoConfig.from_pretrained(folder))
 
 
 def first_of_tied(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -75,6 +103,11 @@ def first_of_tied(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
             continue
         seen.add(key)
         yield name, tensor
+
+
+def unwrapped(model):
+    """The HF model inside a DDP wrapper (FSDP2 keeps the module itself)."""
+    return getattr(model, "module", model)
 
 
 def render_prompt(tokenizer, messages: list[dict[str, str]]) -> str:
@@ -104,14 +137,17 @@ def trim_padding(prompts: torch.Tensor, prompt_mask: torch.Tensor,
 def forward_response(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
                      responses: torch.Tensor, response_mask: torch.Tensor,
                      with_entropy: bool = False, temperature: float = 1.0,
-                     observation_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     observation_mask: torch.Tensor | None = None,
+                     images: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of `responses` given left-padded `prompts`, under
     softmax(logits / temperature): the distribution the rollout sampled from.
 
     Returns tensors of the full response width R; columns trimmed as padding are 0.
     Position ids follow the attention mask, as generation with left padding does. In a
     multi-turn episode the environment's tokens (`observation_mask`) are attended to like
-    the generated ones (`response_mask`, the loss mask).
+    the generated ones (`response_mask`, the loss mask). `images`: the rows' padded
+    `pixel_values` and `image_grid_thw` (data/images.py); the model then places the
+    image tokens itself (Qwen2-VL's M-RoPE), as its generation does.
     """
     full_width = responses.shape[1]
     seen = response_mask if observation_mask is None else response_mask + observation_mask  # (B, R)
@@ -119,8 +155,9 @@ def forward_response(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
     input_ids = torch.cat([p, r], dim=1)  # (B, P + R')
     attention = torch.cat([pm, rm], dim=1).long()
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
-                   use_cache=False).logits
+    vision = model_inputs(images, input_ids, unwrapped(model).config.image_token_id) if images else {}
+    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=None if vision else position_ids,
+                   use_cache=False, **vision).logits
     width = r.shape[1]
     logits = logits[:, p.shape[1] - 1: p.shape[1] - 1 + width].float() / temperature  # (B, R', V): predicts r
     log_probs = log_probs_from_logits(logits, r)

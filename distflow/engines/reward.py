@@ -147,7 +147,7 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth: str
 
     if data_source.lower().split("/")[-1] in sandbox.CODE_SOURCES:  # e.g. "codecontests", "likaixin/TACO"
         return sandbox.code_score(data_source, solution_str, ground_truth, extra_info)
-    if "####" in solution_str or "gsm8k" in data_source or data_source.startswith("distflow/arith"):
+    if "####" in solution_str or "gsm8k" in data_source or data_source.startswith("distflow/"):  # the built-in tasks
         return gsm8k_score(solution_str, ground_truth, gsm8k_mode)
     return math_verify_score(solution_str, ground_truth)
 

@@ -21,6 +21,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from distflow.data.batch import Batch
+from distflow.data.images import image_fields, model_inputs, vision_token_ids
 
 
 def sample_seed(*parts: int) -> int:
@@ -95,7 +96,8 @@ class RolloutEngine(Protocol):
     """What the trainer, evaluation and the recipes' nodes need from a rollout engine
     (`rollout.engine`: HFRolloutEngine here, VLLMRolloutEngine in engines/vllm_rollout.py).
 
-    `generate` returns a Batch with `prompts`/`prompt_mask` (B, P) left-padded,
+    A prompt may be `PromptIds` carrying its images' pixel tensors (data/images.py);
+    the HF engine passes them to the model. `generate` returns a Batch with `prompts`/`prompt_mask` (B, P) left-padded,
     `responses`/`response_mask` (B, R) right-padded (R = params.max_new_tokens), and
     `rollout_log_probs` (B, R): the log-probability the engine gave each sampled token
     under softmax(logits / temperature) (0 where masked). Each sequence draws its
@@ -222,13 +224,20 @@ class HFRolloutEngine:
         # An explicit config: a model's own generation_config (repetition penalty, top-k,
         # ...) must not silently change the policy's distribution in RL.
         # (HF fills every field left unset from the model's config, so neutral values are explicit.)
+        # A VLM's image placeholders are never generated (a response holding one would not
+        # match its images in the scoring forward); their probability is left in the log-probs.
         config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=params.max_new_tokens, use_cache=True,
                                   min_new_tokens=0, repetition_penalty=1.0, no_repeat_ngram_size=0,
                                   pad_token_id=self.tokenizer.pad_token_id,
-                                  eos_token_id=self.tokenizer.eos_token_id)
+                                  eos_token_id=self.tokenizer.eos_token_id,
+                                  suppress_tokens=vision_token_ids(self.model.config) or None)
+        images = {}
+        if any(getattr(p, "pixel_values", None) is not None for p in prompts):  # PromptIds with images
+            images = {k: v.to(device) for k, v in
+                      model_inputs(image_fields(prompts), ids, self.model.config.image_token_id).items()}
         out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                                   generation_config=config, logits_processor=processors,
-                                  return_dict_in_generate=True, output_logits=True)
+                                  return_dict_in_generate=True, output_logits=True, **images)
         resp = out.sequences[:, ids.shape[1]:].cpu()  # (B, R')
         # the raw logits of each step (before our sampler's noise): the engine's own probabilities
         logits = torch.stack(out.logits, dim=1).float().cpu() / params.temperature  # (B, R', V)

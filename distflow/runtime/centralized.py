@@ -112,11 +112,11 @@ class WorkerRelay:
 
     def inputs(self, store, command: Command) -> None:
         """The driver's copy of a node's input fields for this worker's rows replaces the
-        store's. The driver pads 2-D fields to the widest over all workers; the extra
+        store's. The driver pads fields to the widest (dimension 1) over all workers; the extra
         columns are padding for these rows, so they are cut back to the worker's own width."""
         received, local = self.received(command), store.all()
         for name, value in received.tensors.items():
-            width = local.tensors[name].shape[1] if value.dim() == 2 and name in local.tensors else None
+            width = local.tensors[name].shape[1] if value.dim() >= 2 and name in local.tensors else None
             if width is not None and value.shape[1] > width:
                 received.tensors[name] = value[:, -width:] if name in LEFT_PADDED else value[:, :width]
         local.update(received)

@@ -69,9 +69,11 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any])
 
 
 def save(path: Path, *, hf_skeleton, tokenizer, actor, critic, step: int, loader_state: dict[str, int],
-         metrics_file: Path | None, keep_last: int, algorithm_state: dict[str, float] | None = None) -> None:
+         metrics_file: Path | None, keep_last: int, algorithm_state: dict[str, float] | None = None,
+         image_processor=None) -> None:
     """Collective: every rank calls it with its own engines; rank 0 writes `path`.
-    `hf_skeleton`: a model of the policy's class and config (its weights unused).
+    `hf_skeleton`: a model of the policy's class and config (its weights unused);
+    `image_processor`: a VLM's, saved beside the tokenizer.
     `algorithm_state`: numbers the algorithm carries across steps (the adaptive KL
     coefficient), the same on every rank."""
     actor_sd, actor_osd = _full_state(actor.model, actor.optimizer)
@@ -86,6 +88,8 @@ def save(path: Path, *, hf_skeleton, tokenizer, actor, critic, step: int, loader
         else:  # the policy as a HF folder, from the actor's weights (save_pretrained consumes the dict it gets)
             hf_skeleton.save_pretrained(tmp, safe_serialization=True, state_dict=dict(actor_sd))
         tokenizer.save_pretrained(tmp)
+        if image_processor is not None:
+            image_processor.save_pretrained(tmp)
         tensors, meta = _flatten_optimizer(actor_osd)
         save_file(tensors, tmp / "optimizer.safetensors")
         (tmp / "optimizer.json").write_text(json.dumps(meta))

@@ -31,7 +31,8 @@ from distflow.data.batch import Batch
 from distflow.data.dataset import PromptReader, PromptRow, ShardedDataset
 from distflow.data.loader import ShardedSampler
 from distflow.engines.actor import Actor, OptimConfig, ReferenceModel, lr_factor
-from distflow.engines.common import causal_lm_skeleton, load_causal_lm, load_tokenizer, resolve_model_path
+from distflow.engines.common import (causal_lm_skeleton, load_causal_lm, load_image_prompter, load_tokenizer,
+                                     resolve_model_path)
 from distflow.engines.agent import EpisodeRunner, EpisodeSettings, ToolEnvironment
 from distflow.engines.critic import Critic
 from distflow.engines.openai_endpoint import AgentRunner, AgentSettings
@@ -98,11 +99,14 @@ class PromptSource:
         self.sampler = ShardedSampler(len(self.rows), cfg.data.train_batch_size, layout.dp_rank(rank),
                                       layout.dp_size, cfg.trainer.seed)
         self.prefetch_tokenizer = load_tokenizer(cfg.model.path)
+        self.images = load_image_prompter(cfg.model.path, self.prefetch_tokenizer)  # a VLM's image processor
         self.counts: dict[int, Counter] = defaultdict(Counter)  # step -> skipped rows, truncated prompts
         self.lock = threading.Lock()
 
     def batch(self, step: int, positions: list[tuple[int, int]], tokenizer, offset: int = 0) -> Batch:
-        taken, counts = self.reader.take([i for _, i in positions], partial(nodes.encode_prompt, tokenizer))
+        encode = partial(nodes.encode_prompt, tokenizer, images=self.images,
+                         max_image_pixels=self.cfg.data.max_image_pixels)
+        taken, counts = self.reader.take([i for _, i in positions], encode)
         if self.layout.tp_rank(self.rank) == 0:  # a TP group's members read the same rows
             with self.lock:
                 self.counts[step].update(counts)
@@ -209,8 +213,10 @@ def heldout_rows(cfg: Config, tokenizer, rank: int, world: int) -> list[tuple[Pr
     under the bad-row policy (a bad row is dropped, not replaced)."""
     data = ShardedDataset(cfg.data.val_files)
     indices = list(range(min(len(data), cfg.data.val_max_samples)))[rank::world]
+    encode = partial(nodes.encode_prompt, tokenizer, images=load_image_prompter(cfg.model.path, tokenizer),
+                     max_image_pixels=cfg.data.max_image_pixels)
     taken, _ = PromptReader(data, cfg.data.max_prompt_length, cfg.data.on_bad_row, cfg.data.on_long_prompt
-                            ).take(indices, partial(nodes.encode_prompt, tokenizer), replace=False)
+                            ).take(indices, encode, replace=False)
     return taken
 
 
@@ -472,7 +478,8 @@ class Trainer:
                             metrics_file=self.writer.path if self.writer is not None else None,
                             keep_last=self.cfg.trainer.keep_last,
                             algorithm_state={"reward_kl_coef": self.ctx.reward_kl.value}
-                            if self.ctx.reward_kl is not None else None)
+                            if self.ctx.reward_kl is not None else None,
+                            image_processor=self.prompts.images.processor if self.prompts.images else None)
 
     def _progress_bar(self, total: int):
         if not self.progress:

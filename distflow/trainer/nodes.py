@@ -11,6 +11,8 @@ Fields (one row per response, n rows per prompt):
   group                                        (N,) the prompt's position in the step: GRPO's groups
   mini_batch                                   (N,) the PPO mini-batch of its prompt
   prompts, prompt_mask                         (N, P) left-padded
+  pixel_values, image_grid_thw                 (N, patches, D), (N, images, 3): a VLM's images, padded per
+                                               sample (data/images.py); absent for text-only data
   responses, response_mask                     (N, R) right-padded
   scores, accuracy                             (N,) reward, and the strict correctness metric
   baseline_scores                              (N,) ReMax: the reward of the prompt's greedy response
@@ -36,7 +38,8 @@ from distflow.collectives import all_reduce_sum
 from distflow.config import Config
 from distflow.coordinator.microbatch import local_micro_batches, plan_micro_batches
 from distflow.data.batch import Batch, sequence_lengths
-from distflow.data.dataset import PromptRow
+from distflow.data.dataset import DatasetError, PromptRow
+from distflow.data.images import ImagePrompter, attach_images, decode_image, image_fields
 from distflow.engines.actor import Actor
 from distflow.engines.agent import COUNTS as EPISODE_COUNTS
 from distflow.engines.agent import EpisodeRunner
@@ -70,10 +73,18 @@ class WorkerContext:
 # ---------------------------------------------------------------------------- prompts
 
 
-def encode_prompt(tokenizer, row: PromptRow) -> list[int]:
+def encode_prompt(tokenizer, row: PromptRow, images: ImagePrompter | None = None,
+                  max_image_pixels: int | None = None) -> list[int]:
+    """The row's prompt ids; with `images` (a VLM's processor) a PromptIds holding its images' pixels."""
     from distflow.engines.common import render_prompt
 
-    return tokenizer(render_prompt(tokenizer, row.messages), add_special_tokens=False)["input_ids"]
+    text = render_prompt(tokenizer, row.messages)
+    if images is None:
+        if row.images:
+            raise DatasetError("the row has images but model.path is a text-only model (its folder has no "
+                               "preprocessor_config.json)")
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return images.encode(tokenizer, text, [decode_image(entry, max_image_pixels) for entry in row.images])
 
 
 def source_batch(rows: list[tuple[int, PromptRow, list[int]]], cfg: Config, pad_id: int,
@@ -87,7 +98,7 @@ def source_batch(rows: list[tuple[int, PromptRow, list[int]]], cfg: Config, pad_
     if not seqs:
         return Batch()
     prompts, mask = left_pad([p for _, _, p, _ in seqs], pad_id)
-    return Batch({"prompts": prompts, "prompt_mask": mask,
+    return Batch({"prompts": prompts, "prompt_mask": mask, **image_fields([p for _, _, p, _ in seqs]),
                   "group": torch.tensor([pos for pos, _, _, _ in seqs]),
                   "mini_batch": torch.tensor([(pos % cfg.data.train_batch_size) // mini for pos, _, _, _ in seqs])},
                  {"sample_id": [pos * n + k for pos, _, _, k in seqs], "sample_k": [k for _, _, _, k in seqs],
@@ -105,7 +116,9 @@ def tasks_of(batch: Batch) -> list[dict]:
 
 
 def unpad_prompts(batch: Batch) -> list[list[int]]:
-    return [ids[mask.bool()].tolist() for ids, mask in zip(batch["prompts"], batch["prompt_mask"])]
+    """Each row's prompt ids, with its images where the batch has some (PromptIds)."""
+    return attach_images([ids[mask.bool()].tolist() for ids, mask in zip(batch["prompts"], batch["prompt_mask"])],
+                         batch.tensors)
 
 
 # ---------------------------------------------------------------------------- rollout and reward

@@ -34,7 +34,9 @@ from __future__ import annotations
 from distflow.algos.core import get_policy_loss
 from distflow.config import ALGORITHMS, Config, Recipe, load_recipe, with_recipe
 from distflow.dag.graph import Graph, GraphError, Node, load_graph_file
+from distflow.data.images import IMAGE_FIELDS
 from distflow.engines.agent import COUNTS as EPISODE_COUNTS
+from distflow.engines.common import takes_images
 from distflow.engines.openai_endpoint import AGENT_FIELDS
 from distflow.trainer import nodes
 
@@ -83,12 +85,22 @@ def recipe_graph(cfg: Config) -> Graph:
     if episodes and "values" in info.needs:
         raise GraphError(f"rollout.max_turns={cfg.rollout.max_turns}: multi-turn episodes train critic-free "
                          f"recipes (grpo, dapo, rloo, reinforce_plus_plus, ...); {a.estimator!r} needs a critic")
-    scoring = SCORING + (("observation_mask",) if episodes else ())
+    images = IMAGE_FIELDS if takes_images(cfg.model.path) else ()  # a VLM: every forward sees the pixels
+    untested_with_images = {"multi-turn episodes": episodes, f"{a.estimator!r}, which needs a critic": "values" in
+                            info.needs, "rollout.engine=vllm": cfg.rollout.engine == "vllm",
+                            "LoRA (actor.lora_rank)": cfg.actor.lora_rank > 0,
+                            "runtime.placement=disaggregated": cfg.runtime.placement == "disaggregated",
+                            "runtime.mode=centralized": cfg.runtime.mode == "centralized"}
+    if images and any(untested_with_images.values()):
+        raise GraphError(f"model.path={cfg.model.path} is a vision-language model: it trains with the HF engine, "
+                         f"full weights and single-turn, critic-free recipes (grpo, dapo, rloo, ...), not with "
+                         + ", ".join(k for k, v in untested_with_images.items() if v))
+    scoring = SCORING + images + (("observation_mask",) if episodes else ())
     rollout_out = ("responses", "response_mask", "rollout_log_probs")
     rollout_out += ("rollout_weight_version",) if cfg.rollout.partial else ()  # each token's weight version
     rollout_out += (("observation_mask", "num_turns", *AGENT_FIELDS) if agent else
                     ("observation_mask", "num_turns", *EPISODE_COUNTS, "env_scores") if episodes else ())
-    rollout_in = ("prompts", "prompt_mask", "uid", "sample_k")
+    rollout_in = ("prompts", "prompt_mask", "uid", "sample_k", *images)
     rollout_in += ("ground_truth", "data_source", "extra_info", "prompt_messages") if episodes else ()
     built = [
         _node("rollout", "rollout", rollout_in, rollout_out, stream=True),
@@ -110,7 +122,7 @@ def recipe_graph(cfg: Config) -> Graph:
         reward_field = "shaped_scores"
     if "baseline" in info.needs:
         built.append(_node("greedy_baseline", "rollout", ("prompts", "prompt_mask", "group", "ground_truth",
-                                                          "data_source", "extra_info"), ("baseline_scores",),
+                                                          "data_source", "extra_info", *images), ("baseline_scores",),
                            deps=gate, **gated))
     if a.use_kl_loss or a.use_kl_in_reward:
         built.append(_node("ref_log_prob", "reference", scoring, ("ref_log_probs",), deps=gate, **gated))
@@ -136,7 +148,7 @@ def recipe_graph(cfg: Config) -> Graph:
         built.append(_node("critic_values", "critic_forward", SCORING, ("values",)))
         built.append(_node("critic_update", "critic_train", [*SCORING, "values", "returns", "mini_batch"], ()))
     built.append(_node("actor_update", "actor_train", train_inputs, (), params={"policy_loss": a.policy_loss}))
-    return Graph(built, SOURCES)
+    return Graph(built, SOURCES + images)
 
 
 def build_graph(cfg: Config) -> Graph:

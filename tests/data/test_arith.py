@@ -1,6 +1,6 @@
 import re
 
-from distflow.data.dataset import load_rows
+from distflow.data.dataset import load_rows, write_builtin_parquet
 from distflow.data.tasks import arith
 from distflow.engines.reward import gsm8k_score
 
@@ -36,7 +36,7 @@ def test_the_tool_task_adds_two_digit_products_and_keeps_the_other_levels():
 
 
 def test_parquet_roundtrip_equals_builtin(tmp_path):
-    path = arith.write_parquet(str(tmp_path / "train.parquet"), "train", 40)
+    path = write_builtin_parquet(str(tmp_path / "train.parquet"), "arith", "train", 40)
     from_file = load_rows(path)
     builtin = load_rows("builtin:arith:train:40")
     assert from_file == builtin

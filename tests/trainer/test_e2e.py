@@ -105,10 +105,10 @@ def test_ray_launcher_run_leaves_summary_plot_checkpoint_and_no_payload(tmp_path
 
 def test_any_local_model_parquet_data_custom_reward_and_periodic_checkpoints(tmp_path, random_model_dir):
     """The non-default path: model.path, verl parquet files, reward.custom_fn, save_every."""
-    from distflow.data.tasks.arith import write_parquet
+    from distflow.data.dataset import write_builtin_parquet
 
-    train = write_parquet(str(tmp_path / "train.parquet"), "train", 64)
-    val = write_parquet(str(tmp_path / "val.parquet"), "test", 8)
+    train = write_builtin_parquet(str(tmp_path / "train.parquet"), "arith", "train", 64)
+    val = write_builtin_parquet(str(tmp_path / "val.parquet"), "arith", "test", 8)
     (tmp_path / "length_reward.py").write_text(
         "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    return len(solution_str) / 100.0\n")

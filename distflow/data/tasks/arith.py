@@ -95,11 +95,3 @@ def to_verl_row(p: Problem, index: int, split: str) -> dict:
 
 def verl_rows(split: str, num: int, seed: int = 0, levels: tuple[int, ...] = LEVELS) -> list[dict]:
     return [to_verl_row(p, i, split) for i, p in enumerate(generate(split, num, seed, levels))]
-
-
-def write_parquet(path: str, split: str, num: int, seed: int = 0, levels: tuple[int, ...] = LEVELS) -> str:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.Table.from_pylist(verl_rows(split, num, seed, levels)), path)
-    return path

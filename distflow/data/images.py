@@ -1,0 +1,146 @@
+"""Images in prompts: decoding verl's `images` column, the model's image processor, and
+the pixel tensors a batch carries.
+
+A prompt's text holds one `<image>` placeholder per image (verl's convention). The
+image processor of the model folder (Qwen2-VL's, loaded with `AutoImageProcessor`)
+turns the images into `pixel_values` (patches, patch features) and `image_grid_thw`
+(images, 3), and each placeholder becomes `<|vision_start|>`, one `<|image_pad|>` per
+merged patch, `<|vision_end|>`, as Qwen2-VL's processor writes it. So image tokens are
+ordinary prompt tokens: the coordinator balances and micro-batches by them like any other.
+
+In a batch, images are ragged (each sample has its own number of images and patches),
+so they travel padded per sample: `pixel_values` (B, max patches, D) and `image_grid_thw`
+(B, max images, 3), whose all-zero rows are padding; `model_inputs` takes the real
+patches back out, in the flat form the model's forward takes.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import torch
+
+from distflow.data.dataset import DatasetError
+
+PLACEHOLDER = "<image>"
+IMAGE_FIELDS = ("pixel_values", "image_grid_thw")
+
+
+class PromptIds(list):
+    """A prompt's token ids (a list of ints) and, when it holds images, the processor's
+    `pixel_values` (patches, D) and `image_grid_thw` (images, 3) for them."""
+
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+
+
+def decode_image(entry: Any, max_pixels: int | None):
+    """One entry of verl's `images` column (`{"bytes": ...}`, `{"path": ...}`, raw bytes or
+    a path) as an RGB PIL image; a DatasetError saying why if it cannot be used (the
+    prompt reader adds which row)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(entry, dict):
+        entry = entry.get("bytes") or entry.get("path") or entry.get("image")
+    if isinstance(entry, (bytes, bytearray)):
+        source, what = io.BytesIO(entry), f"{len(entry)} bytes"
+    elif isinstance(entry, str):
+        source, what = os.path.expanduser(entry), entry
+        if not os.path.isfile(source):
+            raise DatasetError(f"image file {entry} does not exist")
+    else:
+        raise DatasetError(f"an image must be bytes, a path or {{'bytes'|'path': ...}}, "
+                           f"not {type(entry).__name__}")
+    try:
+        with Image.open(source) as image:  # reads the header; pixels are decoded by convert
+            width, height = image.size
+            if not max_pixels or width * height <= max_pixels:
+                return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as e:  # PIL's errors for truncated or foreign data
+        raise DatasetError(f"image ({what}) cannot be decoded ({type(e).__name__})") from None
+    raise DatasetError(f"image of {width}x{height} pixels is over data.max_image_pixels={max_pixels}")
+
+
+class ImagePrompter:
+    """Prompt text with `<image>` placeholders and its images -> PromptIds, with the
+    model folder's image processor and the vision token names of its config."""
+
+    def __init__(self, processor, tokenizer, config):
+        self.processor = processor
+        self.merge = int(getattr(processor, "merge_size", 1)) ** 2  # patches per image token
+        names = tokenizer.convert_ids_to_tokens([config.vision_start_token_id, config.image_token_id,
+                                                 config.vision_end_token_id])
+        self.start, self.pad, self.end = names
+
+    def encode(self, tokenizer, text: str, images: list) -> PromptIds:
+        if text.count(PLACEHOLDER) != len(images):
+            raise DatasetError(f"the prompt has {text.count(PLACEHOLDER)} {PLACEHOLDER} placeholders "
+                               f"but the row has {len(images)} images")
+        pieces = text.split(PLACEHOLDER)
+        out = PromptIds()
+        if images:
+            inputs = self.processor(images=images, return_tensors="pt")
+            grid = inputs["image_grid_thw"].long()
+            tokens = [self.start + self.pad * (int(g.prod()) // self.merge) + self.end for g in grid]
+            text = pieces[0] + "".join(t + p for t, p in zip(tokens, pieces[1:]))
+            out.pixel_values, out.image_grid_thw = inputs["pixel_values"].float(), grid
+        out.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return out
+
+
+def vision_token_ids(config) -> list[int]:
+    """A VLM's placeholder tokens (image, video, vision start and end), which only a prompt
+    may hold: generation must not sample them ([] for a text-only model)."""
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return sorted({getattr(config, n) for n in names if getattr(config, n, None) is not None})
+
+
+def image_fields(prompts: list[list[int]]) -> dict[str, torch.Tensor]:
+    """The batch fields of the prompts' images, padded per sample ({} when none has any)."""
+    with_images = [p for p in prompts if getattr(p, "pixel_values", None) is not None]
+    if not with_images:
+        return {}
+    features, dtype = with_images[0].pixel_values.shape[1], with_images[0].pixel_values.dtype
+    patches = max(p.pixel_values.shape[0] for p in with_images)
+    images = max(p.image_grid_thw.shape[0] for p in with_images)
+    pixels = torch.zeros((len(prompts), patches, features), dtype=dtype)
+    grids = torch.zeros((len(prompts), images, 3), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if getattr(p, "pixel_values", None) is not None:
+            pixels[i, : p.pixel_values.shape[0]] = p.pixel_values
+            grids[i, : p.image_grid_thw.shape[0]] = p.image_grid_thw
+    return {"pixel_values": pixels, "image_grid_thw": grids}
+
+
+def attach_images(prompts: list[list[int]], fields: dict[str, torch.Tensor]) -> list[list[int]]:
+    """Each prompt's ids with its row's images from the padded batch fields (inverse of
+    `image_fields`); the prompts as they are when the batch has none."""
+    if "image_grid_thw" not in fields:
+        return prompts
+    out = []
+    for ids, pixels, grids in zip(prompts, fields["pixel_values"], fields["image_grid_thw"]):
+        p = PromptIds(ids)
+        real = grids[grids.prod(-1) > 0]
+        if len(real):
+            p.pixel_values, p.image_grid_thw = pixels[: int(real.prod(-1).sum())], real
+        out.append(p)
+    return out
+
+
+def model_inputs(fields: dict[str, torch.Tensor], input_ids: torch.Tensor, image_token_id: int) -> dict[str, torch.Tensor]:
+    """The padded per-sample fields as the model's forward takes them beside `input_ids`
+    (B, L): every real patch in sample order (patches, D), every real image's grid
+    (images, 3), and which tokens are image tokens (`mm_token_type_ids`, for M-RoPE);
+    {} without images."""
+    if "image_grid_thw" not in fields:
+        return {}
+    grids, pixels = fields["image_grid_thw"], fields["pixel_values"]
+    real = grids.prod(-1) > 0  # (B, I)
+    counts = (grids.prod(-1) * real).sum(-1).tolist()  # patches per sample
+    if not any(counts):
+        return {}
+    flat = torch.cat([pixels[i, :n] for i, n in enumerate(counts) if n])
+    return {"pixel_values": flat, "image_grid_thw": grids[real],
+            "mm_token_type_ids": (input_ids == image_token_id).int()}

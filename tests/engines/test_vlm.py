@@ -1,0 +1,165 @@
+"""The vision-language path on a Qwen2-VL built in code: images reach generation and the
+scoring forward the same way, and sampling stays placement-invariant."""
+
+import pytest
+import torch
+
+from distflow.data.images import ImagePrompter, decode_image, image_fields
+from distflow.data.tasks import dots
+from distflow.engines.common import forward_response, render_prompt
+from distflow.engines.rollout import HFRolloutEngine, SamplingParams, left_pad, sample_seed
+from distflow.engines.tiny_model import ASSET_DIR
+from distflow.engines.tiny_vlm import VisionSpec, build_vlm, image_processor
+
+
+@pytest.fixture(scope="module")
+def vlm():
+    tokenizer, model = build_vlm(ASSET_DIR, VisionSpec(), seed=0)
+    return tokenizer, model.eval(), ImagePrompter(image_processor(), tokenizer, model.config)
+
+
+def _prompts(tokenizer, prompter, problems):
+    out = []
+    for p in problems:
+        row = dots.to_verl_row(p, 0, "test")
+        out.append(prompter.encode(tokenizer, render_prompt(tokenizer, row["prompt"]),
+                                   [decode_image(e, None) for e in row["images"]]))
+    return out
+
+
+def test_the_text_model_carries_over_and_images_become_merged_patch_tokens(vlm):
+    tokenizer, model, prompter = vlm
+    (prompt,) = _prompts(tokenizer, prompter, dots.generate("test", 1))
+    assert prompt.image_grid_thw.tolist() == [[1, 4, 4]] and prompt.pixel_values.shape == (16, 1176)
+    assert list(prompt).count(model.config.image_token_id) == 4  # 16 patches, 2x2 merged
+    # on text alone, M-RoPE is the text model's rotation: the same next-token logits
+    from transformers import LlamaForCausalLM
+
+    text = LlamaForCausalLM.from_pretrained(ASSET_DIR).eval()
+    ids = torch.tensor([tokenizer("Ann has 3 pens, gets 4 more. How many?\nA: ")["input_ids"]])
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=ids).logits[..., :100], text(input_ids=ids).logits, atol=1e-4)
+
+
+def test_generation_and_scoring_agree_on_image_prompts(vlm):
+    tokenizer, model, prompter = vlm
+    engine = HFRolloutEngine(model, tokenizer, shares_trainer_weights=True)
+    prompts = _prompts(tokenizer, prompter, dots.generate("test", 3))
+    text_only = tokenizer("Q\nA: ", add_special_tokens=False)["input_ids"]  # shorter: left padding in the batch
+    prompts.append(text_only)
+    seeds = [sample_seed(3, i) for i in range(len(prompts))]
+    params = SamplingParams(temperature=1.0, max_new_tokens=10)
+    out = engine.generate(prompts, seeds, params)
+    # the scoring forward (actor, reference) on the same rows, images from the batch fields
+    ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+    with torch.no_grad():
+        log_probs, _ = forward_response(model, ids, mask, out["responses"], out["response_mask"],
+                                        images=image_fields(prompts))
+    assert torch.allclose(log_probs * out["response_mask"], out["rollout_log_probs"], atol=1e-4)
+    # the same (prompt, seed) alone gives the same response: placement-invariant
+    for i in (0, 3):
+        alone = engine.generate([prompts[i]], [seeds[i]], params)
+        n = int(alone["response_mask"][0].sum())
+        assert torch.equal(alone["responses"][0, :n], out["responses"][i, :n])
+    # and the image matters: another picture, another distribution
+    other = _prompts(tokenizer, prompter, dots.generate("test", 4)[3:])
+    with torch.no_grad():
+        swapped, _ = forward_response(model, ids[:1], mask[:1], out["responses"][:1], out["response_mask"][:1],
+                                      images=image_fields(other))
+    assert not torch.allclose(swapped, log_probs[:1], atol=1e-4)
+
+
+def test_the_vlm_build_is_a_loadable_deterministic_hf_folder(tmp_path):
+    from distflow.engines.common import load_causal_lm, load_image_prompter, load_tokenizer, takes_images
+    from distflow.engines.tiny_vlm import VisionSFTSpec, build_tiny_vlm
+
+    sft = VisionSFTSpec(steps=2, batch_size=4, eval_every=2, eval_size=6, warmup=1)
+    record = build_tiny_vlm(tmp_path / "a", sft=sft, log=lambda s: None)
+    build_tiny_vlm(tmp_path / "b", sft=sft, log=lambda s: None)
+    a, b = load_causal_lm(str(tmp_path / "a")), load_causal_lm(str(tmp_path / "b"))
+    assert type(a).__name__ == "Qwen2VLForConditionalGeneration"
+    for (name, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(pa, pb), name
+    assert record["history"][-1]["step"] == 2 and record["base"] == "tiny-arith"
+    assert takes_images(str(tmp_path / "a")) and not takes_images(str(ASSET_DIR))
+    tok = load_tokenizer(str(tmp_path / "a"))
+    assert load_image_prompter(str(ASSET_DIR), tok) is None
+    assert load_image_prompter(str(tmp_path / "a"), tok).merge == 4
+
+
+def test_the_shipped_vlm_counts_but_mostly_answers_in_the_unverifiable_style():
+    """The recorded build's held-out strict accuracy is low, its counting is not: RL has
+    the answer style and level 3's counts to learn."""
+    import json
+
+    from distflow.engines.common import load_causal_lm, load_image_prompter, load_tokenizer
+    from distflow.engines.tiny_vlm import VLM_ASSET_DIR, greedy_accuracy
+
+    record = json.loads((VLM_ASSET_DIR / "distflow_build.json").read_text())
+    assert record["num_parameters"] < 5_000_000
+    torch.set_num_threads(1)
+    model, tok = load_causal_lm("builtin:tiny-dots-vl"), load_tokenizer("builtin:tiny-dots-vl")
+    prompter = load_image_prompter("builtin:tiny-dots-vl", tok)
+    accuracy = greedy_accuracy(model, tok, prompter, dots.generate("test", record["sft"]["eval_size"]))
+    assert 0.10 <= accuracy <= 0.60
+    assert abs(accuracy - record["history"][-1]["heldout_accuracy"]) <= 0.03
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["algorithm.name=ppo"], "'gae', which needs a critic"),
+    (["rollout.engine=vllm"], "rollout.engine=vllm"),
+    (["actor.lora_rank=4"], "LoRA (actor.lora_rank)"),
+    (["rollout.max_turns=2", "rollout.tools=calculator"], "multi-turn episodes"),
+    (["runtime.placement=disaggregated"], "runtime.placement=disaggregated"),
+    (["runtime.mode=centralized"], "runtime.mode=centralized"),
+])
+def test_what_a_vlm_run_does_not_take_is_one_line_before_anything_loads(overrides, named):
+    from distflow.config import load_config
+    from distflow.dag.graph import GraphError
+    from distflow.trainer.recipes import build_graph
+
+    cfg = load_config(None, ["model.path=builtin:tiny-dots-vl", *overrides])
+    with pytest.raises(GraphError, match="is a vision-language model") as e:
+        build_graph(cfg)
+    assert named in str(e.value) and "\n" not in str(e.value)
+    graph = build_graph(load_config(None, ["model.path=builtin:tiny-dots-vl"]))
+    assert {"pixel_values", "image_grid_thw"} <= set(graph.by_name["actor_update"].inputs)
+
+
+def test_images_for_a_text_only_model_are_a_bad_row():
+    from distflow.data.dataset import DatasetError, load_rows
+    from distflow.engines.common import load_tokenizer
+    from distflow.trainer.nodes import encode_prompt
+
+    (row,) = load_rows("builtin:dots:train:1")
+    with pytest.raises(DatasetError, match="the row has images but model.path is a text-only model"):
+        encode_prompt(load_tokenizer(str(ASSET_DIR)), row)
+
+
+def test_image_placeholders_are_never_generated(vlm):
+    """Even when the policy favours `<|image_pad|>` after the prompt, the engine does not
+    sample it (a response holding one would not match its images in the scoring forward)."""
+    import copy
+
+    tokenizer, model, prompter = vlm
+    model = copy.deepcopy(model)
+    prompts = _prompts(tokenizer, prompter, dots.generate("test", 2))
+    ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+    from distflow.data.images import model_inputs
+
+    with torch.no_grad():
+        hidden = model(input_ids=ids, attention_mask=mask, output_hidden_states=True,
+                       **model_inputs(image_fields(prompts), ids, model.config.image_token_id)).hidden_states[-1][:, -1]
+        # the (tied) row of the image token: a logit of about 100 after these prompts
+        model.get_input_embeddings().weight[model.config.image_token_id] = 100 * hidden.mean(0) / hidden.mean(0).norm() ** 2
+        forced = model(input_ids=ids, attention_mask=mask,
+                       **model_inputs(image_fields(prompts), ids, model.config.image_token_id)).logits[:, -1]
+    assert (forced.argmax(-1) == model.config.image_token_id).all()
+    engine = HFRolloutEngine(model, tokenizer, shares_trainer_weights=True)
+    for params, seeds in ((SamplingParams(max_new_tokens=6, greedy=True), None),
+                          (SamplingParams(max_new_tokens=6), [1, 2])):
+        out = engine.generate(prompts, seeds, params)
+        assert not torch.isin(out["responses"], torch.tensor([model.config.image_token_id,
+                                                              model.config.vision_start_token_id])).any()
+        with torch.no_grad():
+            forward_response(model, ids, mask, out["responses"], out["response_mask"], images=image_fields(prompts))
