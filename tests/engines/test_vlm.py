@@ -122,8 +122,10 @@ def test_what_a_vlm_run_does_not_take_is_one_line_before_anything_loads(override
     with pytest.raises(GraphError, match="is a vision-language model") as e:
         build_graph(cfg)
     assert named in str(e.value) and "\n" not in str(e.value)
-    graph = build_graph(load_config(None, ["model.path=builtin:tiny-dots-vl"]))
-    assert {"pixel_values", "image_grid_thw"} <= set(graph.by_name["actor_update"].inputs)
+    graph = build_graph(load_config(None, ["model.path=builtin:tiny-dots-vl", "algorithm.use_kl_loss=true",
+                                           "actor.ppo_mini_batch_size=8"]))
+    for node in ("rollout", "ref_log_prob", "old_log_prob", "actor_update"):  # every forward gets the pixels
+        assert {"pixel_values", "image_grid_thw"} <= set(graph.by_name[node].inputs), node
 
 
 def test_images_for_a_text_only_model_are_a_bad_row():
