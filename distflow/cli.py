@@ -299,9 +299,10 @@ def cmd_build_tiny_model(args: argparse.Namespace) -> int:
         sft = TOOL_SFT if args.steps is None else dataclasses.replace(TOOL_SFT, steps=args.steps)
         record = build_tiny_model(args.out, sft=sft, base=ASSET_DIR)
     elif args.vision:  # a Qwen2-VL whose language model starts as the shipped default model
-        from distflow.engines.tiny_vlm import VisionSFTSpec, build_tiny_vlm
+        from distflow.engines.tiny_vlm import VISION_SFT, build_tiny_vlm
 
-        record = build_tiny_vlm(args.out, sft=VisionSFTSpec() if args.steps is None else VisionSFTSpec(steps=args.steps))
+        record = build_tiny_vlm(args.out, sft=VISION_SFT if args.steps is None else
+                                dataclasses.replace(VISION_SFT, steps=args.steps))
     else:
         record = build_tiny_model(args.out, sft=SFTSpec() if args.steps is None else SFTSpec(steps=args.steps))
     print(json.dumps({k: record[k] for k in ("num_parameters", "build_seconds")} | record["history"][-1]))

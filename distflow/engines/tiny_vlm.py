@@ -29,7 +29,7 @@ import torch
 from distflow.data.images import ImagePrompter, decode_image, image_fields, model_inputs
 from distflow.data.tasks import dots
 from distflow.engines.common import render_prompt
-from distflow.engines.tiny_model import ASSET_DIR, ASSETS, _sft_batch, sft_target
+from distflow.engines.tiny_model import ASSET_DIR, ASSETS, SFTSpec, _sft_batch, sft_target
 
 VLM_ASSET_DIR = ASSETS / "tiny-dots-vl"
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
@@ -43,16 +43,8 @@ class VisionSpec:
     mlp_ratio: int = 2
 
 
-@dataclass(kw_only=True)
-class VisionSFTSpec:
-    steps: int = 200
-    batch_size: int = 32
-    lr: float = 2e-3
-    warmup: int = 20
-    seed: int = 0
-    eval_every: int = 50
-    eval_size: int = 192
-    unverifiable_style_fraction: float = 0.5
+# The fine-tune (SFTSpec's fields; the levels are the dot task's).
+VISION_SFT = SFTSpec(steps=200, batch_size=32, lr=2e-3, warmup=20, eval_every=50, eval_size=192, levels=dots.LEVELS)
 
 
 def image_processor():
@@ -133,16 +125,16 @@ def greedy_accuracy(model, tokenizer, prompter: ImagePrompter, problems: list[do
     return correct / len(problems)
 
 
-def supervised_finetune(model, tokenizer, prompter: ImagePrompter, sft: VisionSFTSpec, log=print) -> list[dict]:
+def supervised_finetune(model, tokenizer, prompter: ImagePrompter, sft: SFTSpec, log=print) -> list[dict]:
     rng = random.Random(sft.seed)
-    test = dots.generate("test", sft.eval_size)
+    test = dots.generate("test", sft.eval_size, levels=sft.levels)
     opt = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / sft.warmup) * max(0.0, 1 - s / sft.steps))
     history = []
     model.train()
     for step in range(1, sft.steps + 1):
-        problems = [dots.problem("train", rng.randrange(100_000)) for _ in range(sft.batch_size)]
+        problems = [dots.problem("train", rng.randrange(100_000), levels=sft.levels) for _ in range(sft.batch_size)]
         prompts = [encode(prompter, tokenizer, p) for p in problems]
         sequences = []
         for prompt, p in zip(prompts, problems):
@@ -164,10 +156,10 @@ def supervised_finetune(model, tokenizer, prompter: ImagePrompter, sft: VisionSF
     return history
 
 
-def build_tiny_vlm(out_dir: str | os.PathLike, vision: VisionSpec | None = None, sft: VisionSFTSpec | None = None,
+def build_tiny_vlm(out_dir: str | os.PathLike, vision: VisionSpec | None = None, sft: SFTSpec = VISION_SFT,
                    log=print, base: str | os.PathLike = ASSET_DIR) -> dict:
     """Build, warm-start and save the tiny VLM; returns the build record (also saved)."""
-    vision, sft = vision or VisionSpec(), sft or VisionSFTSpec()
+    vision = vision or VisionSpec()
     torch.set_num_threads(1)  # single-threaded CPU math keeps the build reproducible
     start = time.time()
     tokenizer, model = build_vlm(base, vision, sft.seed)

@@ -71,9 +71,11 @@ def test_generation_and_scoring_agree_on_image_prompts(vlm):
 
 def test_the_vlm_build_is_a_loadable_deterministic_hf_folder(tmp_path):
     from distflow.engines.common import load_causal_lm, load_image_prompter, load_tokenizer, takes_images
-    from distflow.engines.tiny_vlm import VisionSFTSpec, build_tiny_vlm
+    import dataclasses
 
-    sft = VisionSFTSpec(steps=2, batch_size=4, eval_every=2, eval_size=6, warmup=1)
+    from distflow.engines.tiny_vlm import VISION_SFT, build_tiny_vlm
+
+    sft = dataclasses.replace(VISION_SFT, steps=2, batch_size=4, eval_every=2, eval_size=6, warmup=1)
     record = build_tiny_vlm(tmp_path / "a", sft=sft, log=lambda s: None)
     build_tiny_vlm(tmp_path / "b", sft=sft, log=lambda s: None)
     a, b = load_causal_lm(str(tmp_path / "a")), load_causal_lm(str(tmp_path / "b"))
@@ -165,3 +167,15 @@ def test_image_placeholders_are_never_generated(vlm):
                                                               model.config.vision_start_token_id])).any()
         with torch.no_grad():
             forward_response(model, ids, mask, out["responses"], out["response_mask"], images=image_fields(prompts))
+
+
+def test_placeholders_must_match_the_row_s_images(vlm):
+    from distflow.data.dataset import DatasetError
+
+    tokenizer, _, prompter = vlm
+    image = decode_image(dots.to_verl_row(dots.problem("test", 0), 0, "test")["images"][0], None)
+    with pytest.raises(DatasetError, match="the prompt has 2 <image> placeholders but the row has 1 images"):
+        prompter.encode(tokenizer, "<image><image>How many?", [image])
+    two = prompter.encode(tokenizer, "<image> and <image>: how many in all?", [image, image])
+    assert two.image_grid_thw.tolist() == [[1, 4, 4], [1, 4, 4]] and two.pixel_values.shape == (32, 1176)
+    assert list(two).count(tokenizer.convert_tokens_to_ids("<|image_pad|>")) == 8
