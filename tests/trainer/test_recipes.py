@@ -22,7 +22,7 @@ RECIPES = ALGORITHMS + (str(Path(__file__).resolve().parents[2] / "examples/new_
 COMMON = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "trainer.eval_every=0",
           "trainer.progress=false", "trainer.save_final=false", "actor.lr_scheduler=constant",
           "actor.lr_warmup_steps=0"]
-STEPS = {2: 5, 1: 2}  # workers -> steps: the 2-worker runs show learning, the 1-worker runs the same math
+STEPS = {2: 4, 1: 2}  # workers -> steps: the 2-worker runs show learning, the 1-worker runs the same math
 HELDOUT = {2: 64, 1: 8}  # held-out prompts: the 1-worker runs need no accuracy estimate
 
 
@@ -50,7 +50,7 @@ def _metrics(path) -> list[dict]:
 def test_recipe_learns_the_embedded_task(runs, name):
     summary = json.loads((runs / f"w2-{Path(name).stem}" / "summary.json").read_text())
     assert summary["algorithm"] == name and summary["steps"] == STEPS[2]
-    # measured: +0.22 to +0.27 for every recipe from 0.156 (64 held-out prompts, greedy)
+    # measured: +0.22 to +0.28 for every recipe from 0.156 after 4 steps (64 held-out prompts, greedy)
     assert summary["heldout_accuracy_final"] >= summary["heldout_accuracy_initial"] + 0.10, summary
 
 
