@@ -102,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Internal: one centralized measurement in a fresh driver process.
     p.add_argument("--_child", choices=MODES[1:] + VERL_MODES, help=argparse.SUPPRESS)
     p.add_argument("--_ray-temp", help=argparse.SUPPRESS)
+    p.add_argument("--_image-patches", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--_out", help=argparse.SUPPRESS)
     return p
 
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args._child:
-        spec = Spec(args.workers[0], args.batch, args.seq_len, args.repeats)
+        spec = Spec(args.workers[0], args.batch, args.seq_len, args.repeats, args._image_patches)
         return _centralized_child(args._child, spec, args._ray_temp, args._out)
     if args.quick:
         args.workers, args.batch, args.seq_len, args.repeats = [2], 64, 128, 1

@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from distflow.benchmarks.dataplane_common import TIMEOUT_S, VERL_MODES, WARMUP_ROUNDS, Spec, _record, make_shard
+from distflow.benchmarks.dataplane_common import (TIMEOUT_S, VERL_MODES, WARMUP_ROUNDS, Spec, _record, make_shard,
+                                                  proc_status)
 from distflow.coordinator.layout import Layout
 from distflow.coordinator.planner import contiguous_split
 
@@ -167,14 +168,6 @@ def _verl_bytes(data: Any) -> int:
             + sum(len(s.encode()) for s in data.non_tensor_batch["ground_truth"]))
 
 
-def _proc_status(key: str) -> int:
-    """A memory line of /proc/self/status (VmRSS, VmHWM) in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 def _centralized_rounds(ray: Any, mode: str, spec: Spec) -> dict[str, Any]:
     """Warm-up plus timed rounds of the three driver-mediated transitions."""
     as_numpy = mode == "centralized-zerocopy"
@@ -184,7 +177,7 @@ def _centralized_rounds(ray: Any, mode: str, spec: Spec) -> dict[str, Any]:
     remote_cls = ray.remote(num_cpus=1)(_VerlHolder if verl else _Holder)
     actors = [remote_cls.remote(r, asdict(spec), as_numpy) for r in range(spec.num_workers)]
     ray.get([a.rows.remote() for a in actors], timeout=TIMEOUT_S)
-    rss_before = _proc_status("VmRSS")
+    rss_before = proc_status("VmRSS")
     singles = [[a] for a in actors]
     pairs = [[actors[r] for r in group] for group in Layout(spec.num_workers, tp_size=2).dp_groups()]
     # Back to DP the driver reads one member per TP pair (verl collects from tp rank 0).
@@ -204,8 +197,9 @@ def _centralized_rounds(ray: Any, mode: str, spec: Spec) -> dict[str, Any]:
             laps.append([b - a for a, b in zip(marks, marks[1:])])
             moved = total
     digests = ray.get([a.digest.remote() for a in actors], timeout=TIMEOUT_S)
-    return _record(mode, spec, laps, moved, _proc_status("VmHWM"), driver_rss_before_bytes=rss_before,
-                   shard_digests=digests)
+    peak = proc_status("VmHWM")  # the driver: the busiest process of a single controller
+    return _record(mode, spec, laps, moved, peak, driver_rss_before_bytes=rss_before, shard_digests=digests,
+                   busiest_process_peak_rss_bytes=peak)
 
 
 def _centralized_child(mode: str, spec: Spec, ray_temp: str, out_path: str) -> int:
@@ -245,7 +239,8 @@ def run_centralized(mode: str, spec: Spec) -> dict[str, Any]:
     out, log = Path(tmp, "result.json"), Path(tmp, "driver.log")
     cmd = [sys.executable, "-m", "distflow.benchmarks.dataplane", "--_child", mode,
            "--workers", str(spec.num_workers), "--batch", str(spec.batch), "--seq-len", str(spec.seq_len),
-           "--repeats", str(spec.repeats), "--_ray-temp", tmp, "--_out", str(out)]
+           "--repeats", str(spec.repeats), "--_image-patches", str(spec.image_patches),
+           "--_ray-temp", tmp, "--_out", str(out)]
     proc: subprocess.Popen | None = None
     try:
         with open(log, "w") as log_file:

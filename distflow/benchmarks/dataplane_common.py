@@ -5,8 +5,10 @@ record of one measurement. The method is in `distflow.benchmarks.dataplane`'s do
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,6 +27,8 @@ FIELD_DTYPES = {"input_ids": torch.int64, "attention_mask": torch.int64,
                 "old_log_probs": torch.float32, "advantages": torch.float32}
 SEED = 0
 VOCAB = 32_000
+IMAGE_PATCH_FEATURES = 3 * 2 * 14 * 14  # Qwen2-VL's patch: 3 channels x 2 frames x 14x14 pixels, float32
+IMAGE_TOKENS_PER_PATCH = 1 / 4  # its 2x2 merge
 WARMUP_ROUNDS = 1
 IMBALANCE_SAMPLES, IMBALANCE_KS = 1024, (2, 4, 8)
 TIMEOUT_S = 900  # one measurement, generous for N=8 on 2 shared cores
@@ -47,12 +51,27 @@ class Spec:
     batch: int
     seq_len: int
     repeats: int
+    image_patches: int = 0  # per sample: one image's pixel_values (patches, 1176), as a VLM batch carries
 
     @property
     def batch_bytes(self) -> int:
         """Tensor bytes of the whole batch (strings not counted)."""
         per_token = sum(torch.empty(0, dtype=d).element_size() for d in FIELD_DTYPES.values())
-        return self.batch * self.seq_len * per_token
+        return self.batch * (self.seq_len * per_token + self.image_patches * IMAGE_PATCH_FEATURES * 4)
+
+
+def image_patches_of(megapixels: float) -> int:
+    """Qwen2-VL's patches for a square image of `megapixels` (its sides rounded to 28 pixels)."""
+    side = max(28, round(math.sqrt(megapixels * 1e6) / 28) * 28)
+    return (side // 14) ** 2
+
+
+def proc_status(key: str) -> int:
+    """A memory line of /proc/self/status (VmRSS, VmHWM) in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
 
 
 # ---------------------------------------------------------------------------------
@@ -64,6 +83,11 @@ def sample_lengths(n: int, seq_len: int, seed: int = SEED) -> np.ndarray:
     rng = np.random.default_rng(seed)
     raw = rng.lognormal(mean=np.log(seq_len / 8), sigma=1.0, size=n)
     return np.clip(np.rint(raw), max(1, seq_len // 16), seq_len).astype(np.int64)
+
+
+def token_lengths(spec: Spec) -> np.ndarray:
+    """Each sample's tokens as the planner balances them: its text and its image tokens."""
+    return sample_lengths(spec.batch, spec.seq_len) + int(spec.image_patches * IMAGE_TOKENS_PER_PATCH)
 
 
 def shard_ids(rank: int, spec: Spec) -> list[int]:
@@ -84,7 +108,9 @@ def make_shard(rank: int, spec: Spec) -> tuple[dict[str, torch.Tensor], list[str
                # GRPO: one advantage per sequence, broadcast over its tokens
                "advantages": torch.randn(n, 1, generator=gen) * mask}
     assert {k: v.dtype for k, v in tensors.items()} == FIELD_DTYPES
-    return tensors, [str(s * 37 % 9973) for s in ids], ids, lengths.tolist()
+    if spec.image_patches:  # a VLM sample's pixels: the heaviest field by far
+        tensors["pixel_values"] = torch.randn((n, spec.image_patches, IMAGE_PATCH_FEATURES), generator=gen)
+    return tensors, [str(s * 37 % 9973) for s in ids], ids, token_lengths(spec)[ids].tolist()
 
 
 def _record(mode: str, spec: Spec, laps: list[list[float]], busiest: int,
@@ -94,5 +120,6 @@ def _record(mode: str, spec: Spec, laps: list[list[float]], busiest: int,
             "seq_len": spec.seq_len, "seconds": statistics.median(sum(lap) for lap in laps),
             "busiest_process_bytes": busiest, "driver_peak_rss_bytes": peak_rss,
             "batch_bytes": spec.batch_bytes, "where": "host", "repeats": spec.repeats,
+            "image_patches": spec.image_patches,
             "transition_seconds": dict(zip(TRANSITIONS, (statistics.median(c) for c in zip(*laps)))),
             **extra}

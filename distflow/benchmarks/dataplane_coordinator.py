@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from distflow.benchmarks.dataplane_common import TIMEOUT_S, WARMUP_ROUNDS, Spec, _record, make_shard, sample_lengths
+from distflow.benchmarks.dataplane_common import (TIMEOUT_S, WARMUP_ROUNDS, Spec, _record, make_shard, proc_status,
+                                                  token_lengths)
 from distflow.coordinator.layout import Layout
 
 # The trainer's value (stages.stage_reshard): keep data in place unless balancing gains
@@ -37,7 +38,7 @@ def _coordinator_rounds(rank: int, spec: Spec, one_host: bool = True) -> dict[st
 
     tensors, ground_truth, ids, _ = make_shard(rank, spec)
     start_batch = Batch(tensors, {"ground_truth": ground_truth})
-    length_of = sample_lengths(spec.batch, spec.seq_len).tolist()
+    length_of = token_lengths(spec).tolist()  # every sample's, as their holders would tell
     dp, tp = Layout(spec.num_workers), Layout(spec.num_workers, tp_size=2)
     steps = [(dp, dp, "none"), (dp, tp, "kk"), (tp, dp, "kk")]
     laps: list[list[float]] = []
@@ -74,8 +75,10 @@ def _coordinator_rounds(rank: int, spec: Spec, one_host: bool = True) -> dict[st
     dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
     held = torch.tensor([rows], dtype=torch.int64)
     dist.all_reduce(held)  # every sample must end on exactly one rank
+    peak = torch.tensor([proc_status("VmHWM")], dtype=torch.int64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return {"laps": totals[:, 1:].tolist(), "busiest": int(busiest), "rows": int(held), "raw": raw,
-            "phases": dict(zip(names, phase_s.tolist()))}
+            "phases": dict(zip(names, phase_s.tolist())), "peak_rss": int(peak)}
 
 
 def _raw_transport_seconds(sizes: list[list[int]], spec: Spec) -> dict[str, float]:
@@ -263,4 +266,4 @@ def run_coordinator(spec: Spec) -> dict[str, Any]:
     if report["rows"] != spec.batch:
         raise RuntimeError(f"coordinator ended with {report['rows']} rows in all, expected {spec.batch}")
     return _record("coordinator", spec, report["laps"], report["busiest"], None, **report["raw"],
-                   phase_seconds=report["phases"])
+                   phase_seconds=report["phases"], busiest_process_peak_rss_bytes=report["peak_rss"])

@@ -51,3 +51,33 @@ def test_quick_run_reports_every_mode(tmp_path):
         assert f"| 2 | {mode} |" in report
     assert "python -m distflow.benchmarks.dataplane --quick" in report and "nproc" in report
     assert "## Against shared memory's floor" in report and "x the plain shared-memory copies" in report
+
+
+def test_images_make_the_drivers_peak_grow_with_the_batch_and_the_budget_stops_it(tmp_path):
+    """The VLM setting: pixels are most of the batch; the driver moves every byte of it
+    twice per transition and its peak memory grows with the batch, a coordinator rank's
+    by its share; the stated budget ends a mode's measurements at its first batch over it."""
+    from distflow.benchmarks import dataplane_vlm
+    from distflow.benchmarks.dataplane_common import IMAGE_PATCH_FEATURES, image_patches_of
+
+    assert image_patches_of(1.0) == 72 * 72 and image_patches_of(0.05) == 16 * 16  # 1008 and 224 pixels a side
+    jsonl, md = tmp_path / "vlm.jsonl", tmp_path / "VLM.md"
+    assert dataplane_vlm.main(["--workers", "2", "--batch", "4", "8", "--seq-len", "64", "--megapixels", "0.05",
+                               "--memory-budget-gib", "64", "--json", str(jsonl), "--results-md", str(md)]) == 0
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    by = {(r["mode"], r["batch"]): r for r in records}
+    assert set(by) == {(m, b) for m in ("coordinator", "centralized-zerocopy") for b in (4, 8)}
+    for (mode, batch), r in by.items():
+        pixels = batch * 256 * IMAGE_PATCH_FEATURES * 4
+        assert r["image_patches"] == 256 and r["batch_bytes"] > pixels > 0.9 * r["batch_bytes"]
+        assert r["within_budget"] and r["busiest_process_peak_rss_bytes"] > 0
+    for batch in (4, 8):
+        central, coordinator = by[("centralized-zerocopy", batch)], by[("coordinator", batch)]
+        assert central["busiest_process_bytes"] >= 2 * central["batch_bytes"]
+        assert coordinator["busiest_process_bytes"] < central["busiest_process_bytes"] / 2
+    assert "largest batch within 64 GiB: 8" in md.read_text()
+    # a budget below what any process needs: each mode stops after its first batch
+    low = dataplane_vlm.measure(2, [4, 8], 64, 0.05, ["coordinator"], 1, budget_bytes=1, log=lambda s: None)
+    assert [(r["batch"], r["within_budget"]) for r in low] == [(4, False)]
+    (line,) = dataplane_vlm.summary_lines(low)
+    assert line.endswith("none measured; over it at 4")

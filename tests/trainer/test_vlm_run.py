@@ -16,7 +16,8 @@ pytestmark = pytest.mark.slow
 
 COMMON = ["model.path=builtin:tiny-dots-vl", "data.train_files=builtin:dots:train", "data.val_files=builtin:dots:test",
           "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "algorithm.group_size=4", "algorithm.use_kl_loss=true",
-          "data.val_max_samples=12", "trainer.progress=false", "trainer.save_final=false",
+          "algorithm.rollout_correction=token_tis", "data.val_max_samples=12", "trainer.progress=false",
+          "trainer.save_final=false",
           "actor.lr_scheduler=constant", "actor.lr_warmup_steps=0", "trainer.total_steps=2"]
 
 
@@ -42,7 +43,9 @@ def test_images_train_alike_on_one_and_two_workers(runs):
             assert a[key] == b[key], (key, a["step"])
         for key in [k for k in a if k.startswith("actor/")]:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (key, a["step"], a[key], b[key])
-        assert a["actor/grad_norm"] > 0 and a["actor/kl"] >= 0 and a["time/ref_log_prob"] > 0  # the reference saw the images
+        assert a["actor/grad_norm"] > 0 and a["actor/kl"] >= 0 and a["time/ref_log_prob"] > 0
+        # the update scored the responses with the images the rollout generated them from
+        assert a["rollout_correction/mismatch_kl"] < 1e-6, a["rollout_correction/mismatch_kl"]
 
 
 def test_a_vlm_checkpoint_resumes_like_an_uninterrupted_run(runs):
