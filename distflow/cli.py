@@ -4,6 +4,7 @@
     distflow build-tiny-model --out DIR [--tools | --vision] [--steps N]
     distflow make-data --split train --num 1000 --out FILE.parquet
     distflow bench dataplane [--quick] [--workers N ...] [--json FILE] [--results-md FILE]
+    distflow bench dataplane-vlm [--batch 8 16 32 64] [--megapixels 1] [--memory-budget-gib 4] [--json FILE]
     distflow bench scheduler [--settings default compute] [--json FILE] [--results-md FILE]
     distflow bench e2e [--quick] [--json FILE] [--results-md FILE] [--plot FILE]
     distflow bench project [--records benchmarks/e2e.jsonl] [--plot FILE]
@@ -323,6 +324,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 # `distflow bench NAME ...` runs distflow.benchmarks.<module>.main(...)
 BENCHMARKS = {
     "dataplane": ("dataplane", "Data Coordinator vs single-controller data path (--cluster: the emulated cluster)"),
+    "dataplane-vlm": ("dataplane_vlm", "the same with a 1-megapixel image per sample, at growing batch sizes"),
     "scheduler": ("scheduler", "task-graph overlap and streaming on vs off"),
     "e2e": ("e2e", "distributed vs centralized mode, one host and the emulated cluster"),
     "project": ("projection", "a model fitted to the e2e records: step time at 8-512 GPUs, both modes"),
