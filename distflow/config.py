@@ -33,7 +33,8 @@ def _spec(default: Any, *, min: float | None = None, max: float | None = None,
 
 
 BUILTIN_MODEL = "builtin:tiny-arith"
-BUILTIN_MODELS = (BUILTIN_MODEL, "builtin:tiny-arith-tools", "builtin:tiny-dots-vl")  # folders in distflow/assets (engines/tiny_model.py)
+# folders in distflow/assets (engines/tiny_model.py, engines/tiny_vlm.py)
+BUILTIN_MODELS = (BUILTIN_MODEL, "builtin:tiny-arith-tools", "builtin:tiny-dots-vl")
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # distflow.trainer.tracking
 TOOLS = ("calculator", "python")  # distflow.engines.tools
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs", "k1+", "k3+", "low_var_kl+")  # distflow.algos.kl

@@ -15,8 +15,8 @@ import os
 import random
 import sys
 from collections import Counter
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from distflow.data.tasks import arith, dots

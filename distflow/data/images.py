@@ -129,7 +129,8 @@ def attach_images(prompts: list[list[int]], fields: dict[str, torch.Tensor]) -> 
     return out
 
 
-def model_inputs(fields: dict[str, torch.Tensor], input_ids: torch.Tensor, image_token_id: int) -> dict[str, torch.Tensor]:
+def model_inputs(fields: dict[str, torch.Tensor], input_ids: torch.Tensor,
+                 image_token_id: int) -> dict[str, torch.Tensor]:
     """The padded per-sample fields as the model's forward takes them beside `input_ids`
     (B, L): every real patch in sample order (patches, D), every real image's grid
     (images, 3), and which tokens are image tokens (`mm_token_type_ids`, for M-RoPE);
@@ -137,8 +138,8 @@ def model_inputs(fields: dict[str, torch.Tensor], input_ids: torch.Tensor, image
     if "image_grid_thw" not in fields:
         return {}
     grids, pixels = fields["image_grid_thw"], fields["pixel_values"]
-    real = grids.prod(-1) > 0  # (B, I)
-    counts = (grids.prod(-1) * real).sum(-1).tolist()  # patches per sample
+    real = grids.prod(-1) > 0  # (B, I): padding rows are all zero
+    counts = grids.prod(-1).sum(-1).tolist()  # patches per sample
     if not any(counts):
         return {}
     flat = torch.cat([pixels[i, :n] for i, n in enumerate(counts) if n])

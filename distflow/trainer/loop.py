@@ -29,6 +29,7 @@ from distflow.coordinator.store import LocalStore
 from distflow.dag.scheduler import Scheduler, chrome_trace, node_seconds
 from distflow.data.batch import Batch
 from distflow.data.dataset import PromptReader, PromptRow, ShardedDataset
+from distflow.data.images import ImagePrompter
 from distflow.data.loader import ShardedSampler
 from distflow.engines.actor import Actor, OptimConfig, ReferenceModel, lr_factor
 from distflow.engines.common import (causal_lm_skeleton, load_causal_lm, load_image_prompter, load_tokenizer,
@@ -208,13 +209,13 @@ def close_reward_runners(*runners: RewardRunner) -> None:
         runner.close()
 
 
-def heldout_rows(cfg: Config, tokenizer, rank: int, world: int) -> list[tuple[PromptRow, list[int]]]:
+def heldout_rows(cfg: Config, tokenizer, images: ImagePrompter | None, rank: int,
+                 world: int) -> list[tuple[PromptRow, list[int]]]:
     """This worker's held-out rows (every world-th of data.val_files' first val_max_samples) and their prompt ids,
     under the bad-row policy (a bad row is dropped, not replaced)."""
     data = ShardedDataset(cfg.data.val_files)
     indices = list(range(min(len(data), cfg.data.val_max_samples)))[rank::world]
-    encode = partial(nodes.encode_prompt, tokenizer, images=load_image_prompter(cfg.model.path, tokenizer),
-                     max_image_pixels=cfg.data.max_image_pixels)
+    encode = partial(nodes.encode_prompt, tokenizer, images=images, max_image_pixels=cfg.data.max_image_pixels)
     taken, _ = PromptReader(data, cfg.data.max_prompt_length, cfg.data.on_bad_row, cfg.data.on_long_prompt
                             ).take(indices, encode, replace=False)
     return taken
@@ -239,11 +240,11 @@ class Trainer:
         if stream is not None:
             self.graph = self.graph.split(ROLLOUT_ROLES)[1]
         self.tokenizer = load_tokenizer(cfg.model.path)
-        self.val = heldout_rows(cfg, self.tokenizer, self.rank, self.world)
         # Layouts: a rollout replica is a group of replica_size ranks; training is data-parallel over all ranks.
         self.rollout_layout = Layout(self.world, tp_size=cfg.rollout.replica_size)
         self.train_layout = Layout.data_parallel(self.world)
         self.prompts = PromptSource(cfg, self.rollout_layout, self.rank, self.tokenizer.pad_token_id)
+        self.val = heldout_rows(cfg, self.tokenizer, self.prompts.images, self.rank, self.world)
         roles = {n.role for n in self.graph.nodes}  # which engines this graph needs
         torch.manual_seed(cfg.trainer.seed)
         # resuming: the policy comes from the checkpoint (a HF folder), the reference from model.path
@@ -513,7 +514,7 @@ def run_eval_worker(cfg_dict: dict, report_path: str, k: int) -> dict | None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     device = worker_device(cfg)
     tokenizer = load_tokenizer(cfg.model.path)
-    taken = heldout_rows(cfg, tokenizer, rank, world)
+    taken = heldout_rows(cfg, tokenizer, load_image_prompter(cfg.model.path, tokenizer), rank, world)
     engine = make_rollout_engine(cfg, cfg.model.path, tokenizer, device, actor=None)
     episodes = make_episode_runner(cfg, engine, tokenizer)
     reward_fn, accuracy_fn = make_reward_runners(cfg)

@@ -1,6 +1,6 @@
 """The built-in image task: count the dots in a picture.
 
-Each problem is a small PNG drawn with Pillow (black dots on white, none touching) and
+Each problem is a small PNG drawn with Pillow (black dots on mid-grey, none touching) and
 the question "How many dots are in the image?"; the answer is the count, in GSM8K's
 `#### <answer>` convention. Three levels: 1-3, 4-6 and 7-9 dots. Rows use verl's
 multimodal schema: an `images` column (a list of `{"bytes": png}`) beside the chat
@@ -21,7 +21,8 @@ DATA_SOURCE = "distflow/dots"
 LEVELS = (1, 2, 3)
 IMAGE_SIZE = 56  # pixels per side: 4x4 patches of 14, so 4 image tokens after Qwen2-VL's 2x2 merge
 DOT_RADIUS = 3
-BACKGROUND = (123, 117, 104)  # CLIP's mean colour, which Qwen2-VL's processor normalises to 0: the dots carry the signal
+# CLIP's mean colour, which Qwen2-VL's processor normalises to 0, so that the dots carry the signal
+BACKGROUND = (123, 117, 104)
 QUESTION = "<image>How many dots are in the image?"
 
 
