@@ -62,6 +62,8 @@ def _coordinator_rounds(rank: int, spec: Spec, one_host: bool = True) -> dict[st
             phases.append(times)
             moved = stats.payload_sent + stats.payload_received + stats.meta_sent + stats.meta_received
             rows = len(batch_ids)
+    # the reshards' peak, before the references below allocate their own buffers
+    peak = torch.tensor([proc_status("VmHWM")], dtype=torch.int64)
     raw = _raw_transport_seconds(sizes, spec)
     if one_host:
         raw["shm_floor_seconds"] = _shm_floor_seconds(sizes, spec)
@@ -75,7 +77,6 @@ def _coordinator_rounds(rank: int, spec: Spec, one_host: bool = True) -> dict[st
     dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
     held = torch.tensor([rows], dtype=torch.int64)
     dist.all_reduce(held)  # every sample must end on exactly one rank
-    peak = torch.tensor([proc_status("VmHWM")], dtype=torch.int64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return {"laps": totals[:, 1:].tolist(), "busiest": int(busiest), "rows": int(held), "raw": raw,
             "phases": dict(zip(names, phase_s.tolist())), "peak_rss": int(peak)}

@@ -35,6 +35,10 @@ SETTINGS = {
     # data-heavy: a large batch of long responses on the tiny model
     "heavy": ["data.train_batch_size=64", "algorithm.group_size=8", "actor.ppo_mini_batch_size=32",
               "rollout.max_new_tokens=96", "rollout.temperature=1.2"],
+    # images: the dot-counting task on the tiny Qwen2-VL (examples/vlm/dots.yaml); its pixels go
+    # with every sample through rollout, reference and update (images/batch_bytes per step)
+    "vlm": ["model.path=builtin:tiny-dots-vl", "data.train_files=builtin:dots:train",
+            "data.val_files=builtin:dots:test", "data.max_prompt_length=96"],
 }
 COMMON = ["trainer.progress=false", "trainer.save_final=false", "trainer.eval_every=0", "data.val_max_samples=8",
           "scheduler.overlap=false"]
@@ -80,6 +84,7 @@ def run_once(setting: str, mode: str, workers: int, steps: int, out_dir: Path, p
             "driver_bytes_per_step": (launcher.get("driver_payload_bytes_received", 0)
                                       + launcher.get("driver_payload_bytes_sent", 0)) / all_steps,
             "driver_relay_seconds_per_step": launcher.get("driver_relay_seconds", 0.0) / all_steps,
+            "image_bytes_per_step": sum(r.get("images/batch_bytes", 0.0) for r in records) / all_steps,
             "tokens_per_second": tokens / seconds, "step_seconds": seconds / len(measured),
             "stage_seconds": {k[5:]: sum(r.get(k, 0.0) for r in measured) / len(measured) for k in stages},
             "launcher_payload_bytes": launcher["payload_bytes_received"],
@@ -175,15 +180,17 @@ def markdown(records: list[dict], command: str) -> str:
              f"Machine: {os.cpu_count()} cores, no GPU; the tiny model; `scheduler.overlap=false` in both modes; "
              "tokens/s over the training steps after the first.", "",
              "| setting | where | N | mode | tokens/s | distributed / centralized | step s | driver in / out MB "
-             "| launcher payload B | launcher peak RSS MiB | driver link MB | busiest worker link MB | scaling eff. |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| images MB per step | launcher payload B | launcher peak RSS MiB | driver link MB "
+             "| busiest worker link MB | scaling eff. |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         lines.append(
             f"| {r['setting']} | {r['where']}{' ' + str(r['num_hosts']) + ' hosts' if r['where'] == 'cluster' else ''} "
             f"| {r['num_workers']} | {r['mode']} | {r['tokens_per_second']:.0f} "
             f"| {format(r['speedup_vs_centralized'], '.2f') if 'speedup_vs_centralized' in r else '-'} "
             f"| {r['step_seconds']:.2f} "
-            f"| {r['driver_bytes_in'] / 1e6:.1f} / {r['driver_bytes_out'] / 1e6:.1f} | {r['launcher_payload_bytes']} "
+            f"| {r['driver_bytes_in'] / 1e6:.1f} / {r['driver_bytes_out'] / 1e6:.1f} "
+            f"| {r.get('image_bytes_per_step', 0) / 1e6:.1f} | {r['launcher_payload_bytes']} "
             f"| {r['launcher_peak_rss_bytes'] / 2**20:.0f} "
             f"| {r.get('driver_link_bytes', 0) / 1e6:.1f} | {r.get('busiest_worker_link_bytes', 0) / 1e6:.1f} "
             f"| {r['scaling_efficiency']:.2f} |")

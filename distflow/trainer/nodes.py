@@ -39,7 +39,7 @@ from distflow.config import Config
 from distflow.coordinator.microbatch import local_micro_batches, plan_micro_batches
 from distflow.data.batch import Batch, sequence_lengths
 from distflow.data.dataset import DatasetError, PromptRow
-from distflow.data.images import ImagePrompter, attach_images, decode_image, image_fields
+from distflow.data.images import IMAGE_FIELDS, ImagePrompter, attach_images, decode_image, image_fields
 from distflow.engines.actor import Actor
 from distflow.engines.agent import COUNTS as EPISODE_COUNTS
 from distflow.engines.agent import EpisodeRunner
@@ -393,6 +393,9 @@ def record_rollout_metrics(batch: Batch, acc: MeanAccumulator, episodes: bool = 
     acc.add("response/length_mean", float(lengths.sum()), n)
     acc.add_max("response/length_max", float(lengths.max()))
     acc.add_total("tokens/total", float(lengths.sum() + (batch["prompt_mask"].sum() if n else 0)))
+    if "pixel_values" in batch:  # a VLM's: the bytes the step's images take in the batch (padded per sample)
+        acc.add_total("images/batch_bytes", float(sum(batch[f].numel() * batch[f].element_size()
+                                                      for f in IMAGE_FIELDS)))
     status = batch["reward_status"] if n else torch.zeros(0)
     acc.add_total("reward/failed", float((status == FAILED).sum()))
     acc.add_total("reward/timed_out", float((status == TIMED_OUT).sum()))

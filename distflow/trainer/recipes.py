@@ -89,8 +89,7 @@ def recipe_graph(cfg: Config) -> Graph:
     untested_with_images = {"multi-turn episodes": episodes, f"{a.estimator!r}, which needs a critic": "values" in
                             info.needs, "rollout.engine=vllm": cfg.rollout.engine == "vllm",
                             "LoRA (actor.lora_rank)": cfg.actor.lora_rank > 0,
-                            "runtime.placement=disaggregated": cfg.runtime.placement == "disaggregated",
-                            "runtime.mode=centralized": cfg.runtime.mode == "centralized"}
+                            "runtime.placement=disaggregated": cfg.runtime.placement == "disaggregated"}
     if images and any(untested_with_images.values()):
         raise GraphError(f"model.path={cfg.model.path} is a vision-language model: it trains with the HF engine, "
                          f"full weights and single-turn, critic-free recipes (grpo, dapo, rloo, ...), not with "

@@ -57,3 +57,35 @@ def test_the_projection_fits_costs_from_records_and_prints_its_assumptions(tmp_p
     ratios = [r["ratio"] for r in rows]
     assert all(a < b for a, b in zip(ratios, ratios[1:]))  # the driver's link is what grows with the GPUs
     assert rows[0]["compute_s"] == rows[-1]["compute_s"]  # weak scaling: the same work per GPU
+
+
+def test_vlm_runs_add_a_line_with_images(tmp_path, capsys):
+    """Runs with images: their bytes beyond the text's, per byte of pixels, are fitted
+    apart from the text costs, and every GPU count gains a VLM row."""
+    import json
+
+    from distflow.benchmarks import projection
+
+    records = []
+    for tokens, images in ((1e4, 0), (4e4, 0), (1e4, 5e6), (2e4, 2e7)):
+        # the driver relays 60 B per token and 3 B per pixel byte; peers send 20 per token and 1 per pixel byte
+        driver = 60 * tokens + 3 * images
+        records += [{"mode": "centralized", "where": "host", "num_workers": 2, "tokens_per_step": tokens,
+                     "image_bytes_per_step": images, "driver_bytes_per_step": driver,
+                     "driver_relay_seconds_per_step": driver * 1e-9, "peer_bytes_per_step": 0},
+                    {"mode": "distributed", "where": "host", "num_workers": 2, "tokens_per_step": tokens,
+                     "image_bytes_per_step": images, "driver_bytes_per_step": 0, "driver_relay_seconds_per_step": 0,
+                     "peer_bytes_per_step": 20 * tokens + images}]
+    assert projection.fit(records) == pytest.approx({"driver_bytes_per_token": 60, "worker_bytes_per_token": 20,
+                                                     "driver_seconds_per_byte": 1e-9, "driver_seconds_per_step": 0,
+                                                     "driver_bytes_per_image_byte": 3, "worker_bytes_per_image_byte": 1},
+                                                    abs=1e-9)
+    path, out = tmp_path / "e2e.jsonl", tmp_path / "p.json"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert projection.main(["--records", str(path), "--megapixels", "2", "--json", str(out)]) == 0
+    assert "with 2 MP images" in capsys.readouterr().out
+    for row in json.loads(out.read_text())["rows"]:
+        # 1,428 x 1,428 pixels: 10,404 patches of 1,176 float32 each, 2,601 image tokens per sample
+        assert row["vlm_driver_bytes"] == pytest.approx(
+            60 * row["tokens_per_step"] + (60 * 2601 + 3 * 10404 * 1176 * 4) * 4 * 8 * row["gpus"])
+        assert row["vlm_ratio"] > row["ratio"]  # the pixels weigh on the driver's link far more than on a node's

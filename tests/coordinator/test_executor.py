@@ -199,16 +199,21 @@ def test_plan_codec_roundtrip():
 
 def _rounds(rank, world, small_shm):
     """Several reshards in a row, growing, through reused shared-memory slots; rank 0
-    planning or every rank; then with a /dev/shm too small for the payload."""
+    planning or every rank; then messages over the size that keeps a slot; then with a
+    /dev/shm too small for the payload."""
     import os
 
     from distflow.coordinator import executor
 
     state = executor._group_state(None, world)
     out = []
-    for rnd, (leader, shm_dir) in enumerate([(True, None), (False, None), (True, None), (False, small_shm)]):
+    rounds = [(True, None, False), (False, None, False), (True, None, False), (False, None, True),
+              (False, small_shm, False)]
+    for rnd, (leader, shm_dir, over_keep) in enumerate(rounds):
         if shm_dir is not None:
             executor._SHM_DIR = shm_dir
+        kept = (dict(state.send), dict(state.recv))
+        executor._KEEP_SLOT_BYTES = 1024 if over_keep else 64 << 20
         state.plan_on_leader = leader
         batch, ids, lengths = _sample_batch(rank)
         width = 64 << (2 * rnd)  # 64 .. 4096 floats: every slot has to grow
@@ -226,7 +231,9 @@ def _rounds(rank, world, small_shm):
                                    + torch.arange(width) / width)
             got[transport] = (tp_ids, back_ids, tp_batch["wide"].tolist(), stats.shm_sent, stats.payload_sent)
         assert got["auto"][:3] == got["gloo"][:3]  # one host: shared memory and sockets agree
-        out.append({"shm_sent": got["auto"][3], "payload": got["auto"][4]})
+        # over the size: files of their own, which neither side keeps
+        out.append({"shm_sent": got["auto"][3], "payload": got["auto"][4],
+                    "slots_unchanged": (dict(state.send), dict(state.recv)) == kept})
     names = [f for d in ("/dev/shm", small_shm) if d and os.path.isdir(d) for f in os.listdir(d)]
     return out, [n for n in names if n.startswith("distflow-")], _too_few(rank, world)
 
@@ -248,6 +255,7 @@ def test_reused_slots_leader_or_every_rank_a_full_shm_and_an_unsatisfiable_plan(
         assert too_few is not None and "1 samples cannot fill the 2 destination" in too_few, too_few
         assert not leftovers, leftovers  # names are unlinked once mapped
         assert all(r["payload"] > 0 for r in rounds)
-        assert all(r["shm_sent"] > 0 for r in rounds[:3])
+        assert all(r["shm_sent"] > 0 for r in rounds[:4])
+        assert not rounds[2]["slots_unchanged"] and rounds[3]["slots_unchanged"]  # round 2 grew them
         if mounted:  # 64 KiB of /dev/shm cannot hold the last round: it went over the wire
-            assert rounds[3]["shm_sent"] < rounds[3]["payload"]
+            assert rounds[4]["shm_sent"] < rounds[4]["payload"]

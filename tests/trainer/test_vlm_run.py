@@ -1,16 +1,18 @@
 """Vision-language RL end to end: GRPO on the dot-counting task with the tiny Qwen2-VL.
 The pixels go with their samples through rollout, reference and update; 1 and 2 workers
-give the same run, a checkpoint resumes exactly, and a bad image is a counted, replaced
-row under data.on_bad_row=skip."""
+give the same run, a checkpoint resumes exactly, a bad image is a counted, replaced row
+under data.on_bad_row=skip, and the single-controller baseline relays the pixels."""
 
 from __future__ import annotations
+
+import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from distflow.data.tasks import dots
-from helpers import distflow_sweep, run_metrics
+from helpers import distflow_sweep, distflow_train, run_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -66,3 +68,23 @@ def test_a_bad_image_is_skipped_counted_and_replaced(runs):
     step = run_metrics(runs["bad"])[-1]
     assert step["step"] == 1 and step["data/skipped_rows"] == 1
     assert step["tokens/total"] > 0 and step["actor/grad_norm"] > 0  # 16 prompts, one a replacement
+
+
+def test_the_single_controller_relays_the_pixels_and_gives_the_same_run(runs, tmp_path):
+    """runtime.mode=centralized on 2 workers (the baseline of `distflow bench e2e
+    --settings vlm`): every stage's data, pixels included, goes through the driver, and
+    the run is the 2-worker run's bit for bit."""
+    central = tmp_path / "centralized"
+    distflow_train([*COMMON, "runtime.mode=centralized", "runtime.num_workers=2", "trainer.save_final=false",
+                    f"trainer.output_dir={central}"], tmp_path)
+    skip = ("time/", "perf/", "coordinator/")  # timings, and the peer-to-peer transfer counters
+    got = run_metrics(central)
+    for a, b in zip(run_metrics(runs["w2"]), got, strict=True):
+        assert {k: v for k, v in a.items() if not k.startswith(skip)} == \
+            {k: v for k, v in b.items() if not k.startswith(skip)}
+    pixels = sum(r["images/batch_bytes"] for r in got[1:])  # 16 samples a step, 16 patches each
+    assert pixels == 2 * 16 * (16 * 1176 * 4 + 3 * 8)
+    driver = json.loads((central / "launcher.json").read_text())
+    assert driver["payload_bytes_received"] == 0  # the launcher's own counter: the relay is the driver's
+    # the pixels went out to rollout, reference, old log-probs and update: more than 3 passes
+    assert driver["driver_payload_bytes_sent"] > 3 * pixels
