@@ -15,6 +15,14 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+def pytest_collection_modifyitems(items) -> None:
+    """Files with multi-process runs (a test marked slow) first, each file's tests kept
+    together and in order: under the README's `-n 2 --dist loadfile` the two workers
+    start on the long files, and the short ones fill in at the end."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
+
+
 @pytest.fixture(scope="session")
 def random_model_dir(tmp_path_factory) -> str:
     """An untrained tiny Llama + char tokenizer saved as a HF folder (fast to build)."""
