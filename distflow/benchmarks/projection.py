@@ -65,8 +65,11 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def _host_runs(records: list[dict], mode: str, images: bool) -> list[dict]:
-    return [r for r in records if r["mode"] == mode and r["where"] == "host" and (mode == "centralized" or
-            r["num_workers"] > 1) and bool(r.get("image_bytes_per_step")) == images]
+    """One host's runs of `mode` (distributed ones with 2+ workers, which have peers to
+    send to), with images or without."""
+    return [r for r in records if r["mode"] == mode and r["where"] == "host"
+            and (mode == "centralized" or r["num_workers"] > 1)
+            and bool(r.get("image_bytes_per_step")) == images]
 
 
 def fit(records: list[dict]) -> dict[str, float]:
