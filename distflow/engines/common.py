@@ -76,20 +76,28 @@ def causal_lm_skeleton(path: str):
         return _model_class(config).from_config(config)
 
 
+IMAGE_PROCESSOR_FILE = "preprocessor_config.json"  # what AutoImageProcessor reads from a model folder
+
+
 def takes_images(path: str) -> bool:
     """Whether the model folder is a vision-language model's: it has an image processor."""
-    return os.path.isfile(os.path.join(resolve_model_path(path), "preprocessor_config.json"))
+    return os.path.isfile(os.path.join(resolve_model_path(path), IMAGE_PROCESSOR_FILE))
 
 
 def load_image_prompter(path: str, tokenizer) -> ImagePrompter | None:
-    """The model folder's image processor as an ImagePrompter; None for a text-only model."""
-    from transformers import AutoConfig, AutoImageProcessor
-
+    """The model folder's image processor as an ImagePrompter; None for a text-only model.
+    A LoRA checkpoint holds the processor; its model config is its base's."""
     if not takes_images(path):
         return None
+    from transformers import AutoConfig, AutoImageProcessor
+
+    from distflow.engines.lora import adapter_base, is_adapter_folder
+
     folder = resolve_model_path(path)
+    model_folder = resolve_model_path(adapter_base(folder)) if is_adapter_folder(folder) else folder
     quiet_transformers()
-    return ImagePrompter(AutoImageProcessor.from_pretrained(folder), tokenizer, AutoConfig.from_pretrained(folder))
+    return ImagePrompter(AutoImageProcessor.from_pretrained(folder), tokenizer,
+                         AutoConfig.from_pretrained(model_folder))
 
 
 def first_of_tied(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

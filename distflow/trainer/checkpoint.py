@@ -206,7 +206,7 @@ def export(path: Path, out: Path, merge: bool) -> list[str]:
     """A checkpoint as a folder to share: what `from_pretrained` needs, without the state
     only resuming uses. A LoRA checkpoint with `merge`: its base with the adapter merged,
     as a plain HF folder; without: the adapter (and tokenizer). Returns the files written."""
-    from distflow.engines.common import load_causal_lm, load_tokenizer
+    from distflow.engines.common import IMAGE_PROCESSOR_FILE, load_causal_lm, load_tokenizer
     from distflow.engines.lora import is_adapter_folder
 
     if not path.is_dir() or not ((path / "config.json").is_file() or is_adapter_folder(path)):
@@ -217,6 +217,8 @@ def export(path: Path, out: Path, merge: bool) -> list[str]:
     if merge and is_adapter_folder(path):
         load_causal_lm(str(path)).save_pretrained(out, safe_serialization=True)
         load_tokenizer(str(path)).save_pretrained(out)
+        if (path / IMAGE_PROCESSOR_FILE).is_file():  # a VLM's image processor, as the checkpoint holds it
+            shutil.copy2(path / IMAGE_PROCESSOR_FILE, out / IMAGE_PROCESSOR_FILE)
     else:
         for f in path.iterdir():
             if f.is_file() and f.name not in _RESUME_ONLY:

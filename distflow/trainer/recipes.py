@@ -88,11 +88,10 @@ def recipe_graph(cfg: Config) -> Graph:
     images = IMAGE_FIELDS if takes_images(cfg.model.path) else ()  # a VLM: every forward sees the pixels
     untested_with_images = {"multi-turn episodes": episodes, f"{a.estimator!r}, which needs a critic": "values" in
                             info.needs, "rollout.engine=vllm": cfg.rollout.engine == "vllm",
-                            "LoRA (actor.lora_rank)": cfg.actor.lora_rank > 0,
                             "runtime.placement=disaggregated": cfg.runtime.placement == "disaggregated"}
     if images and any(untested_with_images.values()):
-        raise GraphError(f"model.path={cfg.model.path} is a vision-language model: it trains with the HF engine, "
-                         f"full weights and single-turn, critic-free recipes (grpo, dapo, rloo, ...), not with "
+        raise GraphError(f"model.path={cfg.model.path} is a vision-language model: it trains with the HF engine "
+                         f"and single-turn, critic-free recipes (grpo, dapo, rloo, ...), not with "
                          + ", ".join(k for k, v in untested_with_images.items() if v))
     scoring = SCORING + images + (("observation_mask",) if episodes else ())
     rollout_out = ("responses", "response_mask", "rollout_log_probs")

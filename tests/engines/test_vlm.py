@@ -110,7 +110,6 @@ def test_the_shipped_vlm_counts_but_mostly_answers_in_the_unverifiable_style():
 @pytest.mark.parametrize("overrides, named", [
     (["algorithm.name=ppo"], "'gae', which needs a critic"),
     (["rollout.engine=vllm"], "rollout.engine=vllm"),
-    (["actor.lora_rank=4"], "LoRA (actor.lora_rank)"),
     (["rollout.max_turns=2", "rollout.tools=calculator"], "multi-turn episodes"),
     (["runtime.placement=disaggregated"], "runtime.placement=disaggregated"),
 ])

@@ -1,11 +1,14 @@
 """Vision-language RL end to end: GRPO on the dot-counting task with the tiny Qwen2-VL.
 The pixels go with their samples through rollout, reference and update; 1 and 2 workers
 give the same run, a checkpoint resumes exactly, a bad image is a counted, replaced row
-under data.on_bad_row=skip, and the single-controller baseline relays the pixels."""
+under data.on_bad_row=skip, the single-controller baseline relays the pixels, and LoRA
+trains the VLM and exports it merged."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -21,6 +24,7 @@ COMMON = ["model.path=builtin:tiny-dots-vl", "data.train_files=builtin:dots:trai
           "algorithm.rollout_correction=token_tis", "data.val_max_samples=12", "trainer.progress=false",
           "trainer.save_final=false",
           "actor.lr_scheduler=constant", "actor.lr_warmup_steps=0", "trainer.total_steps=2"]
+LORA = ["actor.lora_rank=8", "actor.lr=1e-3"]  # adapters on every linear layer, the vision tower's too
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +35,13 @@ def runs(tmp_path_factory) -> dict:
     pq.write_table(pa.Table.from_pylist(rows), base / "with_a_bad_image.parquet")
     bad = [f"data.train_files={base / 'with_a_bad_image.parquet'}", "data.on_bad_row=skip", "trainer.total_steps=1",
            "data.train_batch_size=16", "actor.ppo_mini_batch_size=16", "algorithm.group_size=2", "trainer.eval_every=0"]
-    folders = distflow_sweep({"w1": [], "half": ["trainer.total_steps=1", "trainer.save_final=true"], "bad": bad},
-                             1, base, COMMON)
+    folders = distflow_sweep({"w1": [], "half": ["trainer.total_steps=1", "trainer.save_final=true"], "bad": bad,
+                              "lora1": [*LORA, "trainer.save_final=true"]}, 1, base, COMMON)
     resume = f"trainer.resume={folders['half'] / 'checkpoints' / 'final'}"
-    return folders | distflow_sweep({"w2": [], "resumed": [resume]}, 2, base, COMMON)
+    return folders | distflow_sweep({"w2": [], "resumed": [resume], "lora2": LORA}, 2, base, COMMON)
 
 
-def test_images_train_alike_on_one_and_two_workers(runs):
-    one, two = run_metrics(runs["w1"]), run_metrics(runs["w2"])
+def _same_run(one: list[dict], two: list[dict]) -> None:
     assert one[0]["val/accuracy"] == two[0]["val/accuracy"]  # greedy held-out evaluation on the images
     for a, b in zip(one[1:], two[1:], strict=True):
         for key in ("reward/mean", "response/length_mean", "tokens/total"):
@@ -48,6 +51,10 @@ def test_images_train_alike_on_one_and_two_workers(runs):
         assert a["actor/grad_norm"] > 0 and a["actor/kl"] >= 0 and a["time/ref_log_prob"] > 0
         # the update scored the responses with the images the rollout generated them from
         assert a["rollout_correction/mismatch_kl"] < 1e-6, a["rollout_correction/mismatch_kl"]
+
+
+def test_images_train_alike_on_one_and_two_workers(runs):
+    _same_run(run_metrics(runs["w1"]), run_metrics(runs["w2"]))
 
 
 def test_a_vlm_checkpoint_resumes_like_an_uninterrupted_run(runs):
@@ -88,3 +95,25 @@ def test_the_single_controller_relays_the_pixels_and_gives_the_same_run(runs, tm
     assert driver["payload_bytes_received"] == 0  # the launcher's own counter: the relay is the driver's
     # the pixels went out to rollout, reference, old log-probs and update: more than 3 passes
     assert driver["driver_payload_bytes_sent"] > 3 * pixels
+
+
+def test_lora_trains_a_vlm_alike_on_one_and_two_workers_and_exports_it_merged(runs, tmp_path):
+    """The reference is the actor with its adapter off, images and all; the checkpoint is
+    the adapter with the image processor, and `distflow export --merge` makes a plain
+    Qwen2-VL folder that evaluates as the run's own final held-out number."""
+    from distflow.trainer.checkpoint import export
+
+    _same_run(run_metrics(runs["lora1"]), run_metrics(runs["lora2"]))
+    summary = json.loads((runs["lora1"] / "summary.json").read_text())
+    assert summary["trainable_parameters"] < summary["total_parameters"] / 10
+    final, merged = runs["lora1"] / "checkpoints" / "final", tmp_path / "merged"
+    assert (final / "adapter_model.safetensors").is_file() and (final / "preprocessor_config.json").is_file()
+    export(final, merged, merge=True)
+    assert {"model.safetensors", "config.json", "preprocessor_config.json"} <= {f.name for f in merged.iterdir()}
+    out = tmp_path / "eval"
+    distflow_eval = [sys.executable, "-m", "distflow.cli", "eval", f"model.path={merged}",
+                     "data.val_files=builtin:dots:test", "data.val_max_samples=12", "runtime.launcher=torchrun",
+                     "runtime.num_workers=1", f"trainer.output_dir={out}"]
+    proc = subprocess.run(distflow_eval, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((out / "eval.json").read_text())["metrics"]["accuracy"] == summary["heldout_accuracy_final"]
