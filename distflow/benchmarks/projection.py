@@ -40,7 +40,7 @@ import argparse
 import json
 from pathlib import Path
 
-from distflow.benchmarks.dataplane_common import image_patches_of
+from distflow.benchmarks.dataplane_common import IMAGE_PATCH_FEATURES, image_patches_of
 
 PAPER_RATIO_128 = 2.62  # DistFlow over verl, 7B GRPO, 128 GPUs (arXiv 2507.13833)
 
@@ -101,7 +101,15 @@ def fit(records: list[dict]) -> dict[str, float]:
 def image_bytes_of(megapixels: float) -> int:
     """One image's `pixel_values` as Qwen2-VL's processor makes them: 14-pixel patches of
     1,176 float32 features (the data-plane VLM benchmark's size)."""
-    return image_patches_of(megapixels) * 1176 * 4
+    return image_patches_of(megapixels) * IMAGE_PATCH_FEATURES * 4
+
+
+def _step_seconds(compute: float, driver_bytes: float, node_bytes: float, costs: dict[str, float],
+                  nic: float) -> tuple[float, float]:
+    """(centralized, distributed) step seconds: the compute, then each mode's data."""
+    per_byte = costs["driver_seconds_per_byte"]
+    return (compute + driver_bytes / nic + driver_bytes * per_byte + costs["driver_seconds_per_step"],
+            compute + node_bytes / nic + node_bytes * per_byte)
 
 
 def project(costs: dict[str, float], gpus: int, args: argparse.Namespace) -> dict[str, float]:
@@ -112,9 +120,7 @@ def project(costs: dict[str, float], gpus: int, args: argparse.Namespace) -> dic
     compute = tokens_per_gpu / args.gpu_tokens_per_s
     driver_bytes = costs["driver_bytes_per_token"] * tokens
     node_bytes = costs["worker_bytes_per_token"] * tokens / nodes
-    central = (compute + driver_bytes / nic + driver_bytes * costs["driver_seconds_per_byte"]
-               + costs["driver_seconds_per_step"])
-    distributed = compute + node_bytes / nic + node_bytes * costs["driver_seconds_per_byte"]
+    central, distributed = _step_seconds(compute, driver_bytes, node_bytes, costs, nic)
     row = {"gpus": gpus, "tokens_per_step": tokens, "compute_s": compute, "centralized_step_s": central,
            "distributed_step_s": distributed, "ratio": central / distributed,
            "centralized_tokens_per_s": tokens / central, "distributed_tokens_per_s": tokens / distributed}
@@ -127,9 +133,7 @@ def project(costs: dict[str, float], gpus: int, args: argparse.Namespace) -> dic
             + costs["driver_bytes_per_image_byte"] * image_bytes
         node_bytes = (costs["worker_bytes_per_token"] * tokens_per_gpu * gpus
                       + costs["worker_bytes_per_image_byte"] * image_bytes) / nodes
-        central = (compute + driver_bytes / nic + driver_bytes * costs["driver_seconds_per_byte"]
-                   + costs["driver_seconds_per_step"])
-        distributed = compute + node_bytes / nic + node_bytes * costs["driver_seconds_per_byte"]
+        central, distributed = _step_seconds(compute, driver_bytes, node_bytes, costs, nic)
         row |= {"vlm_compute_s": compute, "vlm_driver_bytes": driver_bytes, "vlm_centralized_step_s": central,
                 "vlm_distributed_step_s": distributed, "vlm_ratio": central / distributed}
     return row
