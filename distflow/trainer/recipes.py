@@ -87,8 +87,7 @@ def recipe_graph(cfg: Config) -> Graph:
                          f"recipes (grpo, dapo, rloo, reinforce_plus_plus, ...); {a.estimator!r} needs a critic")
     images = IMAGE_FIELDS if takes_images(cfg.model.path) else ()  # a VLM: every forward sees the pixels
     untested_with_images = {"multi-turn episodes": episodes, f"{a.estimator!r}, which needs a critic": "values" in
-                            info.needs, "rollout.engine=vllm": cfg.rollout.engine == "vllm",
-                            "runtime.placement=disaggregated": cfg.runtime.placement == "disaggregated"}
+                            info.needs, "rollout.engine=vllm": cfg.rollout.engine == "vllm"}
     if images and any(untested_with_images.values()):
         raise GraphError(f"model.path={cfg.model.path} is a vision-language model: it trains with the HF engine "
                          f"and single-turn, critic-free recipes (grpo, dapo, rloo, ...), not with "

@@ -111,7 +111,6 @@ def test_the_shipped_vlm_counts_but_mostly_answers_in_the_unverifiable_style():
     (["algorithm.name=ppo"], "'gae', which needs a critic"),
     (["rollout.engine=vllm"], "rollout.engine=vllm"),
     (["rollout.max_turns=2", "rollout.tools=calculator"], "multi-turn episodes"),
-    (["runtime.placement=disaggregated"], "runtime.placement=disaggregated"),
 ])
 def test_what_a_vlm_run_does_not_take_is_one_line_before_anything_loads(overrides, named):
     from distflow.config import load_config

@@ -117,3 +117,19 @@ def test_lora_trains_a_vlm_alike_on_one_and_two_workers_and_exports_it_merged(ru
     proc = subprocess.run(distflow_eval, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((out / "eval.json").read_text())["metrics"]["accuracy"] == summary["heldout_accuracy_final"]
+
+
+def test_rollout_and_training_apart_carry_the_pixels_with_each_trajectory(tmp_path):
+    """runtime.placement=disaggregated: the rollout worker streams each trajectory, its
+    pixels included, to the training worker, which scores it with the same images: at
+    version lag 0 the rollout-vs-update mismatch is float noise; later steps sample from
+    weights one version old."""
+    out = tmp_path / "apart"
+    distflow_train([*COMMON, "runtime.placement=disaggregated", "runtime.rollout_workers=1",
+                    "runtime.train_workers=1", "algorithm.max_staleness=1", "trainer.total_steps=3",
+                    "trainer.eval_every=0", f"trainer.output_dir={out}"], tmp_path)
+    steps = run_metrics(out)[1:]
+    assert [r["async/version_lag_max"] for r in steps] == [0.0, 1.0, 1.0]
+    assert steps[0]["rollout_correction/mismatch_kl"] < 1e-6, steps[0]["rollout_correction/mismatch_kl"]
+    assert all(r["images/batch_bytes"] == 16 * (16 * 1176 * 4 + 3 * 8) and r["actor/grad_norm"] > 0 for r in steps)
+    assert json.loads((out / "launcher.json").read_text())["payload_bytes_received"] == 0
