@@ -86,11 +86,10 @@ def recipe_graph(cfg: Config) -> Graph:
         raise GraphError(f"rollout.max_turns={cfg.rollout.max_turns}: multi-turn episodes train critic-free "
                          f"recipes (grpo, dapo, rloo, reinforce_plus_plus, ...); {a.estimator!r} needs a critic")
     images = IMAGE_FIELDS if takes_images(cfg.model.path) else ()  # a VLM: every forward sees the pixels
-    untested_with_images = {"multi-turn episodes": episodes, f"{a.estimator!r}, which needs a critic": "values" in
-                            info.needs, "rollout.engine=vllm": cfg.rollout.engine == "vllm"}
+    untested_with_images = {"multi-turn episodes": episodes, "rollout.engine=vllm": cfg.rollout.engine == "vllm"}
     if images and any(untested_with_images.values()):
         raise GraphError(f"model.path={cfg.model.path} is a vision-language model: it trains with the HF engine "
-                         f"and single-turn, critic-free recipes (grpo, dapo, rloo, ...), not with "
+                         f"and single-turn rollouts, not with "
                          + ", ".join(k for k, v in untested_with_images.items() if v))
     scoring = SCORING + images + (("observation_mask",) if episodes else ())
     rollout_out = ("responses", "response_mask", "rollout_log_probs")
@@ -142,8 +141,8 @@ def recipe_graph(cfg: Config) -> Graph:
     train_inputs += ["old_log_probs"] if recomputes_old_log_probs(cfg) else []
     train_inputs += ["rollout_log_probs"] if a.rollout_correction != "off" or a.old_log_probs_from == "rollout" else []
     if critic:
-        built.append(_node("critic_values", "critic_forward", SCORING, ("values",)))
-        built.append(_node("critic_update", "critic_train", [*SCORING, "values", "returns", "mini_batch"], ()))
+        built.append(_node("critic_values", "critic_forward", scoring, ("values",)))
+        built.append(_node("critic_update", "critic_train", [*scoring, "values", "returns", "mini_batch"], ()))
     built.append(_node("actor_update", "actor_train", train_inputs, (), params={"policy_loss": a.policy_loss}))
     return Graph(built, SOURCES + images)
 

@@ -108,7 +108,6 @@ def test_the_shipped_vlm_counts_but_mostly_answers_in_the_unverifiable_style():
 
 
 @pytest.mark.parametrize("overrides, named", [
-    (["algorithm.name=ppo"], "'gae', which needs a critic"),
     (["rollout.engine=vllm"], "rollout.engine=vllm"),
     (["rollout.max_turns=2", "rollout.tools=calculator"], "multi-turn episodes"),
 ])
@@ -125,6 +124,9 @@ def test_what_a_vlm_run_does_not_take_is_one_line_before_anything_loads(override
                                            "actor.ppo_mini_batch_size=8"]))
     for node in ("rollout", "ref_log_prob", "old_log_prob", "actor_update"):  # every forward gets the pixels
         assert {"pixel_values", "image_grid_thw"} <= set(graph.by_name[node].inputs), node
+    ppo = build_graph(load_config(None, ["model.path=builtin:tiny-dots-vl", "algorithm.name=ppo"]))
+    for node in ("critic_values", "critic_update"):
+        assert {"pixel_values", "image_grid_thw"} <= set(ppo.by_name[node].inputs), node
 
 
 def test_images_for_a_text_only_model_are_a_bad_row():

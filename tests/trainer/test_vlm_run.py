@@ -1,8 +1,9 @@
 """Vision-language RL end to end: GRPO on the dot-counting task with the tiny Qwen2-VL.
 The pixels go with their samples through rollout, reference and update; 1 and 2 workers
 give the same run, a checkpoint resumes exactly, a bad image is a counted, replaced row
-under data.on_bad_row=skip, the single-controller baseline relays the pixels, and LoRA
-trains the VLM and exports it merged."""
+under data.on_bad_row=skip, the single-controller baseline relays the pixels, PPO's
+critic sees them too, LoRA trains the VLM and exports it merged, and rollout and training
+apart pass the pixels with each trajectory."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ COMMON = ["model.path=builtin:tiny-dots-vl", "data.train_files=builtin:dots:trai
           "trainer.save_final=false",
           "actor.lr_scheduler=constant", "actor.lr_warmup_steps=0", "trainer.total_steps=2"]
 LORA = ["actor.lora_rank=8", "actor.lr=1e-3"]  # adapters on every linear layer, the vision tower's too
+PPO = ["algorithm.name=ppo"]  # a critic of the VLM's whole body: it sees the pixels too
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +38,9 @@ def runs(tmp_path_factory) -> dict:
     bad = [f"data.train_files={base / 'with_a_bad_image.parquet'}", "data.on_bad_row=skip", "trainer.total_steps=1",
            "data.train_batch_size=16", "actor.ppo_mini_batch_size=16", "algorithm.group_size=2", "trainer.eval_every=0"]
     folders = distflow_sweep({"w1": [], "half": ["trainer.total_steps=1", "trainer.save_final=true"], "bad": bad,
-                              "lora1": [*LORA, "trainer.save_final=true"]}, 1, base, COMMON)
+                              "lora1": [*LORA, "trainer.save_final=true"], "ppo1": PPO}, 1, base, COMMON)
     resume = f"trainer.resume={folders['half'] / 'checkpoints' / 'final'}"
-    return folders | distflow_sweep({"w2": [], "resumed": [resume], "lora2": LORA}, 2, base, COMMON)
+    return folders | distflow_sweep({"w2": [], "resumed": [resume], "lora2": LORA, "ppo2": PPO}, 2, base, COMMON)
 
 
 def _same_run(one: list[dict], two: list[dict]) -> None:
@@ -46,7 +48,7 @@ def _same_run(one: list[dict], two: list[dict]) -> None:
     for a, b in zip(one[1:], two[1:], strict=True):
         for key in ("reward/mean", "response/length_mean", "tokens/total"):
             assert a[key] == b[key], (key, a["step"])
-        for key in [k for k in a if k.startswith("actor/")]:
+        for key in [k for k in a if k.startswith(("actor/", "critic/"))]:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (key, a["step"], a[key], b[key])
         assert a["actor/grad_norm"] > 0 and a["actor/kl"] >= 0 and a["time/ref_log_prob"] > 0
         # the update scored the responses with the images the rollout generated them from
@@ -95,6 +97,14 @@ def test_the_single_controller_relays_the_pixels_and_gives_the_same_run(runs, tm
     assert driver["payload_bytes_received"] == 0  # the launcher's own counter: the relay is the driver's
     # the pixels went out to rollout, reference, old log-probs and update: more than 3 passes
     assert driver["driver_payload_bytes_sent"] > 3 * pixels
+
+
+def test_ppo_trains_a_vlm_and_its_critic_alike_on_one_and_two_workers(runs):
+    """The 2-worker critic is a DDP replica: a vision tower that got no gradient (no
+    pixels in its forward) would fail the run's first update."""
+    one, two = run_metrics(runs["ppo1"]), run_metrics(runs["ppo2"])
+    _same_run(one, two)
+    assert all(r["critic/grad_norm"] > 0 and r["critic/vf_loss"] > 0 for r in two[1:])
 
 
 def test_lora_trains_a_vlm_alike_on_one_and_two_workers_and_exports_it_merged(runs, tmp_path):
