@@ -25,6 +25,7 @@ from typing import Callable, Protocol
 import torch
 
 from distflow.data.batch import Batch
+from distflow.data.images import PromptIds
 from distflow.engines.rollout import RolloutEngine, SamplingParams, sample_seed
 from distflow.engines.tools import Toolbox
 
@@ -118,7 +119,7 @@ class EpisodeRunner:
         for turn in range(s.max_turns):
             if not active:
                 break
-            out = self.engine.generate([prompts[i] + tokens[i] for i in active],
+            out = self.engine.generate([_continued(prompts[i], tokens[i]) for i in active],
                                        None if seeds is None else [sample_seed(seeds[i], turn) for i in active],
                                        params)
             running = []
@@ -157,6 +158,15 @@ class EpisodeRunner:
         batch.tensors["env_scores"] = torch.tensor(rewards, dtype=torch.float32)
         batch.tensors |= {name: torch.tensor([c[name] for c in counts], dtype=torch.float32) for name in COUNTS}
         return batch
+
+
+def _continued(prompt: list[int], episode: list[int]) -> list[int]:
+    """The prompt followed by the episode so far; a prompt's images stay with it."""
+    if not isinstance(prompt, PromptIds):
+        return prompt + episode
+    out = PromptIds(prompt + episode)
+    out.pixel_values, out.image_grid_thw = prompt.pixel_values, prompt.image_grid_thw
+    return out
 
 
 def trajectory_batch(tokens: list[list[int]], trained: list[list[int]], log_probs: list[list[float]], width: int,

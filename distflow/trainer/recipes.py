@@ -86,10 +86,10 @@ def recipe_graph(cfg: Config) -> Graph:
         raise GraphError(f"rollout.max_turns={cfg.rollout.max_turns}: multi-turn episodes train critic-free "
                          f"recipes (grpo, dapo, rloo, reinforce_plus_plus, ...); {a.estimator!r} needs a critic")
     images = IMAGE_FIELDS if takes_images(cfg.model.path) else ()  # a VLM: every forward sees the pixels
-    untested_with_images = {"multi-turn episodes": episodes, "rollout.engine=vllm": cfg.rollout.engine == "vllm"}
+    untested_with_images = {"an agent (rollout.agent)": agent, "rollout.engine=vllm": cfg.rollout.engine == "vllm"}
     if images and any(untested_with_images.values()):
         raise GraphError(f"model.path={cfg.model.path} is a vision-language model: it trains with the HF engine "
-                         f"and single-turn rollouts, not with "
+                         f"and the episode runner's turns, not with "
                          + ", ".join(k for k, v in untested_with_images.items() if v))
     scoring = SCORING + images + (("observation_mask",) if episodes else ())
     rollout_out = ("responses", "response_mask", "rollout_log_probs")

@@ -1,6 +1,8 @@
 """The vision-language path on a Qwen2-VL built in code: images reach generation and the
 scoring forward the same way, and sampling stays placement-invariant."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,6 +12,8 @@ from distflow.engines.common import forward_response, render_prompt
 from distflow.engines.rollout import HFRolloutEngine, SamplingParams, left_pad, sample_seed
 from distflow.engines.tiny_model import ASSET_DIR
 from distflow.engines.tiny_vlm import VisionSpec, build_vlm, image_processor
+
+AGENT = Path(__file__).resolve().parents[2] / "examples" / "agents" / "arith_agent.py"
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +113,7 @@ def test_the_shipped_vlm_counts_but_mostly_answers_in_the_unverifiable_style():
 
 @pytest.mark.parametrize("overrides, named", [
     (["rollout.engine=vllm"], "rollout.engine=vllm"),
-    (["rollout.max_turns=2", "rollout.tools=calculator"], "multi-turn episodes"),
+    ([f"rollout.agent={AGENT}:run"], "an agent (rollout.agent)"),
 ])
 def test_what_a_vlm_run_does_not_take_is_one_line_before_anything_loads(overrides, named):
     from distflow.config import load_config

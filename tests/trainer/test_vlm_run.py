@@ -2,8 +2,8 @@
 The pixels go with their samples through rollout, reference and update; 1 and 2 workers
 give the same run, a checkpoint resumes exactly, a bad image is a counted, replaced row
 under data.on_bad_row=skip, the single-controller baseline relays the pixels, PPO's
-critic sees them too, LoRA trains the VLM and exports it merged, and rollout and training
-apart pass the pixels with each trajectory."""
+critic sees them too, every turn of an episode sees them, LoRA trains the VLM and exports
+it merged, and rollout and training apart pass the pixels with each trajectory."""
 
 from __future__ import annotations
 
@@ -27,20 +27,44 @@ COMMON = ["model.path=builtin:tiny-dots-vl", "data.train_files=builtin:dots:trai
           "actor.lr_scheduler=constant", "actor.lr_warmup_steps=0", "trainer.total_steps=2"]
 LORA = ["actor.lora_rank=8", "actor.lr=1e-3"]  # adapters on every linear layer, the vision tower's too
 PPO = ["algorithm.name=ppo"]  # a critic of the VLM's whole body: it sees the pixels too
+ENV = '''
+from distflow.engines.agent import EnvStep
+
+
+class CheckOnce:
+    """Asks for a check after the first answer; the second answer is final."""
+
+    def __init__(self, toolbox):
+        self.asked = False
+
+    def reset(self, task):
+        self.asked = False
+
+    def step(self, text):
+        if self.asked:
+            return EnvStep([], True)
+        self.asked = True
+        return EnvStep([{"role": "user", "content": "Count again. Answer with ####."}], False)
+'''
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("vlm")
+    (base / "env.py").write_text(ENV)
+    turns = ["rollout.max_turns=2", "rollout.max_new_tokens=24", "rollout.max_total_tokens=96",
+             "rollout.tools=calculator", f"rollout.env={base / 'env.py'}:CheckOnce"]
     rows = [dots.to_verl_row(p, i, "train") for i, p in enumerate(dots.generate("train", 16))]
     rows[5]["images"] = [{"bytes": b"not a picture", "path": None}]
     pq.write_table(pa.Table.from_pylist(rows), base / "with_a_bad_image.parquet")
     bad = [f"data.train_files={base / 'with_a_bad_image.parquet'}", "data.on_bad_row=skip", "trainer.total_steps=1",
            "data.train_batch_size=16", "actor.ppo_mini_batch_size=16", "algorithm.group_size=2", "trainer.eval_every=0"]
     folders = distflow_sweep({"w1": [], "half": ["trainer.total_steps=1", "trainer.save_final=true"], "bad": bad,
-                              "lora1": [*LORA, "trainer.save_final=true"], "ppo1": PPO}, 1, base, COMMON)
+                              "lora1": [*LORA, "trainer.save_final=true"], "ppo1": PPO, "turns1": turns},
+                             1, base, COMMON)
     resume = f"trainer.resume={folders['half'] / 'checkpoints' / 'final'}"
-    return folders | distflow_sweep({"w2": [], "resumed": [resume], "lora2": LORA, "ppo2": PPO}, 2, base, COMMON)
+    return folders | distflow_sweep({"w2": [], "resumed": [resume], "lora2": LORA, "ppo2": PPO, "turns2": turns},
+                                    2, base, COMMON)
 
 
 def _same_run(one: list[dict], two: list[dict]) -> None:
@@ -105,6 +129,15 @@ def test_ppo_trains_a_vlm_and_its_critic_alike_on_one_and_two_workers(runs):
     one, two = run_metrics(runs["ppo1"]), run_metrics(runs["ppo2"])
     _same_run(one, two)
     assert all(r["critic/grad_norm"] > 0 and r["critic/vf_loss"] > 0 for r in two[1:])
+
+
+def test_every_turn_of_an_episode_is_generated_with_the_picture(runs):
+    """Multi-turn episodes (an environment that asks for a second count): the second turn
+    is generated from the picture too, so the update's forward over the whole trajectory,
+    pixels and all, gives the rollout's log-probs (`_same_run`: mismatch KL < 1e-6)."""
+    one, two = run_metrics(runs["turns1"]), run_metrics(runs["turns2"])
+    _same_run(one, two)
+    assert all(r["turns/mean"] == 2.0 for r in one[1:])
 
 
 def test_lora_trains_a_vlm_alike_on_one_and_two_workers_and_exports_it_merged(runs, tmp_path):
