@@ -1,5 +1,6 @@
 """Test helpers: run a function on N gloo processes and collect what each returns; a
-rollout engine that answers from a script (for replies the tiny model would not write)."""
+rollout engine that answers from a script (for replies the tiny model would not write);
+`distflow train` runs and sweeps; a user's environment file for multi-turn runs."""
 
 from __future__ import annotations
 
@@ -118,3 +119,33 @@ class ScriptedEngine:
         mask = response_mask_from(resp, self.tok.eos_token_id)
         return Batch({"responses": resp, "response_mask": mask,
                       "rollout_log_probs": -0.5 * mask.float()})  # every sampled token: -0.5
+
+
+# A user's environment file (rollout.env=env.py:CheckOnce) for multi-turn runs: every episode
+# is asked to check its answer once, so every trajectory holds an observation.
+CHECK_ONCE_ENV = '''
+from distflow.engines.agent import EnvStep
+
+
+class CheckOnce:
+    """Asks for a check after the first answer; the second answer is final."""
+
+    def __init__(self, toolbox):
+        self.toolbox, self.asked = toolbox, False
+
+    def reset(self, task):
+        self.asked = False
+
+    def step(self, text):
+        if self.asked:
+            return EnvStep([], True)
+        self.asked = True
+        return EnvStep([{"role": "user", "content": "Check it. Answer with ####."}], False,
+                       {"tool_calls": len(self.toolbox.calls(text))})
+
+
+def by_length(data_source, solution_str, ground_truth, extra_info):
+    """A reward that differs within groups (the tiny model has never seen a check turn, so
+    the task's own reward is 0 for all): the updates are non-trivial."""
+    return (len(solution_str) % 5) / 4
+'''

@@ -10,36 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import distflow_sweep, run_metrics
+from helpers import CHECK_ONCE_ENV, distflow_sweep, run_metrics
 
 pytestmark = pytest.mark.slow
 
-ENV = '''
-from distflow.engines.agent import EnvStep
-
-
-class CheckOnce:
-    """Asks for a check after the first answer; the second answer is final."""
-
-    def __init__(self, toolbox):
-        self.toolbox, self.asked = toolbox, False
-
-    def reset(self, task):
-        self.asked = False
-
-    def step(self, text):
-        if self.asked:
-            return EnvStep([], True)
-        self.asked = True
-        return EnvStep([{"role": "user", "content": "Check it. Answer with ####."}], False,
-                       {"tool_calls": len(self.toolbox.calls(text))})
-
-
-def by_length(data_source, solution_str, ground_truth, extra_info):
-    """A reward that differs within groups (the tiny model has never seen a check turn, so
-    the task's own reward is 0 for all): the updates are non-trivial."""
-    return (len(solution_str) % 5) / 4
-'''
 COMMON = ["rollout.max_turns=2", "rollout.max_new_tokens=24", "rollout.max_total_tokens=96", "trainer.total_steps=2",
           "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "algorithm.group_size=4",
           "data.val_max_samples=16", "trainer.progress=false", "trainer.save_final=false",
@@ -60,7 +34,7 @@ def runs(tmp_path_factory) -> dict:
     settings, 2 steps), the agent on 2, and DAPO's episodes on 2 workers straight and
     resumed from a 1-worker checkpoint (one launch per worker count)."""
     base = tmp_path_factory.mktemp("multi-turn")
-    (base / "env.py").write_text(ENV)
+    (base / "env.py").write_text(CHECK_ONCE_ENV)
     episodes = ["rollout.tools=calculator", f"rollout.env={base / 'env.py'}:CheckOnce",
                 f"reward.custom_fn={base / 'env.py'}:by_length"]
     tools = [*_overrides(TOOLS), "trainer.total_steps=2", "trainer.eval_every=0", "data.val_max_samples=16"]

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from distflow.data.tasks import dots
-from helpers import distflow_sweep, distflow_train, run_metrics
+from helpers import CHECK_ONCE_ENV, distflow_sweep, distflow_train, run_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -27,33 +27,16 @@ COMMON = ["model.path=builtin:tiny-dots-vl", "data.train_files=builtin:dots:trai
           "actor.lr_scheduler=constant", "actor.lr_warmup_steps=0", "trainer.total_steps=2"]
 LORA = ["actor.lora_rank=8", "actor.lr=1e-3"]  # adapters on every linear layer, the vision tower's too
 PPO = ["algorithm.name=ppo"]  # a critic of the VLM's whole body: it sees the pixels too
-ENV = '''
-from distflow.engines.agent import EnvStep
-
-
-class CheckOnce:
-    """Asks for a check after the first answer; the second answer is final."""
-
-    def __init__(self, toolbox):
-        self.asked = False
-
-    def reset(self, task):
-        self.asked = False
-
-    def step(self, text):
-        if self.asked:
-            return EnvStep([], True)
-        self.asked = True
-        return EnvStep([{"role": "user", "content": "Count again. Answer with ####."}], False)
-'''
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("vlm")
-    (base / "env.py").write_text(ENV)
-    turns = ["rollout.max_turns=2", "rollout.max_new_tokens=24", "rollout.max_total_tokens=96",
-             "rollout.tools=calculator", f"rollout.env={base / 'env.py'}:CheckOnce"]
+    (base / "env.py").write_text(CHECK_ONCE_ENV)
+    # room for both answers and the check between them (the tokenizer is char-level)
+    turns = ["rollout.max_turns=2", "rollout.max_total_tokens=192",
+             "rollout.tools=calculator", f"rollout.env={base / 'env.py'}:CheckOnce",
+             f"reward.custom_fn={base / 'env.py'}:by_length"]  # rewards that differ within groups
     rows = [dots.to_verl_row(p, i, "train") for i, p in enumerate(dots.generate("train", 16))]
     rows[5]["images"] = [{"bytes": b"not a picture", "path": None}]
     pq.write_table(pa.Table.from_pylist(rows), base / "with_a_bad_image.parquet")
