@@ -41,11 +41,16 @@ def load_tokenizer(path: str):
     return tok
 
 
+def is_vision_language(config) -> bool:
+    """Whether a model config is a vision-language model's (Qwen2-VL's has a vision_config)."""
+    return hasattr(config, "vision_config")
+
+
 def _model_class(config):
     """AutoModelForCausalLM, or for a vision-language config (Qwen2-VL's) AutoModelForImageTextToText."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
 
 
 def load_causal_lm(path: str, dtype: str = "float32", device: torch.device | str = "cpu"):

@@ -13,7 +13,7 @@ import torch
 from distflow.data.batch import Batch
 from distflow.data.images import IMAGE_FIELDS, model_inputs
 from distflow.engines.actor import DataParallelTrainable, MicroBatches
-from distflow.engines.common import trim_padding, unwrapped
+from distflow.engines.common import is_vision_language, trim_padding, unwrapped
 
 
 class ValueModel(torch.nn.Module):
@@ -21,7 +21,7 @@ class ValueModel(torch.nn.Module):
         super().__init__()
         # a vision-language model's whole body (vision tower and language model: it takes
         # the pixels), a text model's decoder
-        vlm = hasattr(causal_lm.config, "vision_config")
+        vlm = is_vision_language(causal_lm.config)
         self.image_token_id = causal_lm.config.image_token_id if vlm else None
         self.body = causal_lm.model if vlm else causal_lm.get_decoder()
         self._no_split_modules = getattr(causal_lm, "_no_split_modules", None)
