@@ -3,8 +3,7 @@
 Three steps at most, all rank-to-rank (no process sees more than its own share):
 
 1. `gather_metadata`: an all-gather of (sample id, token length) pairs, a few bytes per
-   sample, so that every rank can run the pure planner on identical inputs (where a
-   host has more ranks than cores, rank 0 plans alone and broadcasts the plan); a later
+   sample, so that every rank can run the pure planner on identical inputs; a later
    reshard of the same rows skips it (`GlobalView`: the earlier plan says who holds what);
 2. a size exchange (`all_to_all_single` of three int64 per peer): how many bytes each
    rank sends each other rank, and where (shared memory or the wire);
@@ -36,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from distflow.coordinator.layout import Layout
-from distflow.coordinator.planner import Move, ReshardPlan, gc_paused, plan_reshard, stay_put_plan
+from distflow.coordinator.planner import ReshardPlan, gc_paused, plan_reshard, stay_put_plan
 from distflow.data.batch import LEFT_PADDED, Batch
 
 _HEADER_LEN_BYTES = 8
@@ -353,10 +352,9 @@ _GROWTH = 1.25  # a regrown slot gets this much headroom, so that steps of varyi
 _KEEP_SLOT_BYTES = 64 << 20  # a larger message gets a file of its own that neither side keeps
 
 
-def _host_key(machine_only: bool = False) -> int:
+def _host_key() -> int:
     """Who shares this rank's /dev/shm: DISTFLOW_HOST_ID when set, else hostname, boot id
-    and network namespace. `machine_only`: who shares its CPUs, i.e. the same kernel
-    (boot id), whatever the network namespace."""
+    and network namespace."""
     import hashlib
     import socket
 
@@ -365,35 +363,23 @@ def _host_key(machine_only: bool = False) -> int:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    if machine_only:
-        key = boot or socket.gethostname()
-    else:
-        key = os.environ.get("DISTFLOW_HOST_ID")
-        if key is None:
-            try:  # another network namespace (a container, an emulated host) counts as another host
-                netns = os.stat("/proc/self/ns/net").st_ino
-            except OSError:
-                netns = 0
-            key = f"{socket.gethostname()}-{boot}-{netns}"
+    key = os.environ.get("DISTFLOW_HOST_ID")
+    if key is None:
+        try:  # another network namespace (a container, an emulated host) counts as another host
+            netns = os.stat("/proc/self/ns/net").st_ino
+        except OSError:
+            netns = 0
+        key = f"{socket.gethostname()}-{boot}-{netns}"
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=7).digest(), "little")
 
 
 class _GroupState:
     """Per process group: every rank's host key, the exchange counter (per group, because
     exchanges on different groups, such as a background transfer, interleave differently
-    per rank), this rank's shared-memory slots, the metadata messages' row capacity, and
-    where plans are computed.
+    per rank), this rank's shared-memory slots and the metadata messages' row capacity."""
 
-    Every rank computes the same plan itself when each has a core of its own: that costs
-    no extra time and no message. Where some machine (one kernel, whatever its network
-    namespaces: the emulated cluster's hosts share one) has more ranks than cores, N
-    copies of the planner would compete for them, so the group's rank 0 plans alone and
-    broadcasts the plan (a few bytes per sample) instead."""
-
-    def __init__(self, hosts: list[int], token: int, cores: list[int], machines: list[int]) -> None:
+    def __init__(self, hosts: list[int], token: int) -> None:
         self.hosts, self.token = hosts, token
-        ranks_on = {m: machines.count(m) for m in machines}
-        self.plan_on_leader = any(ranks_on[m] > c for m, c in zip(machines, cores))
         self.rounds = itertools.count()
         self.row_capacity: dict[int, int] = {}  # all_gather_rows: columns -> rows per message
         self.generations = itertools.count(1)
@@ -442,24 +428,15 @@ class _GroupState:
         return mapping[:size]
 
 
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def _group_state(group, world: int) -> _GroupState:
-    """This group's state; one all-gather of host and machine keys, usable cores (and
-    rank 0's token naming the group's files) on first use."""
+    """This group's state; one all-gather of host keys (and rank 0's token naming the
+    group's files) on first use."""
     gid = id(group)
     if gid not in _GROUPS:
-        mine = torch.tensor([_host_key(), int.from_bytes(os.urandom(6), "little"), _usable_cores(),
-                             _host_key(machine_only=True)], dtype=torch.int64)
-        every = [torch.empty(4, dtype=torch.int64) for _ in range(world)]
+        mine = torch.tensor([_host_key(), int.from_bytes(os.urandom(6), "little")], dtype=torch.int64)
+        every = [torch.empty(2, dtype=torch.int64) for _ in range(world)]
         dist.all_gather(every, mine, group=group)
-        _GROUPS[gid] = _GroupState([int(t[0]) for t in every], int(every[0][1]), [int(t[2]) for t in every],
-                                   [int(t[3]) for t in every])
+        _GROUPS[gid] = _GroupState([int(t[0]) for t in every], int(every[0][1]))
     return _GROUPS[gid]
 
 
@@ -548,8 +525,8 @@ def plan_collectively(sample_ids: Sequence[int], lengths: Sequence[int], src: La
                       stats: TransferStats | None = None, times: PhaseTimes | None = None,
                       view: GlobalView | None = None) -> tuple[ReshardPlan, dict[int, int]]:
     """The metadata all-gather (unless `view` already knows every rank's rows), then the
-    same pure plan on every rank (or, on an oversubscribed host, on the group's rank 0,
-    broadcast). Returns the plan and every sample's length; fills or updates `view`."""
+    same pure plan on every rank. Returns the plan and every sample's length; fills or
+    updates `view`."""
     timed = times if times is not None else _untimed
     rank, world = _world(group)
     if view is not None and view.known(rank, sample_ids, lengths):
@@ -559,63 +536,13 @@ def plan_collectively(sample_ids: Sequence[int], lengths: Sequence[int], src: La
             holdings, all_lengths = gather_metadata(sample_ids, lengths, group, stats)
 
     options = {"balance": balance, "equal_count": equal_count, "tolerance": tolerance}
-    with timed("plan"):
-        plan = stay_put_plan(src, dst, holdings, all_lengths, **options)  # O(samples), on every rank
-        if plan is None and (world == 1 or not _group_state(group, world).plan_on_leader):
+    with timed("plan"):  # the same pure plan on every rank: no message
+        plan = stay_put_plan(src, dst, holdings, all_lengths, **options)  # O(samples)
+        if plan is None:
             plan = plan_reshard(src, dst, holdings, all_lengths, **options)
-        elif plan is None:
-            plan = _broadcast_plan(
-                (lambda: plan_reshard(src, dst, holdings, all_lengths, **options)) if rank == 0 else None,
-                group, stats)
     if view is not None:
         view.update(plan, world, all_lengths)
     return plan, all_lengths
-
-
-def _broadcast_plan(plan_fn, group, stats: TransferStats | None) -> ReshardPlan:
-    """Rank 0 runs `plan_fn` and broadcasts the plan, or the ValueError it raised, so
-    that every rank returns the same plan or raises the same error."""
-    plan, error = None, None
-    if plan_fn is not None:
-        try:
-            plan = plan_fn()
-            code = encode_plan(plan)
-        except ValueError as e:
-            error = e
-            code = torch.tensor([-1, *str(e).encode()], dtype=torch.int64)
-        size = torch.tensor([len(code)], dtype=torch.int64)
-    else:
-        size = torch.empty(1, dtype=torch.int64)
-    dist.broadcast(size, group_src=0, group=group)
-    if plan_fn is None:
-        code = torch.empty(int(size), dtype=torch.int64)
-    dist.broadcast(code, group_src=0, group=group)
-    if stats is not None and plan_fn is None:
-        stats.meta_received += 8 * (1 + len(code))
-    elif stats is not None:
-        stats.meta_sent += 8 * (1 + len(code)) * (dist.get_world_size(group) - 1)
-    if error is not None:
-        raise error
-    if int(code[0]) == -1:
-        raise ValueError(bytes(code[1:].tolist()).decode())
-    if plan is not None:
-        return plan
-    with gc_paused():
-        return decode_plan(code)
-
-
-def encode_plan(plan: ReshardPlan) -> torch.Tensor:
-    """A plan as one int64 tensor: the bins, the moves, then what each rank keeps."""
-    flat = [len(plan.assignment)]
-    for samples in plan.assignment:
-        flat += [len(samples), *samples]
-    flat.append(len(plan.moves))
-    for m in plan.moves:
-        flat += m
-    flat.append(len(plan.keep))
-    for r, samples in plan.keep.items():
-        flat += [r, len(samples), *samples]
-    return _int64(flat)
 
 
 def _int64(values: Sequence[int]) -> torch.Tensor:
@@ -623,23 +550,6 @@ def _int64(values: Sequence[int]) -> torch.Tensor:
     several times slower)."""
     return torch.frombuffer(array.array("q", values), dtype=torch.int64) if values else \
         torch.empty(0, dtype=torch.int64)
-
-
-def decode_plan(code: torch.Tensor) -> ReshardPlan:
-    flat, at = code.tolist(), 1
-    assignment = []
-    for _ in range(flat[0]):
-        assignment.append(flat[at + 1: at + 1 + flat[at]])
-        at += 1 + flat[at]
-    n, at = flat[at], at + 1
-    moves = [Move(*flat[i: i + 3]) for i in range(at, at + 3 * n, 3)]
-    at += 3 * n
-    keep = {}
-    count, at = flat[at], at + 1
-    for _ in range(count):
-        keep[flat[at]] = flat[at + 2: at + 2 + flat[at + 1]]
-        at += 2 + flat[at + 1]
-    return ReshardPlan(assignment, moves, keep)
 
 
 def reshard(batch: Batch, sample_ids: Sequence[int], lengths: Sequence[int], src: Layout, dst: Layout,

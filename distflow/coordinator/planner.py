@@ -61,11 +61,12 @@ import bisect
 import gc
 import heapq
 import sys
-from collections import Counter, defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
+
+import numpy as np
 
 from distflow.coordinator.layout import Layout
 
@@ -305,7 +306,8 @@ def stay_put_plan(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]
         if sum(map(len, bins)) != len(lengths) or \
                 sum(map(len, holdings.values())) != dst.tp_size * sum(map(len, bins)):
             return None  # a sample held by two groups, or by a rank outside the layout
-        if balance != "none" and _largest_bin(bins, lengths) > _bound(dst, lengths) * (1.0 + tolerance):
+        largest = max(sum(lengths[s] for s in b) for b in bins)
+        if balance != "none" and largest > _bound(dst, lengths) * (1.0 + tolerance):
             return None
         return ReshardPlan(bins, [], {r: list(bins[g]) for g, ranks in enumerate(dst.dp_groups()) for r in ranks})
 
@@ -316,147 +318,188 @@ def _bound(dst: Layout, lengths: Mapping[int, int]) -> int:
     return max(max(lengths.values()), -(-sum(lengths.values()) // dst.dp_size))
 
 
+class _Samples(NamedTuple):
+    """The planner's inputs as arrays, one row per sample in ascending id order (so a
+    tie broken by row is broken by sample id): ``held[i, r]`` says rank ``r`` holds it."""
+
+    ids: np.ndarray
+    lens: np.ndarray
+    held: np.ndarray
+
+
 def _plan(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]], lengths: Mapping[int, int],
           balance: str, equal_count: bool, tolerance: float) -> ReshardPlan:
-    holders = _validate(src, dst, holdings, lengths, balance)
-    stay = _locality_bins(dst, holders, lengths, equal_count)
-    bins = stay
+    samples = _validate(src, dst, holdings, lengths, balance)
+    votes = samples.held.astype(np.int64) @ _group_matrix(dst)  # [sample, group]: members holding it
+    lens = samples.lens.tolist()
+    stay = _locality_bins(votes, lens, equal_count)
+    group_of = stay
     bound = _bound(dst, lengths)
-    if balance != "none" and _largest_bin(stay, lengths) > bound * (1.0 + tolerance):
-        repaired = None if equal_count else _repaired(stay, lengths, bound * (1.0 + tolerance))
+    if balance != "none" and _largest_bin(stay, lens, dst.dp_size) > bound * (1.0 + tolerance):
+        repaired = None if equal_count else _repaired(stay, lens, dst.dp_size, bound * (1.0 + tolerance))
         if repaired is not None:  # a few samples moved, the rest stays: within the tolerance of the bound
-            return _route(_match_bins(repaired, dst, holders, lengths), dst, holders, lengths)
+            return _route(_match_bins(repaired, votes, samples.lens), dst, samples)
         split = karmarkar_karp if balance == "kk" else greedy_lpt
-        ids = sorted(lengths)
-        parts = split([lengths[s] for s in ids], dst.dp_size, equal_count)
-        balanced = [[ids[i] for i in p] for p in parts]
+        balanced = np.empty(len(lens), dtype=np.int64)
+        for b, rows in enumerate(split(lens, dst.dp_size, equal_count)):
+            balanced[rows] = b
         # Staying put costs no bytes, so the balancer must be strictly better to win.
-        if _largest_bin(balanced, lengths) * (1.0 + tolerance) < _largest_bin(stay, lengths):
-            bins = balanced
-    return _route(_match_bins(bins, dst, holders, lengths), dst, holders, lengths)
+        if _largest_bin(balanced, lens, dst.dp_size) * (1.0 + tolerance) < _largest_bin(stay, lens, dst.dp_size):
+            group_of = balanced
+    return _route(_match_bins(group_of, votes, samples.lens), dst, samples)
 
 
-def _repaired(bins: list[list[int]], lengths: Mapping[int, int], target: float) -> list[list[int]] | None:
-    """`bins` with single samples moved from the heaviest bin to the lightest until none
-    holds more than `target` tokens, or None where moves of single samples do not get
-    there (then the balancer partitions afresh). Each move takes the longest sample
-    that keeps the lightest bin within the target (else the longest that still narrows
-    the gap), so few samples move; ties by sample id, so every rank repairs alike."""
-    order = [sorted((lengths[s], s) for s in b) for b in bins]
+def _repaired(bin_of: np.ndarray, lens: list[int], k: int, target: float) -> np.ndarray | None:
+    """`bin_of` (each sample's bin) with single samples moved from the heaviest bin to
+    the lightest until none holds more than `target` tokens, or None where moves of
+    single samples do not get there (then the balancer partitions afresh). Each move
+    takes the longest sample that keeps the lightest bin within the target (else the
+    longest that still narrows the gap), so few samples move; ties by sample id, so
+    every rank repairs alike."""
+    by_length = np.lexsort((np.arange(len(lens)), lens))  # (length, sample) ascending
+    in_order = bin_of[by_length]
+    order: list[list[tuple[int, int]]] = []  # per bin, its (length, row) pairs in that order
+    for b in range(k):
+        rows = by_length[in_order == b].tolist()
+        order.append([(lens[row], row) for row in rows])
     totals = [sum(n for n, _ in b) for b in order]
-    for _ in range(len(lengths) + 1):
-        heavy = max(range(len(order)), key=lambda g: (totals[g], -g))
+    moved = bin_of.copy()
+    for _ in range(len(lens) + 1):
+        heavy = max(range(k), key=lambda g: (totals[g], -g))
         if totals[heavy] <= target:
-            return [sorted(s for _, s in b) for b in order]
-        light = min(range(len(order)), key=lambda g: (totals[g], g))
+            return moved
+        light = min(range(k), key=lambda g: (totals[g], g))
         gap, items = totals[heavy] - totals[light], order[heavy]
         fits = bisect.bisect_right(items, (min(gap - 1, target - totals[light]), sys.maxsize)) - 1
         narrows = bisect.bisect_right(items, (gap - 1, sys.maxsize)) - 1
         pick = fits if fits >= 0 and items[fits][0] > 0 else narrows
         if pick < 0 or items[pick][0] <= 0:
             return None
-        n, sample = items.pop(pick)
-        bisect.insort(order[light], (n, sample))
+        n, row = items.pop(pick)
+        bisect.insort(order[light], (n, row))
+        moved[row] = light
         totals[heavy] -= n
         totals[light] += n
     return None
 
 
 def _validate(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]],
-              lengths: Mapping[int, int], balance: str) -> dict[int, frozenset[int]]:
-    """Check the inputs; return each sample's holders (one shared frozenset per
-    distinct set of holders)."""
+              lengths: Mapping[int, int], balance: str) -> _Samples:
+    """Check the inputs; return them as arrays."""
     if balance not in BALANCE_MODES:
         raise ValueError(f"balance={balance!r} is not one of {', '.join(map(repr, BALANCE_MODES))}")
     if src.world_size != dst.world_size:
         raise ValueError(f"src world_size={src.world_size} differs from dst world_size="
                          f"{dst.world_size}; a reshard moves data within one set of workers")
-    if lengths and min(lengths.values()) < 0:
+    ids = np.array(sorted(lengths), dtype=np.int64)
+    lens = np.array([lengths[s] for s in ids.tolist()], dtype=np.int64)
+    if len(lens) and lens.min() < 0:
         s, n = next((s, n) for s, n in lengths.items() if n < 0)
         raise ValueError(f"sample {s} has negative length {n}; lengths must be >= 0")
     if len(lengths) < dst.dp_size:
         raise ValueError(f"{len(lengths)} samples cannot fill the {dst.dp_size} destination "
                          f"DP ranks; each DP rank needs at least one sample")
     members = set(src.members)
-    held: dict[int, list[int]] = {}
+    held = np.zeros((len(ids), src.world_size), dtype=bool)
     for rank, samples in holdings.items():
-        if samples and rank not in members:
+        if not len(samples):
+            continue
+        if rank not in members:
             raise ValueError(f"rank {rank} holds sample {samples[0]} but is not in the source "
                              f"layout's ranks {src.members}")
-        for s in samples:
-            ranks = held.get(s)
-            if ranks is not None:
-                ranks.append(rank)
-            elif s in lengths:
-                held[s] = [rank]
-            else:
-                raise ValueError(f"rank {rank} holds sample {s}, which has no entry in lengths")
-    if len(held) < len(lengths):
-        unheld = [s for s in sorted(lengths) if s not in held]
-        raise ValueError(f"sample {unheld[0]} has no holder ({len(unheld)} unheld in all); "
+        wanted = np.asarray(samples, dtype=np.int64)
+        rows = np.searchsorted(ids, wanted).clip(max=max(len(ids) - 1, 0))
+        found = ids[rows] == wanted if len(ids) else np.zeros(len(wanted), dtype=bool)
+        if not found.all():
+            raise ValueError(f"rank {rank} holds sample {int(wanted[np.argmin(found)])}, which has no entry "
+                             "in lengths")
+        held[rows, rank] = True
+    unheld = ids[~held.any(axis=1)]
+    if len(unheld):
+        raise ValueError(f"sample {int(unheld[0])} has no holder ({len(unheld)} unheld in all); "
                          f"every sample in lengths must be held by a source rank")
-    shared: dict[tuple[int, ...], frozenset[int]] = {}
-    return {s: shared.setdefault(tuple(held[s]), frozenset(held[s])) for s in lengths}
+    return _Samples(ids, lens, held)
 
 
-def _largest_bin(bins: list[list[int]], lengths: Mapping[int, int]) -> int:
-    return max(sum(lengths[s] for s in b) for b in bins)
+def _group_matrix(dst: Layout) -> np.ndarray:
+    """[rank, group]: 1 where the rank is a member of that destination DP group."""
+    member = np.zeros((dst.world_size, dst.dp_size), dtype=np.int64)
+    for g, ranks in enumerate(dst.dp_groups()):
+        member[list(ranks), g] = 1
+    return member
 
 
-def _locality_bins(dst: Layout, holders: Mapping[int, frozenset[int]],
-                   lengths: Mapping[int, int], equal_count: bool) -> list[list[int]]:
-    """Each sample to the destination group with the most members holding it.
+def _largest_bin(bin_of: np.ndarray, lens: list[int], k: int) -> int:
+    totals = [0] * k
+    for b, n in zip(bin_of.tolist(), lens):
+        totals[b] += n
+    return max(totals)
+
+
+def _locality_bins(votes: np.ndarray, lens: list[int], equal_count: bool) -> np.ndarray:
+    """Each sample's destination group: the one with the most members holding it.
 
     Samples held by no destination member, or by several groups equally, go to the
     lightest such group; largest samples are placed first so those choices even out.
     """
-    k = dst.dp_size
-    group = {r: dst.dp_rank(r) for r in dst.members}
-    cap = _CountCap(len(lengths), k) if equal_count else None
-    bins: list[list[int]] = [[] for _ in range(k)]
-    totals = [0] * k
-    tiers_of: dict[frozenset[int], list[list[int]]] = {}
-    for s in sorted(lengths, key=lambda s: (-lengths[s], s)):
-        tiers = tiers_of.get(holders[s])
-        if tiers is None:
-            tiers = tiers_of[holders[s]] = _vote_tiers(holders[s], group, k)
-        for tier in tiers:  # the groups with the most votes first, those with none last
-            open_groups = tier if cap is None else [g for g in tier if cap.has_room(len(bins[g]))]
+    n, k = votes.shape
+    patterns, pattern_of = _distinct_rows(votes)
+    # per distinct row of votes, its groups cut into tiers of equal votes, most votes
+    # first; without a count cap a sample always finds room in its first tier
+    tiers_of = [_vote_tiers(row) for row in patterns]
+    if not equal_count:
+        tiers_of = [tiers[:1] for tiers in tiers_of]
+        if all(len(tiers[0]) == 1 for tiers in tiers_of):  # no sample has a choice
+            return np.array([tiers[0][0] for tiers in tiers_of], dtype=np.int64)[pattern_of]
+    cap = _CountCap(n, k) if equal_count else None
+    sizes, totals = [0] * k, [0] * k
+    group_of = [0] * n
+    pattern_of = pattern_of.tolist()
+    for row in np.argsort(-np.asarray(lens), kind="stable").tolist():  # ties by sample id
+        for tier in tiers_of[pattern_of[row]]:
+            open_groups = tier if cap is None else [g for g in tier if cap.has_room(sizes[g])]
             if open_groups:
-                g = open_groups[0] if len(open_groups) == 1 else min(open_groups, key=lambda g: (totals[g], g))
+                g = open_groups[0]
+                for other in open_groups[1:]:  # the lightest; ties: the first group
+                    if totals[other] < totals[g]:
+                        g = other
                 break
-        bins[g].append(s)
-        totals[g] += lengths[s]
+        group_of[row] = g
+        sizes[g] += 1
+        totals[g] += lens[row]
         if cap is not None:
-            cap.took(len(bins[g]))
-    return bins
+            cap.took(sizes[g])
+    return np.array(group_of, dtype=np.int64)
 
 
-def _vote_tiers(holders: frozenset[int], group: Mapping[int, int], k: int) -> list[list[int]]:
-    """The destination groups, cut into tiers of equal votes (members holding the
+def _distinct_rows(votes: np.ndarray) -> tuple[list[list[int]], np.ndarray]:
+    """The distinct rows of a non-negative int matrix and each row's index among them
+    (`np.unique(axis=0)`, through one int64 key per row where the rows fit in one)."""
+    base = int(votes.max(initial=0)) + 1
+    if base ** votes.shape[1] >= 2 ** 62:
+        rows, inverse = np.unique(votes, axis=0, return_inverse=True)
+        return rows.tolist(), inverse.reshape(-1)
+    keys, inverse = np.unique(votes @ base ** np.arange(votes.shape[1], dtype=np.int64), return_inverse=True)
+    rows = [[key // base ** g % base for g in range(votes.shape[1])] for key in keys.tolist()]
+    return rows, inverse.reshape(-1)
+
+
+def _vote_tiers(votes: list[int]) -> list[list[int]]:
+    """The destination groups cut into tiers of equal votes (members holding the
     sample), most votes first; each tier in group order."""
-    votes = Counter(group[r] for r in holders if r in group)
-    return [[g for g in range(k) if votes[g] == v] for v in sorted({votes[g] for g in range(k)}, reverse=True)]
+    return [[g for g, v in enumerate(votes) if v == tier] for tier in sorted(set(votes), reverse=True)]
 
 
-def _match_bins(bins: list[list[int]], dst: Layout, holders: Mapping[int, frozenset[int]],
-                lengths: Mapping[int, int]) -> list[list[int]]:
-    """Give each destination group one bin, maximising the tokens it already holds."""
-    group = {r: dst.dp_rank(r) for r in dst.members}
-    k = dst.dp_size
+def _match_bins(bin_of: np.ndarray, votes: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Give each destination group one bin, maximising the tokens it already holds;
+    returns each sample's group."""
+    k = votes.shape[1]
     # score[b][g]: tokens of bin b that group g's members already hold (one count per
     # member, since each member needs its own copy).
-    score = [[0] * k for _ in bins]
-    for b, samples in enumerate(bins):
-        for s in samples:
-            for r in holders[s]:
-                if r in group:
-                    score[b][group[r]] += lengths[s]
+    score = np.zeros((k, k), dtype=np.int64)
+    np.add.at(score, bin_of, votes * lens[:, None])
     match = _exact_matching if k <= _EXACT_MATCH_MAX else _greedy_matching
-    assignment: list[list[int]] = [[] for _ in range(k)]
-    for b, g in enumerate(match(score)):
-        assignment[g] = sorted(bins[b])
-    return assignment
+    return np.asarray(match(score.tolist()), dtype=np.int64)[bin_of]
 
 
 def _exact_matching(score: list[list[int]]) -> tuple[int, ...]:
@@ -494,26 +537,32 @@ def _greedy_matching(score: list[list[int]]) -> tuple[int, ...]:
     return tuple(of_bin[b] for b in range(k))
 
 
-def _route(assignment: list[list[int]], dst: Layout, holders: Mapping[int, frozenset[int]],
-           lengths: Mapping[int, int]) -> ReshardPlan:
+def _route(group_of: np.ndarray, dst: Layout, samples: _Samples) -> ReshardPlan:
     """Keep what is already in place; fetch the rest from the least-loaded holder."""
+    ids, lens, held = samples
+    assignment = [ids[group_of == g].tolist() for g in range(dst.dp_size)]
     keep: dict[int, list[int]] = {r: [] for r in dst.members}
-    need: list[tuple[int, int, int]] = []
+    need_rows, need_ranks = [], []
     for g, ranks in enumerate(dst.dp_groups()):
+        in_group = group_of == g
         for r in ranks:
-            kept = keep[r]
-            for s in assignment[g]:
-                if r in holders[s]:
-                    kept.append(s)
-                else:
-                    need.append((-lengths[s], s, r))
-    need.sort()
-    sent: dict[int, int] = defaultdict(int)
-    moves = []
-    for _, s, r in need:
-        hs = holders[s]
-        source = min(hs, key=lambda h: (sent[h], h)) if len(hs) > 1 else next(iter(hs))
-        sent[source] += lengths[s]
-        moves.append(Move(s, source, r))
-    moves.sort(key=lambda m: (m.src, m.dst, m.sample))
+            keep[r] = ids[in_group & held[:, r]].tolist()
+            rows = np.flatnonzero(in_group & ~held[:, r])
+            need_rows.append(rows)
+            need_ranks.append(np.full(len(rows), r, dtype=np.int64))
+    rows, to = np.concatenate(need_rows), np.concatenate(need_ranks)
+    order = np.lexsort((to, rows, -lens[rows]))  # largest first; ties by sample, then rank
+    rows, to = rows[order], to[order]
+    source = held[rows].argmax(axis=1)  # the only holder, where there is one
+    choices = np.flatnonzero(held[rows].sum(axis=1) > 1)
+    if len(choices):  # the holder that has sent the fewest tokens so far (ties: lowest rank)
+        sent = [0] * held.shape[1]
+        chosen = set(choices.tolist())
+        for i, (row, src) in enumerate(zip(rows.tolist(), source.tolist())):
+            if i in chosen:
+                src = min(np.flatnonzero(held[row]).tolist(), key=lambda h: (sent[h], h))
+                source[i] = src
+            sent[src] += lens[row]
+    order = np.lexsort((ids[rows], to, source))
+    moves = list(map(Move, ids[rows[order]].tolist(), source[order].tolist(), to[order].tolist()))
     return ReshardPlan(assignment, moves, keep)

@@ -186,35 +186,22 @@ def test_every_rank_its_own_host_means_no_shared_memory():
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("distflow-")], "shm files are cleaned up"
 
 
-def test_plan_codec_roundtrip():
-    from distflow.coordinator.executor import decode_plan, encode_plan
-    from distflow.coordinator.planner import plan_reshard
-
-    lengths = {s: 1 + (s * 13) % 29 for s in range(40)}
-    holdings = {r: [s for s in lengths if s % 4 == r] for r in range(4)}
-    for dst in (Layout(4, tp_size=2), Layout(4, ranks=(2, 3)), Layout(4)):
-        plan = plan_reshard(Layout(4), dst, holdings, lengths, balance="kk")
-        assert decode_plan(encode_plan(plan)) == plan
-
-
 def _rounds(rank, world, small_shm):
-    """Several reshards in a row, growing, through reused shared-memory slots; rank 0
-    planning or every rank; then messages over the size that keeps a slot; then with a
-    /dev/shm too small for the payload."""
+    """Several reshards in a row, growing, through reused shared-memory slots; then
+    messages over the size that keeps a slot; then with a /dev/shm too small for the
+    payload."""
     import os
 
     from distflow.coordinator import executor
 
     state = executor._group_state(None, world)
     out = []
-    rounds = [(True, None, False), (False, None, False), (True, None, False), (False, None, True),
-              (False, small_shm, False)]
-    for rnd, (leader, shm_dir, over_keep) in enumerate(rounds):
+    rounds = [(None, False), (None, False), (None, False), (None, True), (small_shm, False)]
+    for rnd, (shm_dir, over_keep) in enumerate(rounds):
         if shm_dir is not None:
             executor._SHM_DIR = shm_dir
         kept = (dict(state.send), dict(state.recv))
         executor._KEEP_SLOT_BYTES = 1024 if over_keep else 64 << 20
-        state.plan_on_leader = leader
         batch, ids, lengths = _sample_batch(rank)
         width = 64 << (2 * rnd)  # 64 .. 4096 floats: every slot has to grow
         batch.tensors["wide"] = torch.tensor(ids, dtype=torch.float32)[:, None] + torch.arange(width) / width
@@ -238,7 +225,7 @@ def _rounds(rank, world, small_shm):
     return out, [n for n in names if n.startswith("distflow-")], _too_few(rank, world)
 
 
-def test_reused_slots_leader_or_every_rank_a_full_shm_and_an_unsatisfiable_plan(tmp_path):
+def test_reused_slots_a_full_shm_and_an_unsatisfiable_plan(tmp_path):
     """Also: an unsatisfiable plan fails on every rank alike, before any transfer."""
     import subprocess
 
