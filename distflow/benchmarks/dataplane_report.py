@@ -127,9 +127,8 @@ CAVEATS = """\
   here only bytes, driver memory and single-host time are.
 - **Few cores.** All N workers (and, for the centralized modes, the driver and Ray's own
   processes) share the cores listed below, so larger N adds CPU contention to both
-  modes; the load average shows what else was running. With more ranks than cores the
-  coordinator's rank 0 plans alone and broadcasts the plan; with a core per rank every
-  rank runs the same pure planner itself.
+  modes; the load average shows what else was running. Every coordinator rank runs
+  the same pure planner itself, so no plan is sent.
 - **Plain all_to_all, plain isend/irecv.** On the coordinator's row: the same payload
   bytes per rank pair through one plain gloo `all_to_all_single` per transition, and
   through plain `isend`/`irecv` to every peer at once (the coordinator's own wire path),
