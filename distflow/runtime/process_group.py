@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import importlib
 import os
@@ -38,11 +39,32 @@ def group_backend(use_cuda: bool) -> str:
     return "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
 
 
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's largest M_MMAP_THRESHOLD on 64-bit
+
+
+def keep_freed_memory() -> bool:
+    """Let glibc keep freed blocks of up to 32 MiB in the heap for the next allocation,
+    instead of returning them to the kernel, whose fresh pages every new tensor would
+    then fault in again (by default a freed block over the adaptive threshold, and the
+    heap's free top past twice it, go back). A worker allocates tensors of the same
+    sizes every step: the coordinator's new batches, micro-batches, activations. The
+    price is that the worker's RSS stays near its peak, as PyTorch's CUDA caching
+    allocator keeps GPU memory. Returns False where libc has no mallopt (not glibc)."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1 and mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1
+
+
 def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int,
                        device: str, timeout_s: int, threads: int) -> torch.device:
     """Join the job's process group (gloo on CPU; gloo and NCCL on GPU, see group_backend);
-    returns this rank's device."""
+    returns this rank's device. Freed host memory is kept for reuse (keep_freed_memory)."""
     os.environ.update(WORKER_ENV)
+    keep_freed_memory()
     os.environ["MASTER_ADDR"] = master_addr  # rank 0's host: later groups (runtime/roles.py) meet there too
     use_cuda = device != "cpu" and torch.cuda.is_available()
     if not use_cuda:
