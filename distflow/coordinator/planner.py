@@ -291,10 +291,10 @@ def stay_put_plan(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]
     """The plan `plan_reshard` returns, in O(samples), when it is "nothing moves": each
     destination group's members all hold the same samples, no sample is held outside
     one group, and (unless ``balance="none"``) that placement is within the tolerance of
-    the balancer's bound. None when that does not hold (plan it in full). Raises what
-    `plan_reshard` raises."""
+    the balancer's bound. None when that does not hold (plan it in full), found before
+    the inputs are checked: `plan_reshard` checks them then. Where it returns a plan it
+    has raised what `plan_reshard` raises."""
     with gc_paused():
-        _validate(src, dst, holdings, lengths, balance)
         if equal_count:
             return None
         bins = []
@@ -306,6 +306,7 @@ def stay_put_plan(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]
         if sum(map(len, bins)) != len(lengths) or \
                 sum(map(len, holdings.values())) != dst.tp_size * sum(map(len, bins)):
             return None  # a sample held by two groups, or by a rank outside the layout
+        _validate(src, dst, holdings, lengths, balance)
         largest = max(sum(lengths[s] for s in b) for b in bins)
         if balance != "none" and largest > _bound(dst, lengths) * (1.0 + tolerance):
             return None
