@@ -51,12 +51,24 @@ def _train(rank: int, world: int, model_dir: str, strategy: str = "auto"):
     return _grads(actor.module), sums["grad_norm"], state, actor.strategy
 
 
+def _on_two_ranks(rank: int, world: int, model_dir: str) -> dict:
+    """Every two-rank check of this module, in one launch (a launch's start-up costs more
+    than the checks)."""
+    return {"train": {s: _train(rank, world, model_dir, s) for s in ("ddp", "fsdp2", "auto")},
+            "load": {s: _load_full_state(rank, world, model_dir, s) for s in ("ddp", "fsdp2")},
+            "bf16": {s: _train_bf16(rank, world, model_dir, s) for s in ("ddp", "fsdp2")}}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(random_model_dir) -> list[dict]:
+    return run_gloo(_on_two_ranks, 2, random_model_dir, timeout=240.0)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "auto"])
-def test_two_ranks_match_one_process(random_model_dir, strategy):
+def test_two_ranks_match_one_process(random_model_dir, two_ranks, strategy):
     ref_grads, ref_norm, ref_state, alone = _train(0, 1, random_model_dir)
     assert alone == "none"
-    results = run_gloo(_train, 2, random_model_dir, strategy)
-    for grads, norm, state, used in results:
+    for grads, norm, state, used in (ranks["train"][strategy] for ranks in two_ranks):
         assert used == ("ddp" if strategy == "auto" else strategy)  # auto: a 0.1M-parameter model fits anywhere
         assert abs(norm - ref_norm) < 1e-4 * max(1.0, ref_norm)
         assert ref_norm > 0
@@ -80,8 +92,8 @@ def _load_full_state(rank, world, model_dir, strategy):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_full_state_dict_loads_into_plain_model(random_model_dir, strategy):
-    for differ, same_keys, world in run_gloo(_load_full_state, 2, random_model_dir, strategy):
+def test_full_state_dict_loads_into_plain_model(two_ranks, strategy):
+    for differ, same_keys, world in (ranks["load"][strategy] for ranks in two_ranks):
         assert differ == [] and same_keys and world == 2
 
 
@@ -137,11 +149,11 @@ def _train_bf16(rank: int, world: int, model_dir: str, strategy: str):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_bf16_compute_keeps_fp32_master_weights_and_moments(random_model_dir, strategy):
+def test_bf16_compute_keeps_fp32_master_weights_and_moments(two_ranks, strategy):
     """model.dtype=bfloat16: the log-probs come from a bf16 forward (they differ from the
     fp32 ones by bf16 rounding, not more), the update lands on fp32 weights, AdamW's
     moments are fp32."""
-    for out in run_gloo(_train_bf16, 2, random_model_dir, strategy):
+    for out in (ranks["bf16"][strategy] for ranks in two_ranks):
         assert out["strategy"] == strategy and out["grad_norm"] > 0 and out["moved"]
         assert 1e-4 < out["gap"] < 0.1, out["gap"]  # bf16 really ran, and only its rounding shows
         assert out["dtypes"] == {torch.float32} and out["moments"] == {torch.float32}
