@@ -334,9 +334,9 @@ def _plan(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]], lengt
     votes = samples.held.astype(np.int64) @ _group_matrix(dst)  # [sample, group]: members holding it
     lens = samples.lens.tolist()
     stay = _locality_bins(votes, lens, equal_count)
-    group_of = stay
+    group_of, stay_largest = stay, _largest_bin(stay, lens, dst.dp_size)
     bound = _bound(dst, lengths)
-    if balance != "none" and _largest_bin(stay, lens, dst.dp_size) > bound * (1.0 + tolerance):
+    if balance != "none" and stay_largest > bound * (1.0 + tolerance):
         repaired = None if equal_count else _repaired(stay, lens, dst.dp_size, bound * (1.0 + tolerance))
         if repaired is not None:  # a few samples moved, the rest stays: within the tolerance of the bound
             return _route(_match_bins(repaired, votes, samples.lens), dst, samples)
@@ -345,7 +345,7 @@ def _plan(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]], lengt
         for b, rows in enumerate(split(lens, dst.dp_size, equal_count)):
             balanced[rows] = b
         # Staying put costs no bytes, so the balancer must be strictly better to win.
-        if _largest_bin(balanced, lens, dst.dp_size) * (1.0 + tolerance) < _largest_bin(stay, lens, dst.dp_size):
+        if _largest_bin(balanced, lens, dst.dp_size) * (1.0 + tolerance) < stay_largest:
             group_of = balanced
     return _route(_match_bins(group_of, votes, samples.lens), dst, samples)
 
@@ -554,8 +554,9 @@ def _route(group_of: np.ndarray, dst: Layout, samples: _Samples) -> ReshardPlan:
     rows, to = np.concatenate(need_rows), np.concatenate(need_ranks)
     order = np.lexsort((to, rows, -lens[rows]))  # largest first; ties by sample, then rank
     rows, to = rows[order], to[order]
-    source = held[rows].argmax(axis=1)  # the only holder, where there is one
-    choices = np.flatnonzero(held[rows].sum(axis=1) > 1)
+    holders = held[rows]
+    source = holders.argmax(axis=1)  # the only holder, where there is one
+    choices = np.flatnonzero(holders.sum(axis=1) > 1)
     if len(choices):  # the holder that has sent the fewest tokens so far (ties: lowest rank)
         sent = [0] * held.shape[1]
         chosen = set(choices.tolist())
