@@ -51,12 +51,16 @@ def _train(rank: int, world: int, model_dir: str, strategy: str = "auto"):
     return _grads(actor.module), sums["grad_norm"], state, actor.strategy
 
 
+STRATEGIES = ["ddp", "fsdp2", "auto"]
+EXPLICIT = ["ddp", "fsdp2"]  # auto resolves to one of these
+
+
 def _on_two_ranks(rank: int, world: int, model_dir: str) -> dict:
     """Every two-rank check of this module, in one launch (a launch's start-up costs more
     than the checks)."""
-    return {"train": {s: _train(rank, world, model_dir, s) for s in ("ddp", "fsdp2", "auto")},
-            "load": {s: _load_full_state(rank, world, model_dir, s) for s in ("ddp", "fsdp2")},
-            "bf16": {s: _train_bf16(rank, world, model_dir, s) for s in ("ddp", "fsdp2")}}
+    return {"train": {s: _train(rank, world, model_dir, s) for s in STRATEGIES},
+            "load": {s: _load_full_state(rank, world, model_dir, s) for s in EXPLICIT},
+            "bf16": {s: _train_bf16(rank, world, model_dir, s) for s in EXPLICIT}}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +68,7 @@ def two_ranks(random_model_dir) -> list[dict]:
     return run_gloo(_on_two_ranks, 2, random_model_dir, timeout=240.0)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "auto"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_two_ranks_match_one_process(random_model_dir, two_ranks, strategy):
     ref_grads, ref_norm, ref_state, alone = _train(0, 1, random_model_dir)
     assert alone == "none"
@@ -91,7 +95,7 @@ def _load_full_state(rank, world, model_dir, strategy):
     return differ, sorted(full) == sorted(original), dist.get_world_size()
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", EXPLICIT)
 def test_full_state_dict_loads_into_plain_model(two_ranks, strategy):
     for differ, same_keys, world in (ranks["load"][strategy] for ranks in two_ranks):
         assert differ == [] and same_keys and world == 2
@@ -148,7 +152,7 @@ def _train_bf16(rank: int, world: int, model_dir: str, strategy: str):
             "moved": any(not torch.equal(before[k], after[k]) for k in after)}
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", EXPLICIT)
 def test_bf16_compute_keeps_fp32_master_weights_and_moments(two_ranks, strategy):
     """model.dtype=bfloat16: the log-probs come from a bf16 forward (they differ from the
     fp32 ones by bf16 rounding, not more), the update lands on fp32 weights, AdamW's
