@@ -170,6 +170,10 @@ class ActorConfig:
     ppo_epochs: int = _spec(1, min=1)
     ppo_mini_batch_size: int = _spec(16, min=1, doc="prompts per optimizer step, over all workers")
     micro_batch_size: int = _spec(64, min=1, doc="sequences per forward/backward on one worker")
+    forward_prompt_once: bool = _spec(True, doc="rows of a micro-batch with the same prompt (a GRPO group) run "
+                                                "its tokens once and their responses on its cached keys and "
+                                                "values: the same log-probs and gradients, less compute; the "
+                                                "actor and the reference; not with images or actor.strategy=fsdp2")
     use_dynamic_bsz: bool = _spec(False, doc="form micro-batches by token budget instead of count")
     max_tokens_per_micro_batch: int = _spec(4096, min=1, doc="token budget with use_dynamic_bsz")
     strategy: str = _spec("auto", choices=("auto", "fsdp2", "ddp"),

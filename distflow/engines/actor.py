@@ -79,12 +79,14 @@ MicroBatches = list[list[int]]  # row indices per micro-batch; [] = a lockstep-o
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # (model, micro, train) -> per-token outputs
 
 
-def policy_forward(model, micro: Batch, train: bool, temperature: float = 1.0):
-    """Log-probs of the responses at the sampling temperature, and their entropy when training."""
+def policy_forward(model, micro: Batch, train: bool, temperature: float = 1.0, prompt_once: bool = False):
+    """Log-probs of the responses at the sampling temperature, and their entropy when
+    training. `prompt_once`: rows with the same prompt share one forward of it."""
     return forward_response(model, micro["prompts"], micro["prompt_mask"], micro["responses"],
                             micro["response_mask"], with_entropy=train, temperature=temperature,
                             observation_mask=micro.tensors.get("observation_mask"),
-                            images={k: micro.tensors[k] for k in IMAGE_FIELDS if k in micro.tensors})
+                            images={k: micro.tensors[k] for k in IMAGE_FIELDS if k in micro.tensors},
+                            prompt_once=prompt_once)
 
 
 def _micro(batch: Batch, rows: list[int]) -> Batch:
@@ -223,10 +225,15 @@ class DataParallelTrainable:
 
 
 class Actor(DataParallelTrainable):
+    """`prompt_once` (actor.forward_prompt_once): rows sharing a prompt share its forward,
+    except under FSDP2, whose per-layer gathers would run for both forwards."""
+
     def __init__(self, model, optim: OptimConfig, device: torch.device, temperature: float = 1.0,
-                 strategy: str = "auto", compute_dtype: torch.dtype = torch.float32):
+                 strategy: str = "auto", compute_dtype: torch.dtype = torch.float32, prompt_once: bool = False):
         super().__init__(model, optim, device, strategy, compute_dtype)
-        self.forward = partial(policy_forward, temperature=temperature)  # the rollout's temperature, as verl
+        # the rollout's temperature, as verl
+        self.forward = partial(policy_forward, temperature=temperature,
+                               prompt_once=prompt_once and self.strategy != "fsdp2")
 
     def compute_log_probs(self, batch: Batch, micro_batches: MicroBatches) -> torch.Tensor:
         return self.compute(batch, micro_batches)
@@ -257,8 +264,8 @@ class ReferenceModel:
     """Frozen policy copy for the KL term; replicated, since at small sizes a replica is
     cheaper than the all-gathers of a sharded forward."""
 
-    def __init__(self, model, device: torch.device, temperature: float = 1.0):
-        self.device, self.temperature = device, temperature
+    def __init__(self, model, device: torch.device, temperature: float = 1.0, prompt_once: bool = False):
+        self.device, self.temperature, self.prompt_once = device, temperature, prompt_once
         self.model = model.to(device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -266,4 +273,4 @@ class ReferenceModel:
     @torch.no_grad()
     def compute_log_probs(self, batch: Batch, micro_batches: MicroBatches) -> torch.Tensor:
         return _gather_rows(batch.to_device(self.device), self.model, micro_batches,
-                            partial(policy_forward, temperature=self.temperature))
+                            partial(policy_forward, temperature=self.temperature, prompt_once=self.prompt_once))

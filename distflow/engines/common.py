@@ -4,6 +4,7 @@ tokenizer and image processor from a local folder, and the one forward pass that
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Iterable, Iterator
 from typing import Protocol, runtime_checkable
@@ -151,7 +152,8 @@ def forward_response(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
                      responses: torch.Tensor, response_mask: torch.Tensor,
                      with_entropy: bool = False, temperature: float = 1.0,
                      observation_mask: torch.Tensor | None = None,
-                     images: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     images: dict[str, torch.Tensor] | None = None,
+                     prompt_once: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of `responses` given left-padded `prompts`, under
     softmax(logits / temperature): the distribution the rollout sampled from.
 
@@ -160,23 +162,59 @@ def forward_response(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
     multi-turn episode the environment's tokens (`observation_mask`) are attended to like
     the generated ones (`response_mask`, the loss mask). `images`: the rows' padded
     `pixel_values` and `image_grid_thw` (data/images.py); the model then places the
-    image tokens itself (Qwen2-VL's M-RoPE), as its generation does.
+    image tokens itself (Qwen2-VL's M-RoPE), as its generation does. `prompt_once`: rows
+    with the same prompt share one forward of it (`_logits_prompt_once`); not with images.
     """
     full_width = responses.shape[1]
     seen = response_mask if observation_mask is None else response_mask + observation_mask  # (B, R)
     p, pm, r, rm = trim_padding(prompts, prompt_mask, responses, seen)
-    input_ids = torch.cat([p, r], dim=1)  # (B, P + R')
-    attention = torch.cat([pm, rm], dim=1).long()
-    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-    vision = model_inputs(images, input_ids, unwrapped(model).config.image_token_id) if images else {}
-    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=None if vision else position_ids,
-                   use_cache=False, **vision).logits
-    width = r.shape[1]
-    logits = logits[:, p.shape[1] - 1: p.shape[1] - 1 + width].float() / temperature  # (B, R', V): predicts r
+    logits = _logits_prompt_once(model, p, pm, r, rm) if prompt_once and not images else None
+    if logits is None:
+        input_ids = torch.cat([p, r], dim=1)  # (B, P + R')
+        attention = torch.cat([pm, rm], dim=1).long()
+        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+        vision = model_inputs(images, input_ids, unwrapped(model).config.image_token_id) if images else {}
+        logits = model(input_ids=input_ids, attention_mask=attention, position_ids=None if vision else position_ids,
+                       use_cache=False, **vision).logits
+        logits = logits[:, p.shape[1] - 1: p.shape[1] - 1 + r.shape[1]]  # (B, R', V): predicts r
+    logits = logits.float() / temperature
     log_probs = log_probs_from_logits(logits, r)
     entropy = entropy_from_logits(logits) if with_entropy else None
-    pad = full_width - width
+    pad = full_width - r.shape[1]
     if pad:
         log_probs = torch.nn.functional.pad(log_probs, (0, pad))
         entropy = torch.nn.functional.pad(entropy, (0, pad)) if entropy is not None else None
     return log_probs, entropy
+
+
+def _logits_prompt_once(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
+                        seen: torch.Tensor) -> torch.Tensor | None:
+    """The logits that predict `responses` (B, R', V), with each distinct prompt of the
+    batch run once: its keys and values are then handed to every row that has it, and
+    those rows run only their response tokens on them. Causal attention makes this the
+    same function as one forward per row (a prompt's states never see what follows it),
+    and autograd sums each shared prompt's gradient over its rows. With GRPO's groups of
+    G samples a prompt of P tokens costs P once instead of G times. None where no two
+    rows share a prompt (then one forward per row is as cheap)."""
+    unique, row_prompt = torch.unique(torch.cat([prompts, prompt_mask], dim=1), dim=0, return_inverse=True)
+    if len(unique) == len(prompts):
+        return None
+    width = prompts.shape[1]
+    ids, mask = unique[:, :width], unique[:, width:]
+    lm = unwrapped(model)
+    hf = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # under a LoRA adapter (peft)
+    accepts = inspect.signature(hf.forward).parameters
+    cache_arg = "cache" if "cache" in accepts else "past_key_values"  # renamed in transformers 5.2x
+    last = {"logits_to_keep": 1} if "logits_to_keep" in accepts else {}
+    # the prompts alone, outside a DDP wrapper: DDP takes one forward per backward, and
+    # their parameters' gradients reach its hooks through the response forward's backward
+    head = lm(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+              use_cache=True, **last)
+    cache = head.past_key_values
+    cache.batch_select_indices(row_prompt)  # each row's prompt's keys and values
+    attention = torch.cat([prompt_mask, seen], dim=1).long()
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, width:]
+    rest = model(input_ids=responses, attention_mask=attention, position_ids=positions, use_cache=True,
+                 **{cache_arg: cache}).logits
+    # the prompt's last position predicts the first response token; each response token the next
+    return torch.cat([head.logits[:, -1:][row_prompt], rest[:, :-1]], dim=1)

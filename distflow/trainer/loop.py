@@ -255,7 +255,7 @@ class Trainer:
         compute_dtype = getattr(torch, cfg.model.dtype)
         actor = Actor(self._policy(policy_path),
                       OptimConfig(lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay, grad_clip=cfg.actor.grad_clip),
-                      device, cfg.rollout.temperature, cfg.actor.strategy, compute_dtype)
+                      device, cfg.rollout.temperature, cfg.actor.strategy, compute_dtype, cfg.actor.forward_prompt_once)
         rollout = make_rollout_engine(cfg, policy_path, self.tokenizer, device, actor)
         if self.resume_from is not None and cfg.actor.lora_rank:  # an engine of its own starts from the base
             rollout.update_weights(actor.iter_full_weights(), version=0)
@@ -263,7 +263,8 @@ class Trainer:
         ref = None
         if "reference" in roles:  # with LoRA: the actor's own base (its adapter off), no second copy
             ref = (AdapterDisabledReference(actor, cfg.rollout.temperature) if cfg.actor.lora_rank else
-                   ReferenceModel(load_causal_lm(cfg.model.path, cfg.model.dtype), device, cfg.rollout.temperature))
+                   ReferenceModel(load_causal_lm(cfg.model.path, cfg.model.dtype), device, cfg.rollout.temperature,
+                                  cfg.actor.forward_prompt_once))
         critic = (Critic(load_causal_lm(cfg.model.path), OptimConfig(lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip),
                          device, cfg.critic.strategy, compute_dtype)
                   if roles & {"critic_forward", "critic_train"} else None)

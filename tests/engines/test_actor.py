@@ -29,6 +29,20 @@ def _batch(model_dir: str) -> Batch:
     return out
 
 
+def _grouped_batch(model_dir: str) -> Batch:
+    """Three prompts of different lengths, sampled three times each (GRPO's groups), and
+    one prompt sampled once; the rows of a group are not next to each other."""
+    tok = load_tokenizer(model_dir)
+    engine = HFRolloutEngine(load_causal_lm(model_dir), tok)
+    texts = ["Ann has 3 pens.\nA: ", "Cy\nA: ", "Di has 12 hats, gets 4.\nA: "] * 3 + ["Bo buys 4 bags.\nA: "]
+    out = engine.generate([tok(t, add_special_tokens=False)["input_ids"] for t in texts], list(range(10)),
+                          SamplingParams(max_new_tokens=10))
+    gen = torch.Generator().manual_seed(1)
+    out.tensors["advantages"] = torch.randn(len(out), 1, generator=gen) * out["response_mask"]
+    out.tensors["ref_log_probs"] = -torch.rand(out["responses"].shape, generator=gen)
+    return out
+
+
 def _grads(model) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters():
@@ -51,6 +65,20 @@ def _train(rank: int, world: int, model_dir: str, strategy: str = "auto"):
     return _grads(actor.module), sums["grad_norm"], state, actor.strategy
 
 
+def _train_prompt_once(rank: int, world: int, model_dir: str, prompt_once: bool):
+    """One update on the grouped batch, rank r holding every sample of its prompts, in
+    one micro-batch (so that rows share their prompt's forward)."""
+    cfg = load_config(None, [f"runtime.num_workers={world}", "data.train_batch_size=4",
+                             "actor.ppo_mini_batch_size=4", "algorithm.kl_coef=0.1"])
+    batch = _grouped_batch(model_dir)
+    local = batch.select([i for i in range(len(batch)) if (i % 3 if i < 9 else 3) % world == rank])
+    actor = Actor(load_causal_lm(model_dir), OptimConfig(lr=1e-3, grad_clip=1e9), torch.device("cpu"),
+                  prompt_once=prompt_once)
+    sums = actor.train_mini_batch(local, [list(range(len(local)))],
+                                  make_policy_loss(cfg, float(batch["response_mask"].sum()), float(len(batch))))
+    return _grads(actor.module), sums["grad_norm"], actor.strategy
+
+
 STRATEGIES = ["ddp", "fsdp2", "auto"]
 EXPLICIT = ["ddp", "fsdp2"]  # auto resolves to one of these
 
@@ -60,7 +88,8 @@ def _on_two_ranks(rank: int, world: int, model_dir: str) -> dict:
     than the checks)."""
     return {"train": {s: _train(rank, world, model_dir, s) for s in STRATEGIES},
             "load": {s: _load_full_state(rank, world, model_dir, s) for s in EXPLICIT},
-            "bf16": {s: _train_bf16(rank, world, model_dir, s) for s in EXPLICIT}}
+            "bf16": {s: _train_bf16(rank, world, model_dir, s) for s in EXPLICIT},
+            "prompt_once": _train_prompt_once(rank, world, model_dir, True)}
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +190,51 @@ def test_bf16_compute_keeps_fp32_master_weights_and_moments(two_ranks, strategy)
         assert out["strategy"] == strategy and out["grad_norm"] > 0 and out["moved"]
         assert 1e-4 < out["gap"] < 0.1, out["gap"]  # bf16 really ran, and only its rounding shows
         assert out["dtypes"] == {torch.float32} and out["moments"] == {torch.float32}
+
+
+def test_a_shared_prompt_forward_gives_the_log_probs_and_gradients_of_one_forward_per_row(random_model_dir):
+    """actor.forward_prompt_once: rows with the same prompt run it once, then their
+    responses on its keys and values; the same numbers as one forward per row, in fewer
+    token forwards (counted at the embedding), also with an environment's tokens in the
+    responses (a multi-turn episode)."""
+    from distflow.engines.common import forward_response, unwrapped
+
+    batch = _grouped_batch(random_model_dir)
+    assert batch["prompt_mask"].sum(1).unique().numel() == 3  # left padding of three widths
+    model = load_causal_lm(random_model_dir)
+    seen = []
+    unwrapped(model).get_input_embeddings().register_forward_hook(lambda m, i, o: seen.append(i[0].numel()))
+    observed = torch.zeros_like(batch["response_mask"])
+    observed[:, 2:4] = batch["response_mask"][:, 2:4]  # two response tokens came from the environment
+    for observation in (None, observed):
+        outs = {}
+        for once in (False, True):
+            model.zero_grad()
+            seen.clear()
+            loss_mask = batch["response_mask"] - (observation if observation is not None else 0)
+            lp, ent = forward_response(model, batch["prompts"], batch["prompt_mask"], batch["responses"], loss_mask,
+                                       with_entropy=True, observation_mask=observation, prompt_once=once)
+            ((lp * batch["advantages"]).sum() + (ent * loss_mask).sum()).backward()
+            outs[once] = (lp, ent, {n: q.grad.clone() for n, q in model.named_parameters()}, sum(seen))
+        (lp, ent, grads, tokens), (lp1, ent1, grads1, tokens1) = outs[False], outs[True]
+        assert torch.allclose(lp1, lp, atol=1e-5) and torch.allclose(ent1, ent, atol=1e-5)
+        assert lp.abs().sum() > 0
+        for name, g in grads.items():
+            assert torch.allclose(grads1[name], g, atol=1e-6, rtol=1e-4), name
+        prompt_width = batch["prompts"].shape[1]
+        assert tokens1 == tokens - 6 * prompt_width  # 4 distinct prompts of 10 rows ran once each
+    distinct = batch.select([0, 1, 2, 9])  # no prompt twice: the one forward per row
+    seen.clear()
+    forward_response(model, distinct["prompts"], distinct["prompt_mask"], distinct["responses"],
+                     distinct["response_mask"], prompt_once=True)
+    assert len(seen) == 1
+
+
+def test_ddp_ranks_sharing_prompt_forwards_match_one_process_without(random_model_dir, two_ranks):
+    """Under DDP the prompts' forward runs outside the wrapper; their gradients still reach
+    its all-reduce (through the responses' backward): the update of one process without."""
+    ref_grads, ref_norm, _ = _train_prompt_once(0, 1, random_model_dir, False)
+    for grads, norm, strategy in (ranks["prompt_once"] for ranks in two_ranks):
+        assert strategy == "ddp" and abs(norm - ref_norm) < 1e-4 * max(1.0, ref_norm) and ref_norm > 0
+        for name, g in ref_grads.items():
+            assert torch.allclose(grads[name], g, atol=1e-6, rtol=1e-4), name
