@@ -187,6 +187,16 @@ def forward_response(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
     return log_probs, entropy
 
 
+def cache_arguments(model) -> tuple[str, dict]:
+    """How a HF causal LM takes a key/value cache: the argument's name (`cache` from
+    transformers 5.2x on, `past_key_values` before), and `logits_to_keep=1` (logits of
+    the last position only) where it takes that."""
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a LoRA adapter (peft)
+    accepts = inspect.signature(hf.forward).parameters
+    return ("cache" if "cache" in accepts else "past_key_values",
+            {"logits_to_keep": 1} if "logits_to_keep" in accepts else {})
+
+
 def _logits_prompt_once(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
                         seen: torch.Tensor) -> torch.Tensor | None:
     """The logits that predict `responses` (B, R', V), with each distinct prompt of the
@@ -202,10 +212,7 @@ def _logits_prompt_once(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
     width = prompts.shape[1]
     ids, mask = unique[:, :width], unique[:, width:]
     lm = unwrapped(model)
-    hf = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # under a LoRA adapter (peft)
-    accepts = inspect.signature(hf.forward).parameters
-    cache_arg = "cache" if "cache" in accepts else "past_key_values"  # renamed in transformers 5.2x
-    last = {"logits_to_keep": 1} if "logits_to_keep" in accepts else {}
+    cache_arg, last = cache_arguments(lm)
     # the prompts alone, outside a DDP wrapper: DDP takes one forward per backward, and
     # their parameters' gradients reach its hooks through the response forward's backward
     head = lm(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),

@@ -22,6 +22,7 @@ import torch
 
 from distflow.data.batch import Batch
 from distflow.data.images import image_fields, model_inputs, vision_token_ids
+from distflow.engines.common import cache_arguments
 
 
 def sample_seed(*parts: int) -> int:
@@ -207,6 +208,23 @@ class HFRolloutEngine:
         batch.tensors["rollout_log_probs"] = batch["rollout_log_probs"] * mask
         return batch
 
+    def _shared_prompt_cache(self, ids: torch.Tensor, mask: torch.Tensor) -> dict:
+        """The prefill of rows that share a prompt (GRPO's n samples of it), run once per
+        distinct prompt: its keys and values for all but its last token, handed to each
+        of its rows, so that `generate` starts from them (the last token still runs per
+        row and gives the first logits). Empty where no two rows share a prompt."""
+        unique, row_prompt = torch.unique(torch.cat([ids, mask], dim=1), dim=0, return_inverse=True)
+        width = ids.shape[1]
+        if len(unique) == len(ids) or width < 2:
+            return {}
+        head_ids, head_mask = unique[:, :width - 1], unique[:, width:2 * width - 1]
+        positions = (head_mask.cumsum(-1) - 1).masked_fill(head_mask == 0, 1)  # as generate numbers them
+        cache_arg, last = cache_arguments(self.model)
+        cache = self.model(input_ids=head_ids, attention_mask=head_mask, position_ids=positions, use_cache=True,
+                           **last).past_key_values
+        cache.batch_select_indices(row_prompt)
+        return {cache_arg: cache}
+
     def _generate_chunk(self, prompts: list[list[int]], seeds: list[int] | None, params: SamplingParams):
         from transformers import GenerationConfig, LogitsProcessorList
 
@@ -235,9 +253,11 @@ class HFRolloutEngine:
         if any(getattr(p, "pixel_values", None) is not None for p in prompts):  # PromptIds with images
             images = {k: v.to(device) for k, v in
                       model_inputs(image_fields(prompts), ids, self.model.config.image_token_id).items()}
-        out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+        ids, mask = ids.to(device), mask.to(device)
+        cache = {} if images else self._shared_prompt_cache(ids, mask)
+        out = self.model.generate(input_ids=ids, attention_mask=mask,
                                   generation_config=config, logits_processor=processors,
-                                  return_dict_in_generate=True, output_logits=True, **images)
+                                  return_dict_in_generate=True, output_logits=True, **images, **cache)
         resp = out.sequences[:, ids.shape[1]:].cpu()  # (B, R')
         # the raw logits of each step (before our sampler's noise): the engine's own probabilities
         logits = torch.stack(out.logits, dim=1).float().cpu() / params.temperature  # (B, R', V)

@@ -31,6 +31,29 @@ def test_sampling_is_placement_invariant(random_model_dir):
     assert not torch.equal(other["responses"], together["responses"])
 
 
+def test_rows_sharing_a_prompt_prefill_it_once_and_sample_as_alone(random_model_dir):
+    """GRPO's n samples of a prompt: the engine runs the prompt's prefill once for them
+    (counted at the embedding), and each row's response and log-probs are those it gets
+    generated alone."""
+    engine, tok = _engine(random_model_dir)
+    texts = ["Ann has 3 pens.\nA: ", "Bo buys 4 bags of 5 cups. How many?\nA: "]
+    prompts = _prompts(tok, texts * 3)  # each prompt three times, interleaved
+    seeds = [sample_seed(3, i) for i in range(6)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=12)
+    seen = []
+    hook = engine.model.get_input_embeddings().register_forward_hook(lambda m, i, o: seen.append(i[0].shape))
+    together = engine.generate(prompts, seeds, params)
+    hook.remove()
+    width = max(map(len, prompts))
+    assert seen[0] == (2, width - 1) and seen[1] == (6, 1)  # two prompts' prefill, then each row's last token
+    for i in range(6):
+        alone = engine.generate([prompts[i]], [seeds[i]], params)
+        n = int(alone["response_mask"][0].sum())
+        assert torch.equal(alone["responses"][0, :n], together["responses"][i, :n])
+        assert torch.allclose(alone["rollout_log_probs"][0], together["rollout_log_probs"][i], atol=1e-5)
+    assert len({tuple(r.tolist()) for r in together["responses"]}) > 2  # the samples of a prompt differ
+
+
 def test_seeded_sampler_matches_softmax_distribution():
     torch.manual_seed(0)
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
