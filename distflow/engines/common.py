@@ -197,6 +197,12 @@ def cache_arguments(model) -> tuple[str, dict]:
             {"logits_to_keep": 1} if "logits_to_keep" in accepts else {})
 
 
+def distinct_prompts(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distinct rows of left-padded prompts (ids and mask), and each row's index among them."""
+    unique, row_prompt = torch.unique(torch.cat([ids, mask], dim=1), dim=0, return_inverse=True)
+    return unique[:, :ids.shape[1]], unique[:, ids.shape[1]:], row_prompt
+
+
 def _logits_prompt_once(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
                         seen: torch.Tensor) -> torch.Tensor | None:
     """The logits that predict `responses` (B, R', V), with each distinct prompt of the
@@ -206,11 +212,10 @@ def _logits_prompt_once(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
     and autograd sums each shared prompt's gradient over its rows. With GRPO's groups of
     G samples a prompt of P tokens costs P once instead of G times. None where no two
     rows share a prompt (then one forward per row is as cheap)."""
-    unique, row_prompt = torch.unique(torch.cat([prompts, prompt_mask], dim=1), dim=0, return_inverse=True)
-    if len(unique) == len(prompts):
+    ids, mask, row_prompt = distinct_prompts(prompts, prompt_mask)
+    if len(ids) == len(prompts):
         return None
     width = prompts.shape[1]
-    ids, mask = unique[:, :width], unique[:, width:]
     lm = unwrapped(model)
     cache_arg, last = cache_arguments(lm)
     # the prompts alone, outside a DDP wrapper: DDP takes one forward per backward, and

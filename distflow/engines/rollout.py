@@ -22,7 +22,7 @@ import torch
 
 from distflow.data.batch import Batch
 from distflow.data.images import image_fields, model_inputs, vision_token_ids
-from distflow.engines.common import cache_arguments
+from distflow.engines.common import cache_arguments, distinct_prompts
 
 
 def sample_seed(*parts: int) -> int:
@@ -213,11 +213,10 @@ class HFRolloutEngine:
         distinct prompt: its keys and values for all but its last token, handed to each
         of its rows, so that `generate` starts from them (the last token still runs per
         row and gives the first logits). Empty where no two rows share a prompt."""
-        unique, row_prompt = torch.unique(torch.cat([ids, mask], dim=1), dim=0, return_inverse=True)
-        width = ids.shape[1]
-        if len(unique) == len(ids) or width < 2:
+        distinct, distinct_mask, row_prompt = distinct_prompts(ids, mask)
+        if len(distinct) == len(ids) or ids.shape[1] < 2:
             return {}
-        head_ids, head_mask = unique[:, :width - 1], unique[:, width:2 * width - 1]
+        head_ids, head_mask = distinct[:, :-1], distinct_mask[:, :-1]
         positions = (head_mask.cumsum(-1) - 1).masked_fill(head_mask == 0, 1)  # as generate numbers them
         cache_arg, last = cache_arguments(self.model)
         cache = self.model(input_ids=head_ids, attention_mask=head_mask, position_ids=positions, use_cache=True,
