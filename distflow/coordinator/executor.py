@@ -224,7 +224,8 @@ def execute(plan: ReshardPlan, batch: Batch, sample_ids: Sequence[int], group=No
     """Apply `plan` to this rank's `batch` (rows labelled by `sample_ids`). Returns the
     rank's new batch and its sample ids, sorted by id (the same order on every replica).
     Every row is copied once into the new batch (kept rows that are not one contiguous
-    block twice); a rank that keeps its whole batch in order gets it back uncopied."""
+    block twice); a rank that receives nothing and keeps one block of its rows in order
+    gets views of them back, uncopied (they keep the whole of `batch`'s memory alive)."""
     with gc_paused():
         return _execute(plan, batch, sample_ids, group, stats if stats is not None else TransferStats(), transport,
                         times if times is not None else _untimed)
@@ -239,10 +240,10 @@ def _execute(plan: ReshardPlan, batch: Batch, sample_ids: Sequence[int], group, 
     row_of = {int(s): i for i, s in enumerate(sample_ids)}
     kept = [s for s in mine if s in row_of]
     kept_rows = [row_of[s] for s in kept]
-    if len(kept) == len(mine):  # nothing comes in: one copy of the kept rows, none if that is the batch in order
+    if len(kept) == len(mine):  # nothing comes in: views of the kept rows where they are one block, else a copy
         if plan.moves:
             _exchange(plan, batch, row_of, rank, world, group, stats, transport, timed, None)
-        return (batch if kept_rows == list(range(len(batch))) else batch.select(kept_rows)), kept
+        return (batch if kept_rows == list(range(len(batch))) else _rows(batch, kept_rows)), kept
     assembler = _Assembler(mine)
     # the kept rows are copied into place while the wire carries the rest
     _exchange(plan, batch, row_of, rank, world, group, stats, transport, timed, assembler,

@@ -333,9 +333,9 @@ def _plan(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]], lengt
     samples = _validate(src, dst, holdings, lengths, balance)
     votes = samples.held.astype(np.int64) @ _group_matrix(dst)  # [sample, group]: members holding it
     lens = samples.lens.tolist()
-    stay = _locality_bins(votes, lens, equal_count)
-    group_of, stay_largest = stay, _largest_bin(stay, lens, dst.dp_size)
     bound = _bound(dst, lengths)
+    stay = _locality_bins(votes, samples.lens, equal_count, limit=bound * (1.0 + tolerance))
+    group_of, stay_largest = stay, _largest_bin(stay, samples.lens, dst.dp_size)
     if balance != "none" and stay_largest > bound * (1.0 + tolerance):
         repaired = None if equal_count else _repaired(stay, lens, dst.dp_size, bound * (1.0 + tolerance))
         if repaired is not None:  # a few samples moved, the rest stays: within the tolerance of the bound
@@ -345,7 +345,7 @@ def _plan(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]], lengt
         for b, rows in enumerate(split(lens, dst.dp_size, equal_count)):
             balanced[rows] = b
         # Staying put costs no bytes, so the balancer must be strictly better to win.
-        if _largest_bin(balanced, lens, dst.dp_size) * (1.0 + tolerance) < stay_largest:
+        if _largest_bin(balanced, samples.lens, dst.dp_size) * (1.0 + tolerance) < stay_largest:
             group_of = balanced
     return _route(_match_bins(group_of, votes, samples.lens), dst, samples)
 
@@ -392,8 +392,9 @@ def _validate(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]],
     if src.world_size != dst.world_size:
         raise ValueError(f"src world_size={src.world_size} differs from dst world_size="
                          f"{dst.world_size}; a reshard moves data within one set of workers")
-    ids = np.array(sorted(lengths), dtype=np.int64)
-    lens = np.array([lengths[s] for s in ids.tolist()], dtype=np.int64)
+    ids = np.fromiter(lengths.keys(), dtype=np.int64, count=len(lengths))
+    by_id = np.argsort(ids, kind="stable")
+    ids, lens = ids[by_id], np.fromiter(lengths.values(), dtype=np.int64, count=len(lengths))[by_id]
     if len(lens) and lens.min() < 0:
         s, n = next((s, n) for s, n in lengths.items() if n < 0)
         raise ValueError(f"sample {s} has negative length {n}; lengths must be >= 0")
@@ -430,18 +431,21 @@ def _group_matrix(dst: Layout) -> np.ndarray:
     return member
 
 
-def _largest_bin(bin_of: np.ndarray, lens: list[int], k: int) -> int:
-    totals = [0] * k
-    for b, n in zip(bin_of.tolist(), lens):
-        totals[b] += n
-    return max(totals)
+def _largest_bin(bin_of: np.ndarray, lens: np.ndarray, k: int) -> int:
+    totals = np.zeros(k, dtype=np.int64)
+    np.add.at(totals, bin_of, lens)
+    return int(totals.max())
 
 
-def _locality_bins(votes: np.ndarray, lens: list[int], equal_count: bool) -> np.ndarray:
+def _locality_bins(votes: np.ndarray, lens: np.ndarray, equal_count: bool, limit: float) -> np.ndarray:
     """Each sample's destination group: the one with the most members holding it.
 
-    Samples held by no destination member, or by several groups equally, go to the
-    lightest such group; largest samples are placed first so those choices even out.
+    Samples held by no destination member, or by several groups equally, have a choice.
+    Without `equal_count` they are first cut in id order into one run per group
+    (`_runs_in_id_order`), kept when no group then exceeds `limit` tokens: a TP group's
+    rows split among its members that way leave each member one block of the rows it
+    holds, which the executor hands on as views, uncopied. Otherwise each goes to the
+    lightest such group, largest samples first, so those choices even out.
     """
     n, k = votes.shape
     patterns, pattern_of = _distinct_rows(votes)
@@ -449,14 +453,19 @@ def _locality_bins(votes: np.ndarray, lens: list[int], equal_count: bool) -> np.
     # first; without a count cap a sample always finds room in its first tier
     tiers_of = [_vote_tiers(row) for row in patterns]
     if not equal_count:
-        tiers_of = [tiers[:1] for tiers in tiers_of]
-        if all(len(tiers[0]) == 1 for tiers in tiers_of):  # no sample has a choice
-            return np.array([tiers[0][0] for tiers in tiers_of], dtype=np.int64)[pattern_of]
+        firsts = [tiers[0] for tiers in tiers_of]
+        if all(len(groups) == 1 for groups in firsts):  # no sample has a choice
+            return np.array([groups[0] for groups in firsts], dtype=np.int64)[pattern_of]
+        runs = _runs_in_id_order(firsts, pattern_of, lens, k)
+        if _largest_bin(runs, lens, k) <= limit:
+            return runs
+        tiers_of = [[groups] for groups in firsts]
     cap = _CountCap(n, k) if equal_count else None
     sizes, totals = [0] * k, [0] * k
     group_of = [0] * n
     pattern_of = pattern_of.tolist()
-    for row in np.argsort(-np.asarray(lens), kind="stable").tolist():  # ties by sample id
+    order, lens = np.argsort(-lens, kind="stable").tolist(), lens.tolist()
+    for row in order:  # largest first, ties by sample id
         for tier in tiers_of[pattern_of[row]]:
             open_groups = tier if cap is None else [g for g in tier if cap.has_room(sizes[g])]
             if open_groups:
@@ -471,6 +480,44 @@ def _locality_bins(votes: np.ndarray, lens: list[int], equal_count: bool) -> np.
         if cap is not None:
             cap.took(sizes[g])
     return np.array(group_of, dtype=np.int64)
+
+
+def _runs_in_id_order(choices: list[list[int]], pattern_of: np.ndarray, lens: np.ndarray, k: int) -> np.ndarray:
+    """Each sample's group: the only one where `choices[pattern_of[sample]]` names one;
+    the samples sharing a choice of several groups (one pattern at a time, in order),
+    in id order, cut into one consecutive run per group (in group order), each group's
+    run sized to even out the groups' totals so far (water-filling); a sample goes to
+    the run its middle token falls in, so each cut is within half a sample of its
+    target."""
+    only = np.array([groups[0] if len(groups) == 1 else -1 for groups in choices], dtype=np.int64)[pattern_of]
+    totals = np.bincount(only[only >= 0], weights=lens[only >= 0], minlength=k).astype(np.float64)
+    group_of = only.copy()
+    for p, groups in enumerate(choices):
+        if len(groups) == 1:
+            continue
+        rows = np.flatnonzero(pattern_of == p)  # ascending sample id
+        if not len(rows):
+            continue
+        ends = np.cumsum(lens[rows])
+        have = totals[groups]
+        quota = np.maximum(0.0, _level(have, float(ends[-1])) - have)
+        cuts = np.cumsum(quota)[:-1]
+        middles = ends - lens[rows] / 2.0
+        run = np.searchsorted(cuts, middles, side="right")
+        group_of[rows] = np.asarray(groups, dtype=np.int64)[run]
+        totals[groups] += np.bincount(run, weights=lens[rows], minlength=len(groups))
+    return group_of
+
+
+def _level(have: np.ndarray, total: float) -> float:
+    """The level L at which sum(max(0, L - have)) == total: filling the groups that hold
+    least first, up to a common level."""
+    low = np.sort(have)
+    for i in range(1, len(low)):  # fill the i lowest, if the next is not below their level
+        level = (total + low[:i].sum()) / i
+        if level <= low[i]:
+            return float(level)
+    return float((total + low.sum()) / len(low))
 
 
 def _distinct_rows(votes: np.ndarray) -> tuple[list[list[int]], np.ndarray]:

@@ -77,6 +77,26 @@ def test_dp_to_tp_groups_and_back():
         assert r["same"]["payload_sent"] == r["same"]["payload_received"] == 0
 
 
+def _tp_group_split_in_place(rank, world):
+    batch, ids, lengths = _sample_batch(rank)
+    dp, tp = Layout.data_parallel(world), Layout(world, tp_size=2)
+    to_tp, tp_ids, _ = reshard(batch, ids, lengths, dp, tp)
+    stats = TransferStats()
+    back, back_ids, plan = reshard(to_tp, tp_ids, [3 + (s * 7) % 11 for s in tp_ids], tp, dp, tolerance=0.25,
+                                   stats=stats)
+    _check_rows(back, back_ids)
+    first = tp_ids.index(back_ids[0])
+    return {"moves": len(plan.moves), "bytes": stats.payload_sent + stats.payload_received,
+            "block": tp_ids[first: first + len(back_ids)] == back_ids,
+            "views": all(back[k].untyped_storage().data_ptr() == to_tp[k].untyped_storage().data_ptr()
+                         for k in back.tensors)}
+
+
+def test_a_tp_group_split_among_its_members_hands_each_views_of_its_block():
+    for r in run_gloo(_tp_group_split_in_place, WORLD):
+        assert r == {"moves": 0, "bytes": 0, "block": True, "views": True}
+
+
 def _with_and_without_a_view(rank, world):
     """DP -> TP -> DP twice: with one GlobalView (the second and third reshards skip the
     metadata all-gather) and without; then a view that no longer fits this rank's rows."""

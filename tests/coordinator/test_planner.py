@@ -259,6 +259,24 @@ def test_sources_spread_over_a_tp_groups_holders():
     assert plan.receives(3) == [Move(3, 1, 3)] and plan.moved_tokens(lengths) == 20
 
 
+def test_a_tp_group_split_among_its_members_gives_each_one_block_of_ids_when_that_is_balanced():
+    src, dst = Layout(4, tp_size=2), Layout(4)
+    holdings = {0: list(range(8)), 1: list(range(8)), 2: list(range(8, 16)), 3: list(range(8, 16))}
+    # Within the 2% tolerance in id order: 0-3 (40 tokens) and 4-7 (41) to ranks 0 and 1.
+    lengths = {s: 10 + (s == 5) for s in range(16)}
+    plan = plan_reshard(src, dst, holdings, lengths, tolerance=0.02)
+    assert plan.moves == []
+    assert plan.assignment == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    check_plan(plan, src, dst, holdings, lengths)
+    # Cut in id order, 3+3 | 2+2 is 6 against the bound of 5; taking the lightest rank
+    # sample by sample, largest first (3, 3, 2, 2) reaches it: interleaved, still in place.
+    holdings = {0: [0, 1, 2, 3], 1: [0, 1, 2, 3], 2: [4, 5], 3: [4, 5]}
+    lengths = {0: 3, 1: 3, 2: 2, 3: 2, 4: 5, 5: 5}
+    plan = plan_reshard(src, dst, holdings, lengths)
+    assert plan.moves == [] and plan.assignment == [[0, 2], [1, 3], [4], [5]]
+    check_plan(plan, src, dst, holdings, lengths)
+
+
 def test_many_groups_use_greedy_matching():
     src, dst = Layout(12), Layout(12, tp_size=1, ranks=tuple(range(10)))
     holdings = {0: list(range(20))}
