@@ -73,8 +73,9 @@ class GlobalView:
         """True when filled; raises when this rank's rows are not the ones it records."""
         if not self.lengths:
             return False
-        if self.holdings.get(rank, []) != [int(s) for s in sample_ids] or \
-                any(self.lengths.get(int(s)) != int(n) for s, n in zip(sample_ids, lengths)):
+        sample_ids = [int(s) for s in sample_ids]
+        if self.holdings.get(rank, []) != sample_ids or \
+                list(map(self.lengths.get, sample_ids)) != [int(n) for n in lengths]:
             raise ValueError(f"rank {rank}: the rows passed to reshard are not those its GlobalView records "
                              f"({len(sample_ids)} samples against {len(self.holdings.get(rank, []))}); pass a "
                              "new GlobalView after the rows change")
@@ -252,7 +253,7 @@ def _execute(plan: ReshardPlan, batch: Batch, sample_ids: Sequence[int], group, 
 
 
 def _contiguous(rows: Sequence[int]) -> bool:
-    return bool(rows) and rows[-1] - rows[0] == len(rows) - 1 and all(b - a == 1 for a, b in zip(rows, rows[1:]))
+    return bool(rows) and list(rows) == list(range(rows[0], rows[0] + len(rows)))
 
 
 def _rows(batch: Batch, rows: list[int]) -> Batch:
