@@ -42,6 +42,7 @@ def _coordinator_rounds(rank: int, spec: Spec, one_host: bool = True) -> dict[st
     dp, tp = Layout(spec.num_workers), Layout(spec.num_workers, tp_size=2)
     steps = [(dp, dp, "none"), (dp, tp, "kk"), (tp, dp, "kk")]
     laps: list[list[float]] = []
+    cpu: list[float] = []  # this process's CPU seconds per timed round (its gloo threads included)
     phases: list[PhaseTimes] = []
     moved, rows = 0, 0
     row_bytes = spec.batch_bytes // spec.batch
@@ -50,7 +51,7 @@ def _coordinator_rounds(rank: int, spec: Spec, one_host: bool = True) -> dict[st
         stats, times, view = TransferStats(), PhaseTimes(), GlobalView()  # one step's rows
         batch, batch_ids, marks, sizes = start_batch, ids, [], []
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         for src, dst, balance in steps:
             batch, batch_ids, plan = reshard(batch, batch_ids, [length_of[s] for s in batch_ids], src, dst,
                                              balance=balance, tolerance=TOLERANCE, stats=stats, times=times,
@@ -58,6 +59,7 @@ def _coordinator_rounds(rank: int, spec: Spec, one_host: bool = True) -> dict[st
             marks.append(time.perf_counter())
             sizes.append([row_bytes * sum(m.dst == p for m in plan.sends(rank)) for p in range(spec.num_workers)])
         if rnd >= WARMUP_ROUNDS:
+            cpu.append(time.process_time() - start_cpu)
             laps.append([b - a for a, b in zip([start] + marks, marks)])
             phases.append(times)
             moved = stats.payload_sent + stats.payload_received + stats.meta_sent + stats.meta_received
@@ -66,7 +68,7 @@ def _coordinator_rounds(rank: int, spec: Spec, one_host: bool = True) -> dict[st
     peak = torch.tensor([proc_status("VmHWM")], dtype=torch.int64)
     raw = _raw_transport_seconds(sizes, spec)
     if one_host:
-        raw["shm_floor_seconds"] = _shm_floor_seconds(sizes, spec)
+        raw["shm_floor_seconds"], raw["shm_floor_cpu_seconds"] = _shm_floor_seconds(sizes, spec)
     names = sorted({k for t in phases for k in t})
     phase_s = torch.tensor([statistics.median(t.get(k, 0.0) for t in phases) for k in names], dtype=torch.float64)
     dist.all_reduce(phase_s, op=dist.ReduceOp.MAX)  # per phase, the slowest rank's median
@@ -78,8 +80,11 @@ def _coordinator_rounds(rank: int, spec: Spec, one_host: bool = True) -> dict[st
     held = torch.tensor([rows], dtype=torch.int64)
     dist.all_reduce(held)  # every sample must end on exactly one rank
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    cpu_s = torch.tensor([statistics.median(cpu)], dtype=torch.float64)
+    dist.all_reduce(cpu_s)
     return {"laps": totals[:, 1:].tolist(), "busiest": int(busiest), "rows": int(held), "raw": raw,
-            "phases": dict(zip(names, phase_s.tolist())), "peak_rss": int(peak)}
+            "phases": dict(zip(names, phase_s.tolist())), "peak_rss": int(peak),
+            "cpu": float(cpu_s) / spec.num_workers}
 
 
 def _raw_transport_seconds(sizes: list[list[int]], spec: Spec) -> dict[str, float]:
@@ -112,19 +117,19 @@ def _raw_transport_seconds(sizes: list[list[int]], spec: Spec) -> dict[str, floa
         for t in active:
             exchange(sizes[t], recv_sizes[t], send[t], recv[t])
 
-    took = torch.tensor([_median_round_seconds(spec, lambda: exchanges(exchange)) for exchange in (alltoall, p2p)],
+    took = torch.tensor([_median_round_seconds(spec, lambda: exchanges(exchange))[0] for exchange in (alltoall, p2p)],
                         dtype=torch.float64)
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
     return {"raw_alltoall_seconds": float(took[0]), "raw_p2p_seconds": float(took[1])}
 
 
-def _shm_floor_seconds(sizes: list[list[int]], spec: Spec) -> float:
+def _shm_floor_seconds(sizes: list[list[int]], spec: Spec) -> tuple[float, float]:
     """The one-host floor for the coordinator's payload: the same bytes per peer pair
     written by each rank into a mapped /dev/shm file per (transition, peer), a barrier,
     then read by the peer into a receive buffer: two copies and one synchronisation per
     transition, with every file and buffer made and touched before the timed rounds (no
-    planning, headers, page faults or allocation). Median of the timed rounds, max over
-    ranks."""
+    planning, headers, page faults or allocation). Returns the median of the timed
+    rounds (max over ranks) and a rank's CPU seconds per round (mean over ranks)."""
     import torch.distributed as dist
 
     world, rank = spec.num_workers, dist.get_rank()
@@ -166,9 +171,11 @@ def _shm_floor_seconds(sizes: list[list[int]], spec: Spec) -> float:
                 if tt == t:
                     received[tt, p].copy_(slot)
 
-    took = torch.tensor([_median_round_seconds(spec, copies)], dtype=torch.float64)
+    took, cpu = _median_round_seconds(spec, copies)
+    took, cpu = torch.tensor([took], dtype=torch.float64), torch.tensor([cpu], dtype=torch.float64)
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return float(took)
+    dist.all_reduce(cpu)
+    return float(took), float(cpu) / spec.num_workers
 
 
 def _active_transitions(sizes: list[list[int]]) -> list[int]:
@@ -181,19 +188,20 @@ def _active_transitions(sizes: list[list[int]]) -> list[int]:
     return [t for t, n in enumerate(moving.tolist()) if n]
 
 
-def _median_round_seconds(spec: Spec, one_round) -> float:
+def _median_round_seconds(spec: Spec, one_round) -> tuple[float, float]:
     """`one_round()` after a barrier, warm-up rounds untimed, then `spec.repeats` timed
-    rounds: their median (this rank's)."""
+    rounds: their median seconds and median CPU seconds (this rank's)."""
     import torch.distributed as dist
 
-    rounds = []
+    rounds, cpu = [], []
     for rnd in range(WARMUP_ROUNDS + spec.repeats):
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         one_round()
         if rnd >= WARMUP_ROUNDS:
             rounds.append(time.perf_counter() - start)
-    return statistics.median(rounds)
+            cpu.append(time.process_time() - start_cpu)
+    return statistics.median(rounds), statistics.median(cpu)
 
 
 def _coordinator_entry(rank: int, spec: Spec, port: int, results: Any) -> None:
@@ -267,4 +275,5 @@ def run_coordinator(spec: Spec) -> dict[str, Any]:
     if report["rows"] != spec.batch:
         raise RuntimeError(f"coordinator ended with {report['rows']} rows in all, expected {spec.batch}")
     return _record("coordinator", spec, report["laps"], report["busiest"], None, **report["raw"],
-                   phase_seconds=report["phases"], busiest_process_peak_rss_bytes=report["peak_rss"])
+                   phase_seconds=report["phases"], busiest_process_peak_rss_bytes=report["peak_rss"],
+                   cpu_seconds_per_rank=report["cpu"], cores=len(os.sched_getaffinity(0)))

@@ -51,7 +51,21 @@ def floor_lines(records: list[dict[str, Any]]) -> list[str]:
                                                             key=lambda kv: -kv[1]))
         lines.append(f"N={r['num_workers']}: coordinator {r['seconds'] / r['shm_floor_seconds']:.2f}x the plain "
                      f"shared-memory copies ({r['shm_floor_seconds']:.4f} s); its phases (s, slowest rank): {phases}")
+        if r.get("cpu_seconds_per_rank") and r.get("shm_floor_cpu_seconds"):
+            lines.append(_cpu_line(r))
     return lines
+
+
+def _cpu_line(r: dict[str, Any]) -> str:
+    """A round's CPU seconds per rank (its gloo threads included), and where ranks
+    outnumber cores, the CPU seconds each core has to run per round."""
+    n, cores = r["num_workers"], r["cores"]
+    line = (f"N={n}: CPU per rank and round: coordinator {r['cpu_seconds_per_rank']:.4f} s, the plain copies "
+            f"{r['shm_floor_cpu_seconds']:.4f} s")
+    if cores < n:
+        line += (f"; {n} ranks on {cores} cores: {n * r['cpu_seconds_per_rank'] / cores:.4f} s and "
+                 f"{n * r['shm_floor_cpu_seconds'] / cores:.4f} s of CPU per core and round")
+    return line
 
 
 def verl_lines(records: list[dict[str, Any]]) -> list[str]:

@@ -31,6 +31,10 @@ def test_quick_run_reports_every_mode(tmp_path):
     # the plain-transport references moved the same payload and were timed
     assert coordinator["raw_alltoall_seconds"] > 0 and coordinator["raw_p2p_seconds"] > 0
     assert coordinator["shm_floor_seconds"] > 0  # the plain /dev/shm copies of the same bytes
+    # the CPU each rank spent per round, the coordinator's and the copies', and the cores they shared
+    assert coordinator["cpu_seconds_per_rank"] > 0 and coordinator["shm_floor_cpu_seconds"] > 0
+    assert coordinator["cores"] >= 1
+    assert "CPU per rank and round: coordinator" in md.read_text()
     # where the time goes: the payload phases and the one metadata all-gather of the step
     assert {"metadata", "plan", "pack", "sizes", "receive"} <= set(coordinator["phase_seconds"])
     for mode in CENTRALIZED:
