@@ -47,7 +47,10 @@ Partition, then match (``plan_reshard``)
     already balanced placement moves nothing; failing that it repairs it, moving single
     samples from the heaviest bin to the lightest until it is (``_repaired``: a few
     samples move instead of most); only where that cannot get there does the balancer
-    partition afresh.
+    partition afresh. In the stay-put partition a sample that several groups hold
+    equally (a TP group's rows, split among its members for a DP stage) is cut in id
+    order, one run per group, where that is within the tolerance too: each member then
+    keeps one block of its rows, which the executor passes on as views, uncopied.
 
 Sources
     A destination rank that lacks a sample of its bin fetches it from one of the
@@ -495,9 +498,7 @@ def _runs_in_id_order(choices: list[list[int]], pattern_of: np.ndarray, lens: np
     for p, groups in enumerate(choices):
         if len(groups) == 1:
             continue
-        rows = np.flatnonzero(pattern_of == p)  # ascending sample id
-        if not len(rows):
-            continue
+        rows = np.flatnonzero(pattern_of == p)  # ascending sample id; never empty (a pattern is some row's)
         ends = np.cumsum(lens[rows])
         have = totals[groups]
         quota = np.maximum(0.0, _level(have, float(ends[-1])) - have)
