@@ -492,9 +492,9 @@ def _runs_in_id_order(choices: list[list[int]], pattern_of: np.ndarray, lens: np
     run sized to even out the groups' totals so far (water-filling); a sample goes to
     the run its middle token falls in, so each cut is within half a sample of its
     target."""
-    only = np.array([groups[0] if len(groups) == 1 else -1 for groups in choices], dtype=np.int64)[pattern_of]
-    totals = np.bincount(only[only >= 0], weights=lens[only >= 0], minlength=k).astype(np.float64)
-    group_of = only.copy()
+    group_of = np.array([groups[0] if len(groups) == 1 else -1 for groups in choices], dtype=np.int64)[pattern_of]
+    fixed = group_of >= 0
+    totals = np.bincount(group_of[fixed], weights=lens[fixed], minlength=k).astype(np.float64)
     for p, groups in enumerate(choices):
         if len(groups) == 1:
             continue
