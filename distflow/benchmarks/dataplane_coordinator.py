@@ -68,7 +68,7 @@ def _coordinator_rounds(rank: int, spec: Spec, one_host: bool = True) -> dict[st
     peak = torch.tensor([proc_status("VmHWM")], dtype=torch.int64)
     raw = _raw_transport_seconds(sizes, spec)
     if one_host:
-        raw["shm_floor_seconds"], raw["shm_floor_cpu_seconds"] = _shm_floor_seconds(sizes, spec)
+        raw["shm_floor_seconds"], raw["shm_floor_cpu_seconds"] = _shm_floor_times(sizes, spec)
     names = sorted({k for t in phases for k in t})
     phase_s = torch.tensor([statistics.median(t.get(k, 0.0) for t in phases) for k in names], dtype=torch.float64)
     dist.all_reduce(phase_s, op=dist.ReduceOp.MAX)  # per phase, the slowest rank's median
@@ -123,7 +123,7 @@ def _raw_transport_seconds(sizes: list[list[int]], spec: Spec) -> dict[str, floa
     return {"raw_alltoall_seconds": float(took[0]), "raw_p2p_seconds": float(took[1])}
 
 
-def _shm_floor_seconds(sizes: list[list[int]], spec: Spec) -> tuple[float, float]:
+def _shm_floor_times(sizes: list[list[int]], spec: Spec) -> tuple[float, float]:
     """The one-host floor for the coordinator's payload: the same bytes per peer pair
     written by each rank into a mapped /dev/shm file per (transition, peer), a barrier,
     then read by the peer into a receive buffer: two copies and one synchronisation per
