@@ -46,10 +46,9 @@ def _coordinator_rounds(rank: int, spec: Spec, one_host: bool = True) -> dict[st
     phases: list[PhaseTimes] = []
     moved, rows = 0, 0
     row_bytes = spec.batch_bytes // spec.batch
-    sizes: list[list[int]] = []  # per transition: payload bytes this rank sent to each peer
     for rnd in range(WARMUP_ROUNDS + spec.repeats):
         stats, times, view = TransferStats(), PhaseTimes(), GlobalView()  # one step's rows
-        batch, batch_ids, marks, sizes = start_batch, ids, [], []
+        batch, batch_ids, marks, plans = start_batch, ids, [], []
         dist.barrier()
         start, start_cpu = time.perf_counter(), time.process_time()
         for src, dst, balance in steps:
@@ -57,13 +56,16 @@ def _coordinator_rounds(rank: int, spec: Spec, one_host: bool = True) -> dict[st
                                              balance=balance, tolerance=TOLERANCE, stats=stats, times=times,
                                              view=view)
             marks.append(time.perf_counter())
-            sizes.append([row_bytes * sum(m.dst == p for m in plan.sends(rank)) for p in range(spec.num_workers)])
+            plans.append(plan)
         if rnd >= WARMUP_ROUNDS:
             cpu.append(time.process_time() - start_cpu)
             laps.append([b - a for a, b in zip([start] + marks, marks)])
             phases.append(times)
             moved = stats.payload_sent + stats.payload_received + stats.meta_sent + stats.meta_received
             rows = len(batch_ids)
+    # per transition: payload bytes this rank sent to each peer (outside the timed rounds)
+    sizes = [[row_bytes * sum(m.dst == p for m in plan.sends(rank)) for p in range(spec.num_workers)]
+             for plan in plans]
     # the reshards' peak, before the references below allocate their own buffers
     peak = torch.tensor([proc_status("VmHWM")], dtype=torch.int64)
     raw = _raw_transport_seconds(sizes, spec)
