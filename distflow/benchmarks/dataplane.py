@@ -60,7 +60,7 @@ from distflow.benchmarks.dataplane_common import (BASELINE_MODES, IMBALANCE_KS, 
 from distflow.benchmarks.dataplane_coordinator import run_coordinator
 from distflow.benchmarks.dataplane_report import (IMBALANCE_HEADERS, MAIN_HEADERS, _mib, floor_lines, imbalance_rows,
                                                   main_rows, results_markdown, text_table, verl_lines)
-from distflow.coordinator.planner import contiguous_split, imbalance, karmarkar_karp
+from distflow.coordinator.partition import contiguous_split, imbalance, karmarkar_karp
 
 
 # ---------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import torch
 from distflow.benchmarks.dataplane_common import (TIMEOUT_S, VERL_MODES, WARMUP_ROUNDS, Spec, _record, make_shard,
                                                   proc_status)
 from distflow.coordinator.layout import Layout
-from distflow.coordinator.planner import contiguous_split
+from distflow.coordinator.partition import contiguous_split
 
 # Ray's unix sockets live under <temp>/session_*/sockets/ and must fit in 107 bytes.
 _MAX_RAY_TEMP_LEN = 44

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from distflow.coordinator.planner import contiguous_split
+from distflow.coordinator.partition import contiguous_split
 
 MODES = ("coordinator", "centralized-pickle", "centralized-zerocopy")
 # verl's own DataProto dispatch (needs verl: README, Benchmarks): its default (torch.save) and numpy paths

@@ -82,10 +82,7 @@ class GlobalView:
         return True
 
     def update(self, plan: ReshardPlan, world: int, lengths: dict[int, int]) -> None:
-        holdings = {r: list(plan.keep.get(r, [])) for r in range(world)}
-        for m in plan.moves:
-            holdings[m.dst].append(m.sample)
-        self.holdings, self.lengths = {r: sorted(v) for r, v in holdings.items()}, lengths
+        self.holdings, self.lengths = plan.holdings(world), lengths
 
 
 class PhaseTimes(dict):
@@ -236,13 +233,13 @@ def _execute(plan: ReshardPlan, batch: Batch, sample_ids: Sequence[int], group, 
              transport: str, timed) -> tuple[Batch, list[int]]:
     rank, world = _world(group)
     mine = plan.samples_for(rank)
-    if not plan.moves and mine == list(sample_ids):  # the local cache: nothing to do, not even a copy
+    if not plan.num_moves and mine == list(sample_ids):  # the local cache: nothing to do, not even a copy
         return batch, list(sample_ids)
     row_of = {int(s): i for i, s in enumerate(sample_ids)}
     kept = [s for s in mine if s in row_of]
     kept_rows = [row_of[s] for s in kept]
     if len(kept) == len(mine):  # nothing comes in: views of the kept rows where they are one block, else a copy
-        if plan.moves:
+        if plan.num_moves:
             _exchange(plan, batch, row_of, rank, world, group, stats, transport, timed, None)
         return (batch if kept_rows == list(range(len(batch))) else _rows(batch, kept_rows)), kept
     assembler = _Assembler(mine)
@@ -498,15 +495,10 @@ def _pack_sends(plan: ReshardPlan, batch: Batch, row_of: dict[int, int], rank: i
     state = _group_state(group, world)
     slot = next(state.rounds) % _SLOTS
     shm_ok = transport != "gloo" and os.path.isdir(_SHM_DIR)
-    to_peer: list[list[int]] = [[] for _ in range(world)]
-    for m in plan.sends(rank):  # sorted by (dst, sample): each peer's samples in order
-        to_peer[m.dst].append(m.sample)
     # per peer: [bytes on the wire, bytes in shared memory, the slot's generation]
     sizes = torch.zeros(world, 3, dtype=torch.int64)
     wired: dict[int, Packing] = {}  # filled after the size exchange, overlapping the transfers
-    for peer, samples in enumerate(to_peer):
-        if not samples:
-            continue
+    for peer, samples in plan.sends_by_peer(rank).items():
         packing = Packing(batch, [row_of[s] for s in samples], samples)
         same_host = shm_ok and state.hosts[peer] == state.hosts[rank]
         got = state.send_slot(rank, peer, slot, packing.nbytes) if same_host else None

@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 
 from distflow.collectives import all_reduce_max
-from distflow.coordinator.planner import karmarkar_karp
+from distflow.coordinator.partition import karmarkar_karp
 
 
 def _count_for_budget(lengths: Sequence[int], max_tokens: int) -> int:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from distflow.coordinator.executor import pack, unpack
-from distflow.coordinator.planner import karmarkar_karp
+from distflow.coordinator.partition import karmarkar_karp
 from distflow.data.batch import Batch, sequence_lengths
 
 _TAG = 0

@@ -228,7 +228,7 @@ class DriverRelay:
         length_of_row = sequence_lengths(self.batch)
         lengths = {i: length_of_row[self.row[i]] for r in range(self.num_workers) for i in self.rows_of[r]}
         plan = plan_reshard(src, dst, self.rows_of, lengths, balance=balance, tolerance=self.placement.tolerance)
-        self.rows_of = {r: plan.samples_for(r) for r in range(self.num_workers)}
+        self.rows_of = plan.holdings(self.num_workers)
         for r in range(self.num_workers):
             self._send(r, "move", self.batch.select(self._rows(self.rows_of[r])), layout)
         self.seconds += time.perf_counter() - start

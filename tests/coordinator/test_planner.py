@@ -1,4 +1,4 @@
-"""Tests for distflow.coordinator.layout and distflow.coordinator.planner.
+"""Tests for distflow.coordinator.layout, .partition and .planner.
 
 Hand-computed cases pin literal answers; hypothesis properties check the reshard
 invariants (every replica gets its whole bin, TP replicas agree, moves are real,
@@ -11,18 +11,19 @@ import itertools
 import random
 from collections import defaultdict
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distflow.coordinator.layout import Layout
+from distflow.coordinator.partition import contiguous_split, greedy_lpt, imbalance, karmarkar_karp
 from distflow.coordinator.planner import (
     Move,
     ReshardPlan,
-    contiguous_split,
-    greedy_lpt,
-    imbalance,
-    karmarkar_karp,
+    _distinct_rows,
+    _key_weights,
+    _Votes,
     plan_reshard,
     stay_put_plan,
 )
@@ -197,6 +198,13 @@ def check_plan(plan: ReshardPlan, src: Layout, dst: Layout, holdings, lengths) -
     assert plan.moved_tokens(lengths) == sum(lengths[m.sample] for m in plan.moves)
     assert [m for r in range(src.world_size) for m in plan.sends(r)] == plan.moves
     assert sorted((m for r in dst.members for m in plan.receives(r)), key=_order) == plan.moves
+    # the executor's array views of the same plan
+    assert plan.holdings(src.world_size) == {r: plan.samples_for(r) for r in range(src.world_size)}
+    for r in range(src.world_size):
+        by_peer = defaultdict(list)
+        for m in plan.sends(r):
+            by_peer[m.dst].append(m.sample)
+        assert plan.sends_by_peer(r) == dict(by_peer)
 
 
 def moved_cost(assignment, dst: Layout, holdings, lengths) -> int:
@@ -474,3 +482,24 @@ def test_an_unbalanced_placement_is_repaired_by_moving_a_few_samples():
     assert 512 < len(plan.moves) <= 512 + 16
     fresh = plan_reshard(dp, tp, holdings, lengths, balance="kk", tolerance=0.0)  # no repair reaches the bound itself
     assert len(fresh.moves) > 600
+
+
+def _sparse(dense: np.ndarray) -> _Votes:
+    row, group = np.nonzero(dense)
+    return _Votes(row, group, dense[row, group], dense.shape[1])
+
+
+def test_distinct_vote_rows_match_a_plain_grouping_even_when_two_share_a_key():
+    """The planner tells [sample, group] vote rows apart by one hashed key each; the
+    rows and their order (the last group most significant) must be those of grouping
+    the exact rows, for few and for many groups, and for two rows built to share a key
+    (w1 * e0 and w0 * e1 project to w0 * w1)."""
+    rng = np.random.default_rng(3)
+    w = _key_weights(2)
+    cases = [rng.integers(0, 3, size=(200, k)) * (rng.random((200, k)) < 0.2) for k in (1, 3, 40, 64)]
+    cases.append(np.array([[w[1], 0], [0, w[0]], [0, 0], [0, w[0]]]))
+    for dense in cases:
+        patterns, index = _distinct_rows(_sparse(dense), len(dense))
+        assert patterns == [list(t) for t in sorted(set(map(tuple, dense.tolist())), key=lambda t: t[::-1])]
+        assert [patterns[i] for i in index.tolist()] == dense.tolist()
+    assert len(patterns) == 3  # the colliding rows stayed apart
