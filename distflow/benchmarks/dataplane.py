@@ -48,18 +48,26 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
+import torch
+
 from distflow.benchmarks.dataplane_centralized import _centralized_child, run_centralized
 from distflow.benchmarks.dataplane_cluster import main as cluster_main
-from distflow.benchmarks.dataplane_common import (BASELINE_MODES, IMBALANCE_KS, IMBALANCE_SAMPLES, MODES, VERL_MODES,
-                                                  Spec, refuse_verl_modes_without_verl, sample_lengths)
-from distflow.benchmarks.dataplane_coordinator import run_coordinator
-from distflow.benchmarks.dataplane_report import (IMBALANCE_HEADERS, MAIN_HEADERS, _mib, floor_lines, imbalance_rows,
-                                                  main_rows, results_markdown, text_table, verl_lines)
+from distflow.benchmarks.dataplane_common import (BASELINE_MODES, IMBALANCE_KS, IMBALANCE_SAMPLES, MODES,
+                                                  PLANNING_ROWS_PER_RANK, VERL_MODES, Spec,
+                                                  refuse_verl_modes_without_verl, sample_lengths)
+from distflow.benchmarks.dataplane_coordinator import TOLERANCE, run_coordinator
+from distflow.benchmarks.dataplane_report import (IMBALANCE_HEADERS, MAIN_HEADERS, PLANNING_HEADERS, _mib,
+                                                  floor_lines, imbalance_rows, main_rows, planning_rows,
+                                                  results_markdown, text_table, verl_lines)
+from distflow.coordinator.executor import GlobalView, metadata_of, plan_locally
+from distflow.coordinator.layout import Layout
 from distflow.coordinator.partition import contiguous_split, imbalance, karmarkar_karp
 
 
@@ -80,6 +88,44 @@ def imbalance_records(seq_len: int) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------
+# Planning at scale: what every rank computes besides moving bytes
+
+
+def planning_records(workers: list[int], seq_len: int, repeats: int) -> list[dict[str, Any]]:
+    """Per N, with PLANNING_ROWS_PER_RANK long-tailed samples a rank, each rank a
+    contiguous block: the CPU seconds one rank (rank 0) spends per round on what a
+    reshard computes besides moving bytes, in this process, for the three transitions
+    of the coordinator mode: decoding the all-gathered (id, length) rows once, each
+    plan (`plan_locally`, as every rank runs it), the `GlobalView` updates, and its
+    own sends and new rows. The median of `repeats` rounds after one untimed."""
+    records = []
+    for n in workers:
+        batch = PLANNING_ROWS_PER_RANK * n
+        lengths = sample_lengths(batch, seq_len)
+        gathered = [torch.from_numpy(np.stack([ids, lengths[ids]], axis=1))
+                    for ids in map(np.asarray, contiguous_split([0] * batch, n))]
+        dp, tp = Layout(n), Layout(n, tp_size=2)
+        steps = (("DP->DP", dp, dp, "none"), ("DP->TP2", dp, tp, "kk"), ("TP2->DP", tp, dp, "kk"))
+        laps: list[list[float]] = []
+        for _ in range(1 + repeats):
+            lap, view = [], GlobalView()
+            for name, src, dst, balance in steps:
+                start = time.process_time()
+                if not view.lengths:
+                    view.holdings, view.lengths = metadata_of(gathered)
+                plan = plan_locally(src, dst, view.holdings, view.lengths, balance=balance, equal_count=False,
+                                    tolerance=TOLERANCE)
+                view.update(plan, n, view.lengths)
+                plan.sends_by_peer(0), plan.samples_for(0)
+                lap.append(time.process_time() - start)
+            laps.append(lap)
+        per_step = [statistics.median(lap[i] for lap in laps[1:]) for i in range(len(steps))]
+        records.append({"mode": "planning", "num_workers": n, "batch": batch, "seq_len": seq_len,
+                        "cpu_seconds": sum(per_step), "cpu_seconds_per_transition": per_step, "where": "host"})
+    return records
+
+
+# ---------------------------------------------------------------------------------
 # Command line
 
 
@@ -96,7 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", nargs="+", choices=MODES + VERL_MODES, help="instead of --baseline's set")
     p.add_argument("--json", help="append one JSON record per measurement to this file")
     p.add_argument("--results-md", help="write a markdown report (tables, command, machine)")
-    p.add_argument("--quick", action="store_true", help="workers [2], batch 64, seq-len 128, repeats 1")
+    p.add_argument("--plan-workers", type=int, nargs="+", default=[8, 64, 512],
+                   help=f"N values of the planning section ({PLANNING_ROWS_PER_RANK} samples a rank, in one process)")
+    p.add_argument("--quick", action="store_true",
+                   help="workers [2], batch 64, seq-len 128, repeats 1, plan-workers [8]")
     p.add_argument("--cluster", action="store_true",
                    help="run on the emulated cluster instead (root; see `--cluster --help`)")
     # Internal: one centralized measurement in a fresh driver process.
@@ -147,14 +196,15 @@ def main(argv: list[str] | None = None) -> int:
         spec = Spec(args.workers[0], args.batch, args.seq_len, args.repeats, args._image_patches)
         return _centralized_child(args._child, spec, args._ray_temp, args._out)
     if args.quick:
-        args.workers, args.batch, args.seq_len, args.repeats = [2], 64, 128, 1
+        args.workers, args.batch, args.seq_len, args.repeats, args.plan_workers = [2], 64, 128, 1, [8]
     _check_args(parser, args)
     command = "python -m distflow.benchmarks.dataplane " + shlex.join(argv)
     started, load_start = time.monotonic(), os.getloadavg()[0]
     imbalance_recs = imbalance_records(args.seq_len)
+    planning_recs = planning_records(args.plan_workers, args.seq_len, args.repeats)
     out = open(args.json, "w") if args.json else None
     try:
-        for record in imbalance_recs:
+        for record in imbalance_recs + planning_recs:
             _emit(out, record)
         records = _measure_all(args, out)
     except (RuntimeError, TimeoutError) as e:
@@ -170,11 +220,13 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     print(f"\ntoken imbalance, {IMBALANCE_SAMPLES} long-tailed lengths (max/mean tokens per rank)")
     print(text_table(IMBALANCE_HEADERS, imbalance_rows(imbalance_recs)))
+    print(f"\nplanning on every rank, {PLANNING_ROWS_PER_RANK} samples a rank (one rank's CPU seconds per round)")
+    print(text_table(PLANNING_HEADERS, planning_rows(planning_recs)))
     if args.results_md:
         run = {"workers": args.workers, "batch": args.batch, "seq_len": args.seq_len, "repeats": args.repeats,
                "modes": args.modes, "wall_s": time.monotonic() - started,
                "load": (load_start, os.getloadavg()[0])}
-        Path(args.results_md).write_text(results_markdown(records, imbalance_recs, command, run))
+        Path(args.results_md).write_text(results_markdown(records, imbalance_recs, planning_recs, command, run))
     return 0
 
 

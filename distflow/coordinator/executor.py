@@ -112,11 +112,16 @@ def gather_metadata(sample_ids: Sequence[int], lengths: Sequence[int], group=Non
                     stats: TransferStats | None = None) -> tuple[dict[int, list[int]], dict[int, int]]:
     """All ranks' (sample id, length) lists: returns holdings by rank and lengths by id."""
     local = _int64([int(v) for pair in zip(sample_ids, lengths) for v in pair])
+    return metadata_of(all_gather_rows(local.reshape(-1, 2), group, stats))
+
+
+def metadata_of(rows_by_rank: list[torch.Tensor]) -> tuple[dict[int, list[int]], dict[int, int]]:
+    """Holdings by rank and lengths by id from every rank's (sample id, length) rows."""
     holdings, all_lengths = {}, {}
-    for r, rows in enumerate(all_gather_rows(local.reshape(-1, 2), group, stats)):
-        rows = rows.tolist()
-        holdings[r] = [s for s, _ in rows]
-        all_lengths.update({s: n for s, n in rows})
+    for r, rows in enumerate(rows_by_rank):
+        ids, lengths = rows[:, 0].tolist(), rows[:, 1].tolist()
+        holdings[r] = ids
+        all_lengths.update(zip(ids, lengths))
     return holdings, all_lengths
 
 
@@ -529,14 +534,21 @@ def plan_collectively(sample_ids: Sequence[int], lengths: Sequence[int], src: La
         with gc_paused(), timed("metadata"):
             holdings, all_lengths = gather_metadata(sample_ids, lengths, group, stats)
 
-    options = {"balance": balance, "equal_count": equal_count, "tolerance": tolerance}
     with timed("plan"):  # the same pure plan on every rank: no message
-        plan = stay_put_plan(src, dst, holdings, all_lengths, **options)  # O(samples)
-        if plan is None:
-            plan = plan_reshard(src, dst, holdings, all_lengths, **options)
+        plan = plan_locally(src, dst, holdings, all_lengths, balance=balance, equal_count=equal_count,
+                            tolerance=tolerance)
     if view is not None:
         view.update(plan, world, all_lengths)
     return plan, all_lengths
+
+
+def plan_locally(src: Layout, dst: Layout, holdings: dict[int, list[int]], lengths: dict[int, int], *,
+                 balance: str, equal_count: bool, tolerance: float) -> ReshardPlan:
+    """What every rank computes alike once it knows every rank's rows: the stay-put plan
+    where it applies (O(samples)), else the planner's."""
+    options = {"balance": balance, "equal_count": equal_count, "tolerance": tolerance}
+    plan = stay_put_plan(src, dst, holdings, lengths, **options)
+    return plan if plan is not None else plan_reshard(src, dst, holdings, lengths, **options)
 
 
 def _int64(values: Sequence[int]) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The data-plane benchmark at its --quick size: every mode reports, the coordinator's
-busiest process moves fewer bytes than the centralized driver, and Karmarkar-Karp beats the
-contiguous split on token balance."""
+busiest process moves fewer bytes than the centralized driver, Karmarkar-Karp beats the
+contiguous split on token balance, and the planning section reports."""
 
 import json
 
@@ -49,7 +49,13 @@ def test_quick_run_reports_every_mode(tmp_path):
     assert set(kk) == set(contiguous) == {2, 4, 8}
     assert all(1.0 <= kk[k] <= contiguous[k] for k in kk)
 
+    # what every rank computes besides moving bytes, at --quick's one size: 8 ranks of 256 samples
+    planning = [r for r in records if r["mode"] == "planning"]
+    assert [(r["num_workers"], r["batch"]) for r in planning] == [(8, 2048)]
+    assert len(planning[0]["cpu_seconds_per_transition"]) == 3 and planning[0]["cpu_seconds"] > 0
+
     report = md.read_text()
+    assert "## Planning on every rank, at scale" in report and "| 8 | 2048 |" in report
     assert "| N | mode | seconds | x coordinator |" in report
     for mode in ("coordinator", *CENTRALIZED):
         assert f"| 2 | {mode} |" in report
