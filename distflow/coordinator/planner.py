@@ -255,16 +255,16 @@ def _repaired(bin_of: np.ndarray, lens: list[int], k: int, target: float) -> np.
     keys = lengths * n + np.arange(n)  # (length, row) as one int, ascending in that order
     by_bin = np.lexsort((keys, bin_of))  # per bin, its keys ascending
     order = [part.tolist() for part in np.split(keys[by_bin], np.cumsum(np.bincount(bin_of, minlength=k))[:-1])]
-    totals = np.bincount(bin_of, weights=lengths, minlength=k).astype(np.int64).tolist()
+    totals = np.bincount(bin_of, weights=lengths, minlength=k).astype(np.int64)
     moved = bin_of.copy()
     for _ in range(n + 1):
-        heavy = max(range(k), key=lambda g: (totals[g], -g))
+        heavy = int(np.argmax(totals))  # ties: the first bin
         if totals[heavy] <= target:
             return moved
-        light = min(range(k), key=lambda g: (totals[g], g))
-        gap, items = totals[heavy] - totals[light], order[heavy]
+        light = int(np.argmin(totals))
+        gap, items = int(totals[heavy] - totals[light]), order[heavy]
         # the last item no longer than a length: the last key below (length + 1) * n
-        fits = bisect.bisect_left(items, (math.floor(min(gap - 1, target - totals[light])) + 1) * n) - 1
+        fits = bisect.bisect_left(items, (math.floor(min(gap - 1, target - int(totals[light]))) + 1) * n) - 1
         narrows = bisect.bisect_left(items, gap * n) - 1
         pick = fits if fits >= 0 and items[fits] >= n else narrows
         if pick < 0 or items[pick] < n:  # none, or a sample of no tokens
@@ -443,9 +443,9 @@ def _key_weights(columns: int) -> np.ndarray:
     return np.random.default_rng(0x5EED).integers(1, 2 ** 62, size=columns, dtype=np.int64)
 
 
-def _distinct_rows(votes: _Votes, n: int) -> tuple[list[list[int]], np.ndarray]:
-    """The distinct rows of the [sample, group] votes (`n` samples) as lists of k
-    counts, ordered as numbers whose most significant digit is the last group, and each
+def _distinct_rows(votes: _Votes, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows of the [sample, group] votes (`n` samples), one row of k counts
+    each, ordered as numbers whose most significant digit is the last group, and each
     sample's index among them. Rows are told apart by one int64 key each (a fixed
     random projection of their nonzero entries, O(entries)); every entry is then
     checked against its row's pattern, and only a collision falls back to grouping
@@ -478,13 +478,13 @@ def _distinct_rows(votes: _Votes, n: int) -> tuple[list[list[int]], np.ndarray]:
     order = np.lexsort(rows.T)  # the last group is the primary key
     index_of = np.empty(len(order), dtype=np.int64)
     index_of[order] = np.arange(len(order))
-    return rows[order].tolist(), index_of[inverse]
+    return rows[order], index_of[inverse]
 
 
-def _vote_tiers(votes: list[int]) -> list[list[int]]:
+def _vote_tiers(votes: np.ndarray) -> list[list[int]]:
     """The destination groups cut into tiers of equal votes (members holding the
     sample), most votes first; each tier in group order."""
-    return [[g for g, v in enumerate(votes) if v == tier] for tier in sorted(set(votes), reverse=True)]
+    return [np.flatnonzero(votes == tier).tolist() for tier in np.unique(votes)[::-1].tolist()]
 
 
 def _match_bins(bin_of: np.ndarray, votes: _Votes, lens: np.ndarray) -> np.ndarray:

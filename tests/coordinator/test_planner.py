@@ -500,6 +500,6 @@ def test_distinct_vote_rows_match_a_plain_grouping_even_when_two_share_a_key():
     cases.append(np.array([[w[1], 0], [0, w[0]], [0, 0], [0, w[0]]]))
     for dense in cases:
         patterns, index = _distinct_rows(_sparse(dense), len(dense))
-        assert patterns == [list(t) for t in sorted(set(map(tuple, dense.tolist())), key=lambda t: t[::-1])]
-        assert [patterns[i] for i in index.tolist()] == dense.tolist()
+        assert patterns.tolist() == [list(t) for t in sorted(set(map(tuple, dense.tolist())), key=lambda t: t[::-1])]
+        assert patterns[index].tolist() == dense.tolist()
     assert len(patterns) == 3  # the colliding rows stayed apart
