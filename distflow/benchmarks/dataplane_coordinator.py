@@ -64,7 +64,7 @@ def _coordinator_rounds(rank: int, spec: Spec, one_host: bool = True) -> dict[st
             moved = stats.payload_sent + stats.payload_received + stats.meta_sent + stats.meta_received
             rows = len(batch_ids)
     # per transition: payload bytes this rank sent to each peer (outside the timed rounds)
-    sizes = [[row_bytes * sum(m.dst == p for m in plan.sends(rank)) for p in range(spec.num_workers)]
+    sizes = [[row_bytes * len(plan.sends_by_peer(rank).get(p, ())) for p in range(spec.num_workers)]
              for plan in plans]
     # the reshards' peak, before the references below allocate their own buffers
     peak = torch.tensor([proc_status("VmHWM")], dtype=torch.int64)
