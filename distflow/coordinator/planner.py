@@ -253,8 +253,7 @@ def _repaired(bin_of: np.ndarray, lens: list[int], k: int, target: float) -> np.
     n = len(lens)
     lengths = np.asarray(lens, dtype=np.int64)
     keys = lengths * n + np.arange(n)  # (length, row) as one int, ascending in that order
-    by_bin = np.lexsort((keys, bin_of))  # per bin, its keys ascending
-    order = [part.tolist() for part in np.split(keys[by_bin], np.cumsum(np.bincount(bin_of, minlength=k))[:-1])]
+    order = [np.sort(keys[rows]).tolist() for rows in _rows_by_label(bin_of, k)]  # per bin, its keys ascending
     totals = np.bincount(bin_of, weights=lengths, minlength=k).astype(np.int64)
     moved = bin_of.copy()
     for _ in range(n + 1):
@@ -330,6 +329,11 @@ def _distinct(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     inverse = np.empty(len(values), dtype=np.int64)
     inverse[order] = np.cumsum(new) - 1
     return ordered[starts], order[starts], inverse
+
+
+def _rows_by_label(labels: np.ndarray, k: int) -> list[np.ndarray]:
+    """For each label 0..k-1, the rows that carry it, ascending (one stable argsort)."""
+    return np.split(np.argsort(labels, kind="stable"), np.cumsum(np.bincount(labels, minlength=k))[:-1])
 
 
 def _group_index(dst: Layout) -> np.ndarray:
@@ -410,9 +414,7 @@ def _runs_in_id_order(choices: list[list[int]], pattern_of: np.ndarray, lens: np
     group_of = np.array([groups[0] if len(groups) == 1 else -1 for groups in choices], dtype=np.int64)[pattern_of]
     fixed = group_of >= 0
     totals = np.bincount(group_of[fixed], weights=lens[fixed], minlength=k).astype(np.float64)
-    by_pattern = np.argsort(pattern_of, kind="stable")  # one pattern's rows after another, each ascending
-    rows_of = np.split(by_pattern, np.cumsum(np.bincount(pattern_of, minlength=len(choices)))[:-1])
-    for groups, rows in zip(choices, rows_of):  # rows: never empty (a pattern is some row's)
+    for groups, rows in zip(choices, _rows_by_label(pattern_of, len(choices))):  # never empty: a pattern is a row's
         if len(groups) == 1:
             continue
         ends = np.cumsum(lens[rows])
@@ -542,8 +544,7 @@ def _greedy_matching(score: list[list[int]]) -> tuple[int, ...]:
 def _route(group_of: np.ndarray, dst: Layout, samples: _Samples) -> ReshardPlan:
     """Keep what is already in place; fetch the rest from the least-loaded holder."""
     ids, lens, holder_row, holder_rank = samples
-    by_group = np.argsort(group_of, kind="stable")  # each group's rows ascending
-    group_rows = np.split(by_group, np.cumsum(np.bincount(group_of, minlength=dst.dp_size))[:-1])
+    group_rows = _rows_by_label(group_of, dst.dp_size)
     assignment = [ids[rows].tolist() for rows in group_rows]
     # the holdings that stay: their holder is a member of the sample's destination group
     stays = _group_index(dst)[holder_rank] == group_of[holder_row]
