@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from distflow.coordinator.host_buffers import BUFFERS, carve, carved_bytes
 from distflow.coordinator.layout import Layout
 from distflow.coordinator.planner import ReshardPlan, gc_paused, plan_reshard, stay_put_plan
 from distflow.data.batch import LEFT_PADDED, Batch
@@ -170,27 +171,23 @@ class Packing:
 
     def __init__(self, batch: Batch, rows: Sequence[int], sample_ids: Sequence[int]):
         self.index = torch.as_tensor(list(rows), dtype=torch.long)
-        self.fields = [(v, (len(rows), *v.shape[1:])) for v in batch.tensors.values()]
+        self.sources = list(batch.tensors.values())
+        self.shapes = [(v.dtype, (len(rows), *v.shape[1:])) for v in self.sources]
         header = {"ids": [int(s) for s in sample_ids],
-                  "tensors": [[k, str(v.dtype).removeprefix("torch."), list(shape)]
-                              for k, (v, shape) in zip(batch.tensors, self.fields)],
+                  "tensors": [[k, str(dtype).removeprefix("torch."), list(shape)]
+                              for k, (dtype, shape) in zip(batch.tensors, self.shapes)],
                   "meta": {k: [m[i] for i in self.index.tolist()] for k, m in batch.meta.items()}}
         self.head = json.dumps(header).encode()
         self.start = _aligned(_HEADER_LEN_BYTES + len(self.head))
-        self.nbytes = self.start + sum(_aligned(torch.Size(shape).numel() * v.element_size())
-                                       for v, shape in self.fields)
+        self.nbytes = self.start + carved_bytes(self.shapes, _ALIGN)
 
     def fill(self, buffer: torch.Tensor) -> torch.Tensor:
         """Gather the rows straight into `buffer` (`nbytes` long): one copy."""
         buffer[:_HEADER_LEN_BYTES] = torch.tensor([len(self.head)], dtype=torch.int64).view(torch.uint8)
         buffer[_HEADER_LEN_BYTES: _HEADER_LEN_BYTES + len(self.head)] = torch.frombuffer(
             bytearray(self.head), dtype=torch.uint8)
-        offset = self.start
-        for v, shape in self.fields:
-            nbytes = torch.Size(shape).numel() * v.element_size()
-            out = buffer[offset: offset + nbytes].view(v.dtype).view(shape)
+        for v, out in zip(self.sources, carve(buffer[self.start:], self.shapes, _ALIGN)):
             torch.index_select(v, 0, self.index, out=out)
-            offset += _aligned(nbytes)
         return buffer
 
 
@@ -212,13 +209,10 @@ def unpack(buffer: torch.Tensor) -> tuple[Batch, list[int], int]:
         buffer = buffer.clone()
     head_len = _header_len(buffer)
     header = json.loads(bytes(buffer[_HEADER_LEN_BYTES: _HEADER_LEN_BYTES + head_len].tolist()))
-    offset, tensors = _aligned(_HEADER_LEN_BYTES + head_len), {}
-    for name, dtype_name, shape in header["tensors"]:
-        dtype = getattr(torch, dtype_name)
-        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-        tensors[name] = buffer[offset: offset + nbytes].view(dtype).view(shape)
-        offset += _aligned(nbytes)
-    return Batch(tensors, header["meta"]), header["ids"], _aligned(_HEADER_LEN_BYTES + head_len)
+    start = _aligned(_HEADER_LEN_BYTES + head_len)
+    shapes = [(getattr(torch, dtype), tuple(shape)) for _, dtype, shape in header["tensors"]]
+    tensors = dict(zip((name for name, _, _ in header["tensors"]), carve(buffer[start:], shapes, _ALIGN)))
+    return Batch(tensors, header["meta"]), header["ids"], start
 
 
 def execute(plan: ReshardPlan, batch: Batch, sample_ids: Sequence[int], group=None,
@@ -226,9 +220,10 @@ def execute(plan: ReshardPlan, batch: Batch, sample_ids: Sequence[int], group=No
             times: PhaseTimes | None = None) -> tuple[Batch, list[int]]:
     """Apply `plan` to this rank's `batch` (rows labelled by `sample_ids`). Returns the
     rank's new batch and its sample ids, sorted by id (the same order on every replica).
-    Every row is copied once into the new batch (kept rows that are not one contiguous
-    block twice); a rank that receives nothing and keeps one block of its rows in order
-    gets views of them back, uncopied (they keep the whole of `batch`'s memory alive)."""
+    Every row is copied once into the new batch (kept rows twice where both they and
+    their new positions are scattered), into memory reused from earlier batches
+    (`host_buffers`); a rank that receives nothing and keeps one block of its rows in
+    order gets views of them back, uncopied (they keep the whole of `batch`'s memory alive)."""
     with gc_paused():
         return _execute(plan, batch, sample_ids, group, stats if stats is not None else TransferStats(), transport,
                         times if times is not None else _untimed)
@@ -246,11 +241,15 @@ def _execute(plan: ReshardPlan, batch: Batch, sample_ids: Sequence[int], group, 
     if len(kept) == len(mine):  # nothing comes in: views of the kept rows where they are one block, else a copy
         if plan.num_moves:
             _exchange(plan, batch, row_of, rank, world, group, stats, transport, timed, None)
-        return (batch if kept_rows == list(range(len(batch))) else _rows(batch, kept_rows)), kept
+        if _contiguous(kept_rows):
+            return _block(batch, kept_rows), kept
+        assembler = _Assembler(kept)
+        assembler.add(batch, kept, kept_rows)
+        return assembler.result(rank), kept
     assembler = _Assembler(mine)
     # the kept rows are copied into place while the wire carries the rest
     _exchange(plan, batch, row_of, rank, world, group, stats, transport, timed, assembler,
-              lambda: assembler.add(_rows(batch, kept_rows), kept) if kept else None)
+              lambda: assembler.add(batch, kept, kept_rows) if kept else None)
     return assembler.result(rank), mine
 
 
@@ -258,20 +257,17 @@ def _contiguous(rows: Sequence[int]) -> bool:
     return bool(rows) and list(rows) == list(range(rows[0], rows[0] + len(rows)))
 
 
-def _rows(batch: Batch, rows: list[int]) -> Batch:
-    """The rows of `batch`: views when they are one increasing block, else a copy
-    (to be copied once more into place by `_Assembler`)."""
-    if _contiguous(rows):
-        lo, hi = rows[0], rows[-1] + 1
-        return Batch({k: v[lo:hi] for k, v in batch.tensors.items()},
-                     {k: v[lo:hi] for k, v in batch.meta.items()})
-    return batch.select(rows)
+def _block(batch: Batch, rows: Sequence[int]) -> Batch:
+    """Views of `batch`'s `rows`, one increasing block (`_contiguous`)."""
+    lo, hi = rows[0], rows[-1] + 1
+    return Batch({k: v[lo:hi] for k, v in batch.tensors.items()}, {k: v[lo:hi] for k, v in batch.meta.items()})
 
 
 class _Assembler:
     """The new batch in `ids` order, built piece by piece as pieces arrive (each holds a
     disjoint subset of `ids`): every piece's rows are copied once, straight to their final
-    positions. Fields of different widths (dimension 1) are padded with 0 to the widest, on the left
+    positions, into memory reused from earlier batches (`host_buffers`). Fields of
+    different widths (dimension 1) are padded with 0 to the widest, on the left
     for LEFT_PADDED fields (as `Batch.concat` does); a piece wider than the ones before it
     widens that field (one more copy of it)."""
 
@@ -282,10 +278,17 @@ class _Assembler:
         self.tensors: dict[str, torch.Tensor] = {}
         self.meta: dict[str, list] = {}
 
-    def add(self, piece: Batch, piece_ids: list[int]) -> None:
+    def add(self, piece: Batch, piece_ids: list[int], rows: list[int] | None = None) -> None:
+        """Place `piece`'s rows (`rows` of it, default all), labelled `piece_ids`."""
         spots = [self.position[s] for s in piece_ids]
         index = None if _contiguous(spots) else torch.tensor(spots, dtype=torch.long)
+        if rows is not None and _contiguous(rows):  # one block: views, copied once below
+            piece, rows = _block(piece, rows), None
+        taken = None if rows is None else torch.tensor(rows, dtype=torch.long)
         n = len(self.ids)
+        if not self.tensors:  # the first piece's fields, in one reusable block of memory
+            shapes = [(part.dtype, (n, *part.shape[1:])) for part in piece.tensors.values()]
+            self.tensors = dict(zip(piece.tensors, carve(BUFFERS.take(carved_bytes(shapes)), shapes)))
         for name, part in piece.tensors.items():
             out = self.tensors.get(name)
             if out is None:
@@ -302,12 +305,18 @@ class _Assembler:
                     out.index_fill_(0, index, 0)
                 target = self._columns(out, part.shape[1], name)
             if index is None:
-                target[spots[0]: spots[0] + len(spots)].copy_(part)
+                block = target[spots[0]: spots[0] + len(spots)]
+                if taken is None:
+                    block.copy_(part)
+                elif block.is_contiguous():  # the rows gathered straight into place
+                    torch.index_select(part, 0, taken, out=block)
+                else:
+                    block.copy_(part.index_select(0, taken))
             else:
-                target.index_copy_(0, index, part)
+                target.index_copy_(0, index, part if taken is None else part.index_select(0, taken))
         for name, values in piece.meta.items():
             column = self.meta.setdefault(name, [None] * n)
-            for i, v in zip(spots, values):
+            for i, v in zip(spots, values if rows is None else (values[r] for r in rows)):
                 column[i] = v
         self.placed.update(spots)
 
@@ -463,13 +472,13 @@ def _exchange(plan: ReshardPlan, batch: Batch, row_of: dict[int, int], rank: int
     # soon as it is ready, rank r starting with r + 1 so that the links start together.
     # Each peer's bytes arrive on their own connection, in parallel.
     with timed("pack"):
-        receives = [(p, torch.empty(int(incoming[p, 0]), dtype=torch.uint8))
+        receives = [(p, BUFFERS.take(int(incoming[p, 0])))
                     for p in ((rank - k) % world for k in range(1, world)) if incoming[p, 0]]
         pending = [(buf, dist.irecv(buf, group_src=p, group=group)) for p, buf in receives]
         sends = []
         for peer in ((rank + k) % world for k in range(1, world)):
             if peer in wired:
-                buf = wired[peer].fill(torch.empty(wired[peer].nbytes, dtype=torch.uint8))
+                buf = wired[peer].fill(BUFFERS.take(wired[peer].nbytes))
                 sends.append((buf, dist.isend(buf, group_dst=peer, group=group)))
     if while_sending is not None:
         with timed("keep"):
