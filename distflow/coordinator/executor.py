@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from distflow.coordinator.host_buffers import BUFFERS, carve, carved_bytes
+from distflow.coordinator.host_buffers import BUFFERS, aligned, carve, carved_bytes
 from distflow.coordinator.layout import Layout
 from distflow.coordinator.planner import ReshardPlan, gc_paused, plan_reshard, stay_put_plan
 from distflow.data.batch import LEFT_PADDED, Batch
@@ -159,10 +159,6 @@ def all_gather_rows(local: torch.Tensor, group=None, stats: TransferStats | None
         capacity = capacities[columns] = max(counts) + max(counts) // 4
 
 
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
 class Packing:
     """How the rows of `batch` lie in one uint8 buffer: header length, JSON header, then
     each tensor field's rows at 8-byte-aligned offsets (so that the receiver can view
@@ -178,7 +174,7 @@ class Packing:
                               for k, (dtype, shape) in zip(batch.tensors, self.shapes)],
                   "meta": {k: [m[i] for i in self.index.tolist()] for k, m in batch.meta.items()}}
         self.head = json.dumps(header).encode()
-        self.start = _aligned(_HEADER_LEN_BYTES + len(self.head))
+        self.start = aligned(_HEADER_LEN_BYTES + len(self.head), _ALIGN)
         self.nbytes = self.start + carved_bytes(self.shapes, _ALIGN)
 
     def fill(self, buffer: torch.Tensor) -> torch.Tensor:
@@ -209,7 +205,7 @@ def unpack(buffer: torch.Tensor) -> tuple[Batch, list[int], int]:
         buffer = buffer.clone()
     head_len = _header_len(buffer)
     header = json.loads(bytes(buffer[_HEADER_LEN_BYTES: _HEADER_LEN_BYTES + head_len].tolist()))
-    start = _aligned(_HEADER_LEN_BYTES + head_len)
+    start = aligned(_HEADER_LEN_BYTES + head_len, _ALIGN)
     shapes = [(getattr(torch, dtype), tuple(shape)) for _, dtype, shape in header["tensors"]]
     tensors = dict(zip((name for name, _, _ in header["tensors"]), carve(buffer[start:], shapes, _ALIGN)))
     return Batch(tensors, header["meta"]), header["ids"], start

@@ -54,13 +54,14 @@ class HostBuffers:
         if nbytes < self.smallest:
             return torch.empty(nbytes, dtype=torch.uint8)
         with self.lock:
-            fits = [m for m in self._free() if nbytes <= len(m) <= _LARGEST_FIT * nbytes]
+            free = self._free()
+            fits = [m for m in free if nbytes <= len(m) <= _LARGEST_FIT * nbytes]
             if fits:
                 mapping = min(fits, key=len)
                 self.mappings.remove(mapping)
             else:
-                self._release_free(beyond=self.keep_free_bytes)
-                mapping = mmap.mmap(-1, -(-int(nbytes * _GROWTH) // mmap.PAGESIZE) * mmap.PAGESIZE)
+                self._release(free, beyond=self.keep_free_bytes)
+                mapping = mmap.mmap(-1, aligned(int(nbytes * _GROWTH), mmap.PAGESIZE))
             self.mappings.append(mapping)
             return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
 
@@ -68,8 +69,9 @@ class HostBuffers:
         with self.lock:
             return sum(map(len, self._free()))
 
-    def _release_free(self, beyond: int) -> None:
-        free = self._free()
+    def _release(self, free: list[mmap.mmap], beyond: int) -> None:
+        """Close the `free` mappings, least recently taken first, until at most `beyond`
+        bytes of them are left."""
         total = sum(map(len, free))
         for mapping in free:  # least recently taken first
             if total <= beyond:
@@ -82,10 +84,15 @@ class HostBuffers:
 Shapes = list[tuple[torch.dtype, tuple[int, ...]]]
 
 
+def aligned(n: int, align: int) -> int:
+    """`n` rounded up to a multiple of `align`."""
+    return -(-n // align) * align
+
+
 def _padded_sizes(shapes: Shapes, align: int) -> list[tuple[int, int]]:
     """Each field's bytes and the bytes it takes with its padding to `align`."""
     sizes = [torch.Size(shape).numel() * dtype.itemsize for dtype, shape in shapes]
-    return [(n, -(-n // align) * align) for n in sizes]
+    return [(n, aligned(n, align)) for n in sizes]
 
 
 def carve(buffer: torch.Tensor, shapes: Shapes, align: int = _ALIGN) -> list[torch.Tensor]:
