@@ -364,43 +364,88 @@ def _locality_bins(votes: _Votes, lens: np.ndarray, equal_count: bool, limit: fl
 
     Samples held by no destination member, or by several groups equally, have a choice.
     Without `equal_count` they are first cut in id order into one run per group
-    (`_runs_in_id_order`), kept when no group then exceeds `limit` tokens: a TP group's
-    rows split among its members that way leave each member one block of the rows it
-    holds, which the executor hands on as views, uncopied. Otherwise each goes to the
-    lightest such group, largest samples first, so those choices even out.
+    (`_runs_in_id_order`): a TP group's rows split among its members that way leave each
+    member one block of the rows it holds, which the executor hands on as views,
+    uncopied. Where that puts a group over `limit` tokens, the samples of every group
+    linked to it (through choices that share a group) are placed again, largest first,
+    each on the lightest group of its choice (`_lightest_first`); the groups not linked
+    keep their runs, so one uneven TP group does not cost every other member its block.
+    With `equal_count` every sample is placed that way, within the count cap, its choice
+    widened to groups with fewer holding members where the cap leaves no room.
     """
     n, k = len(lens), votes.groups
     patterns, pattern_of = _distinct_rows(votes, n)
     # per distinct row of votes, its groups cut into tiers of equal votes, most votes
     # first; without a count cap a sample always finds room in its first tier
     tiers_of = [_vote_tiers(row) for row in patterns]
-    if not equal_count:
-        firsts = [tiers[0] for tiers in tiers_of]
-        if all(len(groups) == 1 for groups in firsts):  # no sample has a choice
-            return np.array([groups[0] for groups in firsts], dtype=np.int64)[pattern_of]
-        runs = _runs_in_id_order(firsts, pattern_of, lens, k)
-        if _largest_bin(runs, lens, k) <= limit:
-            return runs
-        tiers_of = [[groups] for groups in firsts]
-    cap = CountCap(n, k) if equal_count else None
+    if equal_count:
+        return _capped_lightest_first(tiers_of, pattern_of, lens, k)
+    firsts = [tiers[0] for tiers in tiers_of]
+    if all(len(groups) == 1 for groups in firsts):  # no sample has a choice
+        return np.array([groups[0] for groups in firsts], dtype=np.int64)[pattern_of]
+    group_of = _runs_in_id_order(firsts, pattern_of, lens, k)
+    over = np.flatnonzero(np.bincount(group_of, weights=lens, minlength=k) > limit).tolist()
+    if over:  # a choice's groups are all linked or none is
+        linked = _linked_groups(firsts, over)
+        _lightest_first(group_of, np.flatnonzero(np.array([groups[0] in linked for groups in firsts])[pattern_of]),
+                        firsts, pattern_of, lens, k)
+    return group_of
+
+
+def _linked_groups(choices: list[list[int]], seeds: list[int]) -> set[int]:
+    """`seeds` and every group linked to them by choices of several groups (a choice
+    links its groups)."""
+    sharing: dict[int, list[list[int]]] = {}
+    for groups in choices:
+        if len(groups) > 1:
+            for g in groups:
+                sharing.setdefault(g, []).append(groups)
+    linked, todo = set(seeds), list(seeds)
+    while todo:
+        for groups in sharing.get(todo.pop(), ()):
+            for g in groups:
+                if g not in linked:
+                    linked.add(g)
+                    todo.append(g)
+    return linked
+
+
+def _lightest_first(group_of: np.ndarray, rows: np.ndarray, choices: list[list[int]], pattern_of: np.ndarray,
+                    lens: np.ndarray, k: int) -> None:
+    """Place `rows` again, in `group_of`: largest first (ties by sample id), each on the
+    lightest group of `choices[pattern_of[row]]` (ties: the first), counting every
+    other sample where `group_of` has it. Where `rows` are all the samples of their
+    groups, each group's placement is what placing every sample so would give it."""
+    stays = np.ones(len(group_of), dtype=bool)
+    stays[rows] = False
+    totals = np.bincount(group_of[stays], weights=lens[stays], minlength=k).astype(np.int64).tolist()
+    choice_of, length = pattern_of.tolist(), lens.tolist()
+    for row in rows[np.argsort(-lens[rows], kind="stable")].tolist():
+        g = min(choices[choice_of[row]], key=totals.__getitem__)
+        group_of[row] = g
+        totals[g] += length[row]
+
+
+def _capped_lightest_first(tiers_of: list[list[list[int]]], pattern_of: np.ndarray, lens: np.ndarray,
+                           k: int) -> np.ndarray:
+    """Every sample, largest first (ties by sample id), on the lightest group with room
+    under the count cap in the first tier of its choices that has one (ties: the first)."""
+    n = len(lens)
+    cap = CountCap(n, k)
     sizes, totals = [0] * k, [0] * k
     group_of = [0] * n
     pattern_of = pattern_of.tolist()
     order, lens = np.argsort(-lens, kind="stable").tolist(), lens.tolist()
-    for row in order:  # largest first, ties by sample id
+    for row in order:
         for tier in tiers_of[pattern_of[row]]:
-            open_groups = tier if cap is None else [g for g in tier if cap.has_room(sizes[g])]
+            open_groups = [g for g in tier if cap.has_room(sizes[g])]
             if open_groups:
-                g = open_groups[0]
-                for other in open_groups[1:]:  # the lightest; ties: the first group
-                    if totals[other] < totals[g]:
-                        g = other
+                g = min(open_groups, key=totals.__getitem__)
                 break
         group_of[row] = g
         sizes[g] += 1
         totals[g] += lens[row]
-        if cap is not None:
-            cap.took(sizes[g])
+        cap.took(sizes[g])
     return np.array(group_of, dtype=np.int64)
 
 

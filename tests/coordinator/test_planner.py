@@ -285,6 +285,20 @@ def test_a_tp_group_split_among_its_members_gives_each_one_block_of_ids_when_tha
     check_plan(plan, src, dst, holdings, lengths)
 
 
+def test_one_uneven_tp_group_does_not_cost_the_others_their_blocks():
+    src, dst = Layout(6, tp_size=2), Layout(6)
+    holdings = {0: [0, 1, 2, 3], 1: [0, 1, 2, 3], 2: [4, 5, 6, 7], 3: [4, 5, 6, 7], 4: [8, 9, 10, 11],
+                5: [8, 9, 10, 11]}
+    lengths = dict(enumerate([3, 6, 4, 2, 5, 3, 4, 4, 1, 2, 5, 4]))  # 43 tokens: the bound is 8 a rank
+    plan = plan_reshard(src, dst, holdings, lengths)
+    # Cut in id order, pair (0, 1) gets 9 | 6: its samples go largest first to the lighter
+    # member (6, 4, 3, 2: 8 | 7). Pairs (2, 3) and (4, 5) fit in id order (8 | 8 and 8 | 4)
+    # and keep it, so each of their members keeps one block of its rows (views, uncopied).
+    assert plan.moves == []
+    assert plan.assignment == [[1, 3], [0, 2], [4, 5], [6, 7], [8, 9, 10], [11]]
+    check_plan(plan, src, dst, holdings, lengths)
+
+
 def test_many_groups_use_greedy_matching():
     src, dst = Layout(12), Layout(12, tp_size=1, ranks=tuple(range(10)))
     holdings = {0: list(range(20))}
