@@ -32,9 +32,9 @@ Modes
     sent. Each measurement runs in a fresh driver subprocess, so its peak RSS (VmHWM) is
     its own and not an earlier mode's.
 
-    Every mode runs one untimed warm-up round (process start-up, first connections),
-    then ``--repeats`` timed rounds from the same initial placement; the median is
-    reported. A token-imbalance section compares ``karmarkar_karp`` with
+    Every mode runs two untimed warm-up rounds (process start-up, first connections,
+    the coordinator's two alternating shared-memory slots), then ``--repeats`` timed
+    rounds from the same initial placement; the median is reported. A token-imbalance section compares ``karmarkar_karp`` with
     ``contiguous_split`` (max/mean tokens per rank) on 1024 long-tailed lengths.
 
 Both data paths use shared memory on one host (Ray's object store; the coordinator's

@@ -8,7 +8,7 @@ the coordinator's ranks exchange over their own links (the launcher's worker act
 per host, joins the gloo group; rank 0's host is the master); the centralized modes gather into the driver
 on host 0 and send back out, through host 0's link. Each record carries `where:
 "cluster"`, `num_hosts`, the bytes each host's link carried per round (host-side veth
-counters, both directions, warm-up round included in the average; for the coordinator
+counters, both directions, warm-up rounds included in the average; for the coordinator
 the window also holds its two plain-transport reference runs, which move the same
 payload, so it is averaged over three times the rounds) and `wire_floor_seconds`: the busiest link
 direction's bytes per round over the link rate.

@@ -30,39 +30,18 @@ TOLERANCE = 0.02
 
 def _coordinator_rounds(rank: int, spec: Spec, one_host: bool = True) -> dict[str, Any]:
     """Warm-up plus timed rounds of the three reshards on this rank; maxima over ranks.
-    `one_host`: all ranks share /dev/shm, so its floor is measured too."""
+    `one_host`: all ranks share /dev/shm, so its floor is measured too, and the fixed
+    costs: the same reshards of the same samples (the same plans, moves and
+    synchronisations) with every tensor field one column wide, and one gloo barrier."""
     import torch.distributed as dist
 
-    from distflow.coordinator.executor import GlobalView, PhaseTimes, TransferStats, reshard
     from distflow.data.batch import Batch
 
     tensors, ground_truth, ids, _ = make_shard(rank, spec)
-    start_batch = Batch(tensors, {"ground_truth": ground_truth})
     length_of = token_lengths(spec).tolist()  # every sample's, as their holders would tell
-    dp, tp = Layout(spec.num_workers), Layout(spec.num_workers, tp_size=2)
-    steps = [(dp, dp, "none"), (dp, tp, "kk"), (tp, dp, "kk")]
-    laps: list[list[float]] = []
-    cpu: list[float] = []  # this process's CPU seconds per timed round (its gloo threads included)
-    phases: list[PhaseTimes] = []
-    moved, rows = 0, 0
+    laps, cpu, phases, moved, rows, plans = _reshard_rounds(Batch(tensors, {"ground_truth": ground_truth}), ids,
+                                                             length_of, spec)
     row_bytes = spec.batch_bytes // spec.batch
-    for rnd in range(WARMUP_ROUNDS + spec.repeats):
-        stats, times, view = TransferStats(), PhaseTimes(), GlobalView()  # one step's rows
-        batch, batch_ids, marks, plans = start_batch, ids, [], []
-        dist.barrier()
-        start, start_cpu = time.perf_counter(), time.process_time()
-        for src, dst, balance in steps:
-            batch, batch_ids, plan = reshard(batch, batch_ids, [length_of[s] for s in batch_ids], src, dst,
-                                             balance=balance, tolerance=TOLERANCE, stats=stats, times=times,
-                                             view=view)
-            marks.append(time.perf_counter())
-            plans.append(plan)
-        if rnd >= WARMUP_ROUNDS:
-            cpu.append(time.process_time() - start_cpu)
-            laps.append([b - a for a, b in zip([start] + marks, marks)])
-            phases.append(times)
-            moved = stats.payload_sent + stats.payload_received + stats.meta_sent + stats.meta_received
-            rows = len(batch_ids)
     # per transition: payload bytes this rank sent to each peer (outside the timed rounds)
     sizes = [[row_bytes * len(plan.sends_by_peer(rank).get(p, ())) for p in range(spec.num_workers)]
              for plan in plans]
@@ -71,6 +50,11 @@ def _coordinator_rounds(rank: int, spec: Spec, one_host: bool = True) -> dict[st
     raw = _raw_transport_seconds(sizes, spec)
     if one_host:
         raw["shm_floor_seconds"], raw["shm_floor_cpu_seconds"] = _shm_floor_times(sizes, spec)
+        narrow = Batch({k: v[:, :1].contiguous() for k, v in tensors.items()}, {"ground_truth": ground_truth})
+        fixed_laps, fixed_cpu = _reshard_rounds(narrow, ids, length_of, spec)[:2]
+        raw["one_column_seconds"], raw["one_column_cpu_seconds"] = _across_ranks(
+            statistics.median(map(sum, fixed_laps)), statistics.median(fixed_cpu))
+        raw["barrier_seconds"] = _across_ranks(*_median_round_seconds(spec, dist.barrier))[0]
     names = sorted({k for t in phases for k in t})
     phase_s = torch.tensor([statistics.median(t.get(k, 0.0) for t in phases) for k in names], dtype=torch.float64)
     dist.all_reduce(phase_s, op=dist.ReduceOp.MAX)  # per phase, the slowest rank's median
@@ -87,6 +71,49 @@ def _coordinator_rounds(rank: int, spec: Spec, one_host: bool = True) -> dict[st
     return {"laps": totals[:, 1:].tolist(), "busiest": int(busiest), "rows": int(held), "raw": raw,
             "phases": dict(zip(names, phase_s.tolist())), "peak_rss": int(peak),
             "cpu": float(cpu_s) / spec.num_workers}
+
+
+def _reshard_rounds(start_batch, ids: list[int], length_of: list[int], spec: Spec):
+    """The three reshards from `start_batch` (this rank's rows `ids`), warm-up rounds
+    untimed: per timed round its seconds per transition, CPU seconds (this process's,
+    its gloo threads included) and `PhaseTimes`; then the last round's bytes moved, rows
+    held at the end, and plans."""
+    import torch.distributed as dist
+
+    from distflow.coordinator.executor import GlobalView, PhaseTimes, TransferStats, reshard
+
+    dp, tp = Layout(spec.num_workers), Layout(spec.num_workers, tp_size=2)
+    steps = [(dp, dp, "none"), (dp, tp, "kk"), (tp, dp, "kk")]
+    laps: list[list[float]] = []
+    cpu: list[float] = []
+    phases: list[PhaseTimes] = []
+    for rnd in range(WARMUP_ROUNDS + spec.repeats):
+        stats, times, view = TransferStats(), PhaseTimes(), GlobalView()  # one step's rows
+        batch, batch_ids, marks, plans = start_batch, ids, [], []
+        dist.barrier()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        for src, dst, balance in steps:
+            batch, batch_ids, plan = reshard(batch, batch_ids, [length_of[s] for s in batch_ids], src, dst,
+                                             balance=balance, tolerance=TOLERANCE, stats=stats, times=times,
+                                             view=view)
+            marks.append(time.perf_counter())
+            plans.append(plan)
+        if rnd >= WARMUP_ROUNDS:
+            cpu.append(time.process_time() - start_cpu)
+            laps.append([b - a for a, b in zip([start] + marks, marks)])
+            phases.append(times)
+    moved = stats.payload_sent + stats.payload_received + stats.meta_sent + stats.meta_received
+    return laps, cpu, phases, moved, len(batch_ids), plans
+
+
+def _across_ranks(seconds: float, cpu: float) -> tuple[float, float]:
+    """`seconds`, the slowest rank's, and `cpu`, the mean over ranks (a collective)."""
+    import torch.distributed as dist
+
+    took, used = torch.tensor([seconds], dtype=torch.float64), torch.tensor([cpu], dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    dist.all_reduce(used)
+    return float(took), float(used) / dist.get_world_size()
 
 
 def _raw_transport_seconds(sizes: list[list[int]], spec: Spec) -> dict[str, float]:
@@ -173,11 +200,7 @@ def _shm_floor_times(sizes: list[list[int]], spec: Spec) -> tuple[float, float]:
                 if tt == t:
                     received[tt, p].copy_(slot)
 
-    took, cpu = _median_round_seconds(spec, copies)
-    took, cpu = torch.tensor([took], dtype=torch.float64), torch.tensor([cpu], dtype=torch.float64)
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    dist.all_reduce(cpu)
-    return float(took), float(cpu) / spec.num_workers
+    return _across_ranks(*_median_round_seconds(spec, copies))
 
 
 def _active_transitions(sizes: list[list[int]]) -> list[int]:

@@ -35,6 +35,10 @@ def test_quick_run_reports_every_mode(tmp_path):
     assert coordinator["cpu_seconds_per_rank"] > 0 and coordinator["shm_floor_cpu_seconds"] > 0
     assert coordinator["cores"] >= 1
     assert "CPU per rank and round: coordinator" in md.read_text()
+    # the fixed costs: the same reshards of one-column rows, and one gloo barrier
+    assert coordinator["one_column_seconds"] > 0 and coordinator["one_column_cpu_seconds"] > 0
+    assert coordinator["barrier_seconds"] > 0
+    assert "the fixed costs: the same reshards of one-column rows" in md.read_text()
     # where the time goes: the payload phases and the one metadata all-gather of the step
     assert {"metadata", "plan", "pack", "sizes", "receive"} <= set(coordinator["phase_seconds"])
     for mode in CENTRALIZED:
