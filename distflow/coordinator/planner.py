@@ -419,11 +419,13 @@ def _lightest_first(group_of: np.ndarray, rows: np.ndarray, choices: list[list[i
     stays = np.ones(len(group_of), dtype=bool)
     stays[rows] = False
     totals = np.bincount(group_of[stays], weights=lens[stays], minlength=k).astype(np.int64).tolist()
-    choice_of, length = pattern_of.tolist(), lens.tolist()
-    for row in rows[np.argsort(-lens[rows], kind="stable")].tolist():
-        g = min(choices[choice_of[row]], key=totals.__getitem__)
-        group_of[row] = g
-        totals[g] += length[row]
+    rows = rows[np.argsort(-lens[rows], kind="stable")]
+    placed = []
+    for pattern, length in zip(pattern_of[rows].tolist(), lens[rows].tolist()):
+        g = min(choices[pattern], key=totals.__getitem__)
+        placed.append(g)
+        totals[g] += length
+    group_of[rows] = placed
 
 
 def _capped_lightest_first(tiers_of: list[list[list[int]]], pattern_of: np.ndarray, lens: np.ndarray,
@@ -589,32 +591,28 @@ def _greedy_matching(score: list[list[int]]) -> tuple[int, ...]:
 def _route(group_of: np.ndarray, dst: Layout, samples: _Samples) -> ReshardPlan:
     """Keep what is already in place; fetch the rest from the least-loaded holder."""
     ids, lens, holder_row, holder_rank = samples
-    group_rows = _rows_by_label(group_of, dst.dp_size)
-    assignment = [ids[rows].tolist() for rows in group_rows]
+    assignment = [ids[rows].tolist() for rows in _rows_by_label(group_of, dst.dp_size)]
+    members = np.asarray(dst.dp_groups(), dtype=np.int64).reshape(dst.dp_size, dst.tp_size)
     # the holdings that stay: their holder is a member of the sample's destination group
     stays = _group_index(dst)[holder_rank] == group_of[holder_row]
     by_rank = np.argsort(holder_rank[stays], kind="stable")  # rows stay ascending within a rank
-    kept_row = holder_row[stays][by_rank]
-    bounds = np.searchsorted(holder_rank[stays][by_rank], np.arange(dst.world_size + 1))
-    keep: dict[int, list[int]] = {}
-    need_rows, need_ranks = [], []
-    is_kept = np.zeros(len(ids), dtype=bool)  # one rank's kept rows at a time
-    for g, ranks in enumerate(dst.dp_groups()):
-        for r in ranks:
-            kept = kept_row[bounds[r]:bounds[r + 1]]
-            keep[r] = ids[kept].tolist()
-            is_kept[kept] = True
-            rows = group_rows[g][~is_kept[group_rows[g]]]
-            is_kept[kept] = False
-            need_rows.append(rows)
-            need_ranks.append(np.full(len(rows), r, dtype=np.int64))
-    rows, to = np.concatenate(need_rows), np.concatenate(need_ranks)
-    order = np.lexsort((to, rows, -lens[rows]))  # largest first; ties by sample, then rank
-    rows, to = rows[order], to[order]
+    kept_row, kept_rank = holder_row[stays][by_rank], holder_rank[stays][by_rank]
+    bounds, kept_ids = np.searchsorted(kept_rank, np.arange(dst.world_size + 1)).tolist(), ids[kept_row]
+    keep = {r: kept_ids[bounds[r]:bounds[r + 1]].tolist() for r in members.ravel().tolist()}
+    # every (row, member of its group) pair not kept is needed: slot row * tp + the member's place
+    place = np.zeros(dst.world_size, dtype=np.int64)
+    place[members.ravel()] = np.tile(np.arange(dst.tp_size), dst.dp_size)
+    have = np.zeros(len(ids) * dst.tp_size, dtype=bool)
+    have[kept_row * dst.tp_size + place[kept_rank]] = True
+    need = np.flatnonzero(~have)
+    rows = need // dst.tp_size
+    to = members[group_of[rows], need % dst.tp_size]
     first = np.searchsorted(holder_row, rows)  # each row's holders: consecutive pairs, ascending rank
     count = np.searchsorted(holder_row, rows, side="right") - first
     source = holder_rank[first]  # the only holder, where there is one
     if (count > 1).any():  # the holder that has sent the fewest tokens so far (ties: lowest rank)
+        order = np.lexsort((to, rows, -lens[rows]))  # largest first; ties by sample, then rank
+        rows, to, first, count, source = rows[order], to[order], first[order], count[order], source[order]
         sent = [0] * dst.world_size
         for i, (row, src, lo, n) in enumerate(zip(rows.tolist(), source.tolist(), first.tolist(), count.tolist())):
             if n > 1:
