@@ -34,8 +34,9 @@ Modes
 
     Every mode runs two untimed warm-up rounds (process start-up, first connections,
     the coordinator's two alternating shared-memory slots), then ``--repeats`` timed
-    rounds from the same initial placement; the median is reported. A token-imbalance section compares ``karmarkar_karp`` with
-    ``contiguous_split`` (max/mean tokens per rank) on 1024 long-tailed lengths.
+    rounds from the same initial placement; the median is reported. A token-imbalance
+    section compares ``karmarkar_karp`` with ``contiguous_split`` (max/mean tokens per
+    rank) on 1024 long-tailed lengths.
 
 Both data paths use shared memory on one host (Ray's object store; the coordinator's
 reused /dev/shm slots). What grows with the cluster is the driver's bytes and memory

@@ -385,10 +385,10 @@ def _locality_bins(votes: _Votes, lens: np.ndarray, equal_count: bool, limit: fl
         return np.array([groups[0] for groups in firsts], dtype=np.int64)[pattern_of]
     group_of = _runs_in_id_order(firsts, pattern_of, lens, k)
     over = np.flatnonzero(np.bincount(group_of, weights=lens, minlength=k) > limit).tolist()
-    if over:  # a choice's groups are all linked or none is
-        linked = _linked_groups(firsts, over)
-        _lightest_first(group_of, np.flatnonzero(np.array([groups[0] in linked for groups in firsts])[pattern_of]),
-                        firsts, pattern_of, lens, k)
+    if over:
+        linked = _linked_groups(firsts, over)  # a choice's groups are all linked or none is
+        again = np.array([groups[0] in linked for groups in firsts])[pattern_of]
+        _lightest_first(group_of, np.flatnonzero(again), firsts, pattern_of, lens, k)
     return group_of
 
 
