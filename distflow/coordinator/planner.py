@@ -593,15 +593,16 @@ def _route(group_of: np.ndarray, dst: Layout, samples: _Samples) -> ReshardPlan:
     ids, lens, holder_row, holder_rank = samples
     assignment = [ids[rows].tolist() for rows in _rows_by_label(group_of, dst.dp_size)]
     members = np.asarray(dst.dp_groups(), dtype=np.int64).reshape(dst.dp_size, dst.tp_size)
+    ranks = members.ravel()  # DP-then-TP order
     # the holdings that stay: their holder is a member of the sample's destination group
     stays = _group_index(dst)[holder_rank] == group_of[holder_row]
     by_rank = np.argsort(holder_rank[stays], kind="stable")  # rows stay ascending within a rank
     kept_row, kept_rank = holder_row[stays][by_rank], holder_rank[stays][by_rank]
     bounds, kept_ids = np.searchsorted(kept_rank, np.arange(dst.world_size + 1)).tolist(), ids[kept_row]
-    keep = {r: kept_ids[bounds[r]:bounds[r + 1]].tolist() for r in members.ravel().tolist()}
+    keep = {r: kept_ids[bounds[r]:bounds[r + 1]].tolist() for r in ranks.tolist()}
     # every (row, member of its group) pair not kept is needed: slot row * tp + the member's place
     place = np.zeros(dst.world_size, dtype=np.int64)
-    place[members.ravel()] = np.tile(np.arange(dst.tp_size), dst.dp_size)
+    place[ranks] = np.tile(np.arange(dst.tp_size), dst.dp_size)
     have = np.zeros(len(ids) * dst.tp_size, dtype=bool)
     have[kept_row * dst.tp_size + place[kept_rank]] = True
     need = np.flatnonzero(~have)
