@@ -168,6 +168,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         if cfg.runtime.mode == "centralized" and any(n.role == "filter" for n in graph.nodes):
             raise ConfigError(f"runtime.mode='centralized': the graph of {cfg.algorithm.name} has a filter "
                               f"(dynamic sampling); filters run in distributed mode only")
+        if cfg.runtime.mode == "centralized":
+            from distflow.runtime.centralized import make_wire
+
+            make_wire(cfg.runtime.centralized_wire)  # verl's wires need verl here
         _check_cluster(cfg)
     except ValueError as e:  # ConfigError, GraphError
         return _fail(str(e))
@@ -208,7 +212,8 @@ def _launch(cfg: Config, run_dir: Path, entry: str, entry_args: tuple, on_poll, 
         return launch_ray(entry, entry_args, run_dir=run_dir, num_workers=cfg.runtime.num_workers,
                           device=cfg.runtime.device, collective_timeout_s=cfg.runtime.collective_timeout_s,
                           threads=cfg.runtime.threads_per_worker, on_poll=on_poll,
-                          ray_address=cfg.runtime.ray_address, centralized=centralized, meter=meter)
+                          ray_address=cfg.runtime.ray_address, centralized=centralized,
+                          centralized_wire=cfg.runtime.centralized_wire, meter=meter)
     except WorkerFailed as e:
         return _fail(str(e), EXIT_FAILED)
     except ClusterTooSmall as e:

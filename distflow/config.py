@@ -247,6 +247,11 @@ class RuntimeConfig:
     mode: str = _spec("distributed", choices=("distributed", "centralized"),
                       doc="centralized: the single-controller baseline; every stage's data passes through the "
                           "driver (benchmarks)")
+    centralized_wire: str = _spec("numpy", choices=("numpy", "verl", "verl-numpy"),
+                                  doc="centralized mode: what the driver's batches travel through Ray's object store "
+                                      "as: numpy buffers (zero-copy), or verl's DataProto serialised by verl with "
+                                      "torch.save (verl, its default) or numpy arrays (verl-numpy); the verl ones need "
+                                      "verl in this Python (README, Benchmarks)")
     placement: str = _spec("colocated", choices=("colocated", "disaggregated"),
                            doc="colocated: every worker generates and trains; disaggregated: rollout_workers "
                                "generate and train_workers train, samples streamed rank to rank, weights pushed "

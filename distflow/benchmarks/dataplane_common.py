@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from distflow.coordinator.partition import contiguous_split
+from distflow.runtime.centralized import VERL_INSTALL
 
 MODES = ("coordinator", "centralized-pickle", "centralized-zerocopy")
 # verl's own DataProto dispatch (needs verl: README, Benchmarks): its default (torch.save) and numpy paths
@@ -40,8 +41,7 @@ def refuse_verl_modes_without_verl(parser, modes: list[str]) -> None:
     import importlib.util
 
     if set(modes) & set(VERL_MODES) and importlib.util.find_spec("verl") is None:
-        parser.error("the verl modes need verl in this Python: python -m venv --system-site-packages .venv-verl && "
-                     ".venv-verl/bin/pip install verl==0.9.1 torch==2.13.0, then run with .venv-verl/bin/python")
+        parser.error(f"the verl modes need verl in this Python: {VERL_INSTALL}")
 
 
 @dataclass(frozen=True)

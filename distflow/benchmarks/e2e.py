@@ -3,6 +3,7 @@ the emulated cluster.
 
     python benchmarks/e2e.py --json benchmarks/e2e.jsonl --results-md benchmarks/E2E.md --plot benchmarks/e2e.png
     python benchmarks/e2e.py --quick             # one host, N=2, the default setting only
+    .venv-verl/bin/python benchmarks/e2e.py --quick --baseline verl   # also verl's DataProto as the wire
 
 Each measurement is one `distflow train` run of a few steps (the same config, seed and
 graph in both modes; `scheduler.overlap=false` in both, since the single controller runs
@@ -11,7 +12,11 @@ stage (the slowest worker's, averaged over steps), the launcher's payload bytes
 (distributed: 0) and, in centralized mode, the driver's payload bytes in and out, the
 launcher/driver's peak RSS, and on the cluster the bytes through each host's link (from
 the veths' counters). Scaling efficiency is tokens/s per worker relative to the
-smallest worker count of the same mode, setting and place.
+smallest worker count of the same mode, setting and place. `--baseline verl` (in verl's
+environment, README: Benchmarks) adds the single controller with verl's own `DataProto`
+as its wire (`runtime.centralized_wire`): `centralized-verl`, serialised by verl's
+default torch.save, and `centralized-verl-numpy`; the distributed rows then also carry
+their tokens/s over each of these.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from distflow.benchmarks.dataplane_common import VERL_MODES, refuse_verl_modes_without_verl
 from distflow.benchmarks.soak import descendants, rss_bytes
 
 SETTINGS = {
@@ -42,6 +48,11 @@ SETTINGS = {
 }
 COMMON = ["trainer.progress=false", "trainer.save_final=false", "trainer.eval_every=0", "data.val_max_samples=8",
           "scheduler.overlap=false"]
+# each mode's runtime settings; the verl ones (--baseline verl) send the single controller's
+# batches as verl's own DataProto, serialised by verl (numpy arrays, or torch.save: its default)
+MODE_ARGS = {"distributed": ["runtime.mode=distributed"], "centralized": ["runtime.mode=centralized"],
+             "centralized-verl-numpy": ["runtime.mode=centralized", "runtime.centralized_wire=verl-numpy"],
+             "centralized-verl": ["runtime.mode=centralized", "runtime.centralized_wire=verl"]}
 
 
 def _launcher_peak(root: int, stop: threading.Event, out: list[int]) -> None:
@@ -56,7 +67,7 @@ def run_once(setting: str, mode: str, workers: int, steps: int, out_dir: Path, p
              extra: list[str] = (), env: dict | None = None, where: str = "host") -> dict:
     run_dir = out_dir / f"{where}-{setting}-{mode}-{workers}"
     cmd = [*prefix, sys.executable, "-m", "distflow.cli", "train", *COMMON, *SETTINGS[setting], *extra,
-           f"runtime.mode={mode}", f"runtime.num_workers={workers}", f"trainer.total_steps={steps}",
+           *MODE_ARGS[mode], f"runtime.num_workers={workers}", f"trainer.total_steps={steps}",
            f"trainer.output_dir={run_dir}"]
     env = dict(env or os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
     start = time.time()
@@ -78,6 +89,7 @@ def run_once(setting: str, mode: str, workers: int, steps: int, out_dir: Path, p
     stages = sorted({k for r in measured for k in r if k.startswith("time/") and k != "time/step"})
     all_steps = len(records)
     return {"mode": mode, "setting": setting, "num_workers": workers, "steps": steps,
+            "centralized_wire": launcher.get("centralized_wire"),
             # per step over all steps, for the projection's fits
             "tokens_per_step": sum(r["tokens/total"] for r in records) / all_steps,
             "peer_bytes_per_step": sum(r.get("coordinator/payload_sent_bytes", 0.0) for r in records) / all_steps,
@@ -165,9 +177,10 @@ def _line(r: dict) -> str:
 def add_ratios_and_efficiency(records: list[dict]) -> None:
     by = {(r["where"], r["setting"], r["mode"], r["num_workers"]): r for r in records}
     for r in records:
-        other = by.get((r["where"], r["setting"], "centralized", r["num_workers"]))
-        if r["mode"] == "distributed" and other:
-            r["speedup_vs_centralized"] = r["tokens_per_second"] / other["tokens_per_second"]
+        for mode in MODE_ARGS:  # distributed over each single-controller mode measured beside it
+            other = by.get((r["where"], r["setting"], mode, r["num_workers"]))
+            if r["mode"] == "distributed" and mode != "distributed" and other:
+                r[f"speedup_vs_{mode}"] = r["tokens_per_second"] / other["tokens_per_second"]
         same = [x for x in records if (x["where"], x["setting"], x["mode"]) == (r["where"], r["setting"], r["mode"])]
         base = min(same, key=lambda x: x["num_workers"])
         r["scaling_efficiency"] = (r["tokens_per_second"] / r["num_workers"]) / (
@@ -194,6 +207,13 @@ def markdown(records: list[dict], command: str) -> str:
             f"| {r['launcher_peak_rss_bytes'] / 2**20:.0f} "
             f"| {r.get('driver_link_bytes', 0) / 1e6:.1f} | {r.get('busiest_worker_link_bytes', 0) / 1e6:.1f} "
             f"| {r['scaling_efficiency']:.2f} |")
+    verl = [r for r in records if any(f"speedup_vs_{m}" in r for m in VERL_MODES)]
+    if verl:
+        lines += ["", "Against verl's own DataProto as the single controller's wire (`--baseline verl`): "
+                      "distributed tokens/s over each mode's.", ""]
+        lines += [f"- {r['setting']}, {r['where']}, N={r['num_workers']}: "
+                  + "; ".join(f"{r[f'speedup_vs_{m}']:.2f}x {m}" for m in ("centralized", *VERL_MODES)
+                              if f"speedup_vs_{m}" in r) for r in verl]
     return "\n".join(lines) + "\n"
 
 
@@ -232,10 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="one record per measurement")
     parser.add_argument("--results-md", help="write the table here")
     parser.add_argument("--plot", help="write a PNG here")
+    parser.add_argument("--baseline", choices=("ours", "verl"), default="ours",
+                        help="verl: also the single controller with verl's DataProto as its wire (needs verl)")
     args = parser.parse_args(argv)
     if args.quick:
         args.settings, args.workers, args.cluster_hosts, args.steps = ["default"], [2], [], 2
-    modes = ["distributed", "centralized"]
+    modes = ["distributed", "centralized", *(VERL_MODES if args.baseline == "verl" else ())]
+    refuse_verl_modes_without_verl(parser, modes)
     keep = _keeper(args.json)
     with tempfile.TemporaryDirectory(prefix="distflow-e2e-") as tmp:
         records = on_host(args.settings, modes, args.workers, args.steps, Path(tmp), keep)

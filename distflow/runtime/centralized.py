@@ -14,10 +14,12 @@ and seeds and carry out what the driver tells them:
   all the fields of its new rows;
 - when the graph is done, the driver tells every worker that the step has ended.
 
-Nothing goes from worker to worker. Transfers use Ray's object store with numpy buffers
-(zero-copy serialisation, the best the single-controller design can do); only object
-references travel through the control queues. The driver counts every payload byte it
-receives and sends.
+Nothing goes from worker to worker. Transfers use Ray's object store; only object
+references travel through the control queues. What a batch travels as is the wire
+(runtime.centralized_wire): numpy buffers (`NumpyWire`: zero-copy serialisation, the best
+the single-controller design can do), or verl's own `DataProto` (`VerlWire`), serialised
+by verl's code with torch.save (its default) or numpy arrays. The driver counts every
+payload byte it receives and sends.
 
 Graphs with filters (DAPO's dynamic sampling) and tensor-parallel rollout groups are
 distributed-mode only.
@@ -41,18 +43,65 @@ from distflow.dag.scheduler import Scheduler, Span
 from distflow.data.batch import LEFT_PADDED, Batch, sequence_lengths
 
 
-def to_wire(batch: Batch) -> dict[str, Any]:
+_VERL_METHOD = "VERL_DATAPROTO_SERIALIZATION_METHOD"  # read by DataProto.__getstate__/__setstate__
+VERL_INSTALL = ("python -m venv --system-site-packages .venv-verl && .venv-verl/bin/pip install verl==0.9.1 "
+                "torch==2.13.0, then run with .venv-verl/bin/python")
+
+
+class NumpyWire:
     """Numpy buffers (serialised out of band by Ray, no pickling of the data) and lists."""
-    return {"tensors": {k: v.numpy() for k, v in batch.tensors.items()}, "meta": batch.meta}
+
+    def encode(self, batch: Batch) -> dict[str, Any]:
+        return {"tensors": {k: v.numpy() for k, v in batch.tensors.items()}, "meta": batch.meta}
+
+    def decode(self, wire: dict[str, Any]) -> Batch:
+        # the object store's buffers are read-only: the worker takes its own copy
+        return Batch({k: torch.from_numpy(np.array(v)) for k, v in wire["tensors"].items()}, dict(wire["meta"]))
+
+    def nbytes(self, wire: dict[str, Any]) -> int:
+        return sum(v.nbytes for v in wire["tensors"].values())
 
 
-def from_wire(wire: dict[str, Any]) -> Batch:
-    # the object store's buffers are read-only: the worker takes its own copy
-    return Batch({k: torch.from_numpy(np.array(v)) for k, v in wire["tensors"].items()}, dict(wire["meta"]))
+class VerlWire:
+    """verl's `DataProto` (the tensors in its TensorDict, the other fields as numpy object
+    arrays, as verl keeps them), serialised by verl's own `__getstate__`: torch.save, or
+    numpy arrays where VERL_DATAPROTO_SERIALIZATION_METHOD=numpy (`wire_env`)."""
+
+    def encode(self, batch: Batch) -> Any:
+        from verl import DataProto
+
+        def column(values: list) -> np.ndarray:  # one object per row, even where rows are lists
+            out = np.empty(len(values), dtype=object)
+            for i, v in enumerate(values):
+                out[i] = v
+            return out
+
+        return DataProto.from_dict(tensors=dict(batch.tensors), non_tensors={k: column(v) for k, v in batch.meta.items()})
+
+    def decode(self, data: Any) -> Batch:
+        tensors = {} if data.batch is None else dict(data.batch.items())
+        return Batch(tensors, {k: list(v) for k, v in data.non_tensor_batch.items()})
+
+    def nbytes(self, data: Any) -> int:
+        return 0 if data.batch is None else sum(v.numel() * v.element_size() for v in data.batch.values())
 
 
-def wire_bytes(wire: dict[str, Any]) -> int:
-    return sum(v.nbytes for v in wire["tensors"].values())
+def make_wire(name: str) -> NumpyWire | VerlWire:
+    """The wire `name` (runtime.centralized_wire); a one-line error where a verl wire has no verl."""
+    if name == "numpy":
+        return NumpyWire()
+    if name not in ("verl", "verl-numpy"):
+        raise ValueError(f"runtime.centralized_wire={name!r} is not one of numpy, verl, verl-numpy")
+    import importlib.util
+
+    if importlib.util.find_spec("verl") is None:
+        raise ValueError(f"runtime.centralized_wire={name} needs verl in this Python: {VERL_INSTALL}")
+    return VerlWire()
+
+
+def wire_env(name: str) -> dict[str, str]:
+    """The environment every process of the run needs for the wire `name`."""
+    return {_VERL_METHOD: "numpy"} if name == "verl-numpy" else {}
 
 
 @dataclass
@@ -88,13 +137,13 @@ class NodeSpec:
 class WorkerRelay:
     """A worker's end: sends to the driver's queue, takes commands from its own."""
 
-    def __init__(self, up: Any, down: Any, rank: int, timeout_s: float):
-        self.up, self.down, self.rank, self.timeout_s = up, down, rank, timeout_s
+    def __init__(self, up: Any, down: Any, rank: int, timeout_s: float, wire: NumpyWire | VerlWire):
+        self.up, self.down, self.rank, self.timeout_s, self.wire = up, down, rank, timeout_s, wire
 
     def _send(self, kind: str, ids: list[int], batch: Batch) -> None:
         import ray
 
-        self.up.put(Message(self.rank, kind, ids, [ray.put(to_wire(batch))]), timeout=self.timeout_s)
+        self.up.put(Message(self.rank, kind, ids, [ray.put(self.wire.encode(batch))]), timeout=self.timeout_s)
 
     def sources(self, batch: Batch) -> None:
         self._send("sources", list(batch["sample_id"]), batch)
@@ -108,7 +157,7 @@ class WorkerRelay:
     def received(self, command: Command) -> Batch:
         import ray
 
-        return from_wire(ray.get(command.payload[0], timeout=self.timeout_s))
+        return self.wire.decode(ray.get(command.payload[0], timeout=self.timeout_s))
 
     def inputs(self, store, command: Command) -> None:
         """The driver's copy of a node's input fields for this worker's rows replaces the
@@ -150,10 +199,11 @@ class DriverRelay:
     """The driver's end: runs the graph of every step (`_control`, on a thread of the
     launcher) and holds the step's batch."""
 
-    def __init__(self, num_workers: int, timeout_s: float, nodes: list[NodeSpec], placement: Placement):
+    def __init__(self, num_workers: int, timeout_s: float, nodes: list[NodeSpec], placement: Placement,
+                 wire: NumpyWire | VerlWire):
         from ray.util.queue import Queue
 
-        self.num_workers, self.timeout_s = num_workers, timeout_s
+        self.num_workers, self.timeout_s, self.wire = num_workers, timeout_s, wire
         self.nodes, self.placement = nodes, placement
         self.up = Queue(actor_options={"num_cpus": 0})
         self.down = [Queue(actor_options={"num_cpus": 0}) for _ in range(num_workers)]
@@ -166,7 +216,7 @@ class DriverRelay:
         self.error: BaseException | None = None
 
     def endpoint(self, rank: int) -> WorkerRelay:
-        return WorkerRelay(self.up, self.down[rank], rank, self.timeout_s)
+        return WorkerRelay(self.up, self.down[rank], rank, self.timeout_s, self.wire)
 
     def start(self) -> threading.Thread:
         self._stop = threading.Event()
@@ -260,14 +310,14 @@ class DriverRelay:
         import ray
 
         wire = ray.get(message.payload[0], timeout=self.timeout_s)
-        self.bytes_in += wire_bytes(wire)
-        return from_wire(wire)
+        self.bytes_in += self.wire.nbytes(wire)
+        return self.wire.decode(wire)
 
     def _send(self, rank: int, kind: str, batch: Batch, node: str = "") -> None:
         import ray
 
-        wire = to_wire(batch)
-        self.bytes_out += wire_bytes(wire)
+        wire = self.wire.encode(batch)
+        self.bytes_out += self.wire.nbytes(wire)
         self.down[rank].put(Command(kind, node, [ray.put(wire)]), timeout=self.timeout_s)
 
     def _rows(self, ids: list[int]) -> list[int]:

@@ -95,7 +95,7 @@ def check_ray_address(address: str, timeout_s: float = 10.0) -> str:
 def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, device: str,
                collective_timeout_s: int, threads: int, on_poll: Callable[[], None] | None = None,
                poll_s: float = 0.5, ray_address: str | None = None, centralized: list | None = None,
-               meter: LauncherMeter | None = None) -> list[Any]:
+               centralized_wire: str = "numpy", meter: LauncherMeter | None = None) -> list[Any]:
     """Run `entry(*args)` on `num_workers` Ray actors in one process group; return their
     results in rank order. A worker that fails fails the launch, naming its rank.
 
@@ -103,24 +103,31 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
     cluster; the workers are spread over its nodes, and rank 0's node address is the
     process group's master. `centralized` (runtime.mode=centralized, a list of
     `centralized.NodeSpec`): the driver runs that graph every step and every stage's
-    data goes through it (`runtime/centralized.py`); each worker's end of it is passed
-    to `entry` as its last argument. `meter` counts everything received (the caller's
-    `on_poll` may read files through the same meter)."""
+    data goes through it (`runtime/centralized.py`), as `centralized_wire`; each worker's
+    end of it is passed to `entry` as its last argument. `meter` counts everything
+    received (the caller's `on_poll` may read files through the same meter)."""
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     import ray
 
+    wire, env = None, {}
+    if centralized is not None:
+        from distflow.runtime.centralized import make_wire, wire_env
+
+        wire, env = make_wire(centralized_wire), wire_env(centralized_wire)  # env: the driver's too, it runs here
     temp_dir, cleanup = ray_temp_dir(run_dir) if ray_address is None else (None, None)
     meter = meter if meter is not None else LauncherMeter()
     actors: list[Any] = []
     relay = driver = None
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         if ray_address is None:
             ray.init(num_cpus=num_workers, include_dashboard=False, _temp_dir=temp_dir,
                      _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False,
-                     runtime_env={"env_vars": WORKER_ENV})
+                     runtime_env={"env_vars": WORKER_ENV | env})
         else:
             ray.init(address=ray_address, _node_ip_address=check_ray_address(ray_address), log_to_driver=True,
-                     configure_logging=False, runtime_env={"env_vars": WORKER_ENV})
+                     configure_logging=False, runtime_env={"env_vars": WORKER_ENV | env})
             slots = int(ray.available_resources().get("CPU", 0))
             if slots < num_workers:
                 raise ClusterTooSmall(f"runtime.num_workers={num_workers}: the Ray cluster at {ray_address} has "
@@ -138,7 +145,7 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
 
             # the workers' placement: rollout rows, then data-parallel training (no TP groups here)
             relay = DriverRelay(num_workers, collective_timeout_s, centralized,
-                                Placement(Layout(num_workers), Layout(num_workers)))
+                                Placement(Layout(num_workers), Layout(num_workers)), wire)
             driver = relay.start()
         pending = {actors[r].run.remote(entry, args + ((relay.endpoint(r),) if relay else ()), r, num_workers,
                                         master, port, device, collective_timeout_s, threads): r
@@ -170,9 +177,15 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
         ray.shutdown()
         (run_dir / "launcher.json").write_text(json.dumps(
             meter.summary() | {"mode": "centralized" if centralized is not None else "distributed"}
+            | ({"centralized_wire": centralized_wire} if centralized is not None else {})
             | (relay.stats() if relay else {})))
         if cleanup:
             shutil.rmtree(cleanup, ignore_errors=True)
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _root_cause(rank: int, error: Exception, pending: dict, run_dir: Path, meter: LauncherMeter,
