@@ -79,8 +79,9 @@ def run_once(setting: str, mode: str, workers: int, steps: int, out_dir: Path, p
         code = proc.wait()
         stop.set()
         watcher.join()
-    if code != 0:
-        raise SystemExit(f"run {run_dir.name} failed (exit {code}); see {out_dir / (run_dir.name + '.log')}")
+    if code != 0:  # the log's end: its folder may be a temporary one, gone when this exits
+        tail = "".join((out_dir / f"{run_dir.name}.log").read_text().splitlines(keepends=True)[-20:])
+        raise SystemExit(f"run {run_dir.name} failed (exit {code}); the end of its log:\n{tail}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
     launcher = json.loads((run_dir / "launcher.json").read_text())
     measured = records[1:] or records  # the first step includes warm-up (allocations, first reshard plans)

@@ -89,3 +89,11 @@ def test_vlm_runs_add_a_line_with_images(tmp_path, capsys):
         assert row["vlm_driver_bytes"] == pytest.approx(
             60 * row["tokens_per_step"] + (60 * 2601 + 3 * 10404 * 1176 * 4) * 4 * 8 * row["gpus"])
         assert row["vlm_ratio"] > row["ratio"]  # the pixels weigh on the driver's link far more than on a node's
+
+
+def test_a_failed_run_reports_the_end_of_its_log(tmp_path):
+    with pytest.raises(SystemExit) as e:  # refused by the config check, before any Ray
+        e2e.run_once("default", "centralized", 0, 2, tmp_path)
+    message = str(e.value)
+    assert message.startswith("run host-default-centralized-0 failed (exit ")
+    assert "the end of its log:" in message and "runtime.num_workers" in message
