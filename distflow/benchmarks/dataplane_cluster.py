@@ -35,18 +35,13 @@ def _child(mode: str, spec: Spec, address: str, out: str) -> int:
     os.environ["RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"] = "0"  # "-pickle" is Ray's default tensor path
     import ray
 
+    from distflow.runtime.centralized import wire_env
     from distflow.runtime.ray_launcher import check_ray_address
 
     runtime_env = None
-    if mode in VERL_MODES:
-        # the cluster's nodes run the system Python: its actors find verl (and only what
-        # it brings) in this Python's site-packages, and use verl's serialisation switch
-        import verl
-
-        env = {"PYTHONPATH": str(Path(verl.__file__).resolve().parents[1])}
-        if mode == "centralized-verl-numpy":
-            env["VERL_DATAPROTO_SERIALIZATION_METHOD"] = os.environ["VERL_DATAPROTO_SERIALIZATION_METHOD"] = "numpy"
-        runtime_env = {"env_vars": env}
+    if mode == "centralized-verl-numpy":  # verl's serialisation switch, here and in every actor
+        os.environ.update(wire_env("verl-numpy"))
+        runtime_env = {"env_vars": wire_env("verl-numpy")}
     ray.init(address=address, _node_ip_address=check_ray_address(address), log_to_driver=False,
              configure_logging=False, runtime_env=runtime_env)
     try:

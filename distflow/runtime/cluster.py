@@ -10,7 +10,8 @@ the bridge `<name>-br`. Each link is shaped in both directions (`tc tbf` on both
 its veth, with `netem` delay first when `--delay-ms` is set), so a host's traffic in and
 out is limited like a NIC's. Host 0 runs the Ray head and the driver (no CPUs for
 actors); every other host runs a Ray worker node, each with `ray start` and its own
-address. Every Ray process gets `RAY_AUTH_MODE=disabled` (the same on all nodes), an
+address. The nodes run the Python that makes the cluster (`ray start` through it), so
+their workers import what it can: verl, in verl's environment. Every Ray process gets `RAY_AUTH_MODE=disabled` (the same on all nodes), an
 explicit `--node-ip-address`, and `GLOO_SOCKET_IFNAME=eth0` so that gloo advertises the
 host's address rather than 127.0.0.1.
 
@@ -23,6 +24,7 @@ down on an exception too. It needs root and iproute2.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -85,8 +87,8 @@ def check_prerequisites() -> None:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             raise ClusterError(f"'{tool}' not found: install iproute2 (apt-get install iproute2)")
-    if shutil.which("ray") is None:
-        raise ClusterError("'ray' not found on PATH: pip install ray")
+    if importlib.util.find_spec("ray") is None:
+        raise ClusterError(f"ray is not installed in this Python ({sys.executable}): pip install ray")
 
 
 def _shape(device: str, spec: ClusterSpec, netns: str | None = None) -> None:
@@ -128,22 +130,22 @@ def in_host(spec: ClusterSpec, i: int, cmd: list[str]) -> list[str]:
 
 
 def ray_up(spec: ClusterSpec, timeout_s: float = 120) -> None:
-    head = ["ray", "start", "--head", f"--node-ip-address={spec.address(0)}", f"--port={RAY_PORT}",
-            "--num-cpus=0", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={spec.temp_dir(0)}",
-            '--resources={"host_0": 1000}']
-    _start(in_host(spec, 0, head), spec)
+    _start(spec, 0, ["--head", f"--node-ip-address={spec.address(0)}", f"--port={RAY_PORT}", "--num-cpus=0",
+                     "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={spec.temp_dir(0)}",
+                     '--resources={"host_0": 1000}'])
     for i in range(1, spec.hosts):
-        worker = ["ray", "start", f"--address={spec.ray_address}", f"--node-ip-address={spec.address(i)}",
-                  f"--num-cpus={spec.cpus_per_host}", f"--temp-dir={spec.temp_dir(i)}",
-                  f'--resources={{"host_{i}": 1000}}']
-        _start(in_host(spec, i, worker), spec)
+        _start(spec, i, [f"--address={spec.ray_address}", f"--node-ip-address={spec.address(i)}",
+                         f"--num-cpus={spec.cpus_per_host}", f"--temp-dir={spec.temp_dir(i)}",
+                         f'--resources={{"host_{i}": 1000}}'])
     wait_for_nodes(spec, spec.hosts, timeout_s)
 
 
-def _start(cmd: list[str], spec: ClusterSpec) -> None:
+def _start(spec: ClusterSpec, i: int, args: list[str]) -> None:
+    """`ray start *args` in host i, through this Python (its workers run it too)."""
+    cmd = in_host(spec, i, [sys.executable, "-m", "ray.scripts.scripts", "start", *args])
     proc = subprocess.run(cmd, env=ray_env(spec), capture_output=True, text=True, timeout=180)
     if proc.returncode != 0:
-        raise ClusterError(f"`{' '.join(cmd[4:7])} ...` failed: {(proc.stderr or proc.stdout).strip()[-300:]}")
+        raise ClusterError(f"`ray start {args[0]} ...` failed: {(proc.stderr or proc.stdout).strip()[-300:]}")
 
 
 _COUNT_NODES = """
