@@ -11,9 +11,10 @@ its veth, with `netem` delay first when `--delay-ms` is set), so a host's traffi
 out is limited like a NIC's. Host 0 runs the Ray head and the driver (no CPUs for
 actors); every other host runs a Ray worker node, each with `ray start` and its own
 address. The nodes run the Python that makes the cluster (`ray start` through it), so
-their workers import what it can: verl, in verl's environment. Every Ray process gets `RAY_AUTH_MODE=disabled` (the same on all nodes), an
-explicit `--node-ip-address`, and `GLOO_SOCKET_IFNAME=eth0` so that gloo advertises the
-host's address rather than 127.0.0.1.
+their workers import what it can: verl, in verl's environment. Every Ray process gets
+`RAY_AUTH_MODE=disabled` (the same on all nodes), an explicit `--node-ip-address`, and
+`GLOO_SOCKET_IFNAME=eth0` so that gloo advertises the host's address rather than
+127.0.0.1.
 
 `down` kills every process inside the namespaces (found by their network namespace,
 never by name, so other Ray instances on the machine are untouched), then deletes the
