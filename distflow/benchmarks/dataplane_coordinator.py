@@ -2,14 +2,17 @@
 
 N spawned processes form one gloo group on 127.0.0.1, each builds its own rows and calls
 `reshard` for the three transitions. After the timed rounds the same processes time the
-same payload through plain gloo `all_to_all_single`, plain `isend`/`irecv` and plain
-copies through /dev/shm (the raw-transport references; the last is the one-host floor),
-and report the seconds per phase of the coordinator's reshards (`PhaseTimes`). On the emulated cluster each host's worker runs
+same payload (the raw-transport references) through plain gloo `all_to_all_single`, plain
+`isend`/`irecv`, and plain copies through /dev/shm: into prepared files (the one-host
+floor) and into files made per transfer. They report the seconds per phase of the
+coordinator's reshards (`PhaseTimes`). On the emulated cluster each host's worker runs
 `_coordinator_rounds` (see `dataplane_cluster`).
 """
 
 from __future__ import annotations
 
+import glob
+import itertools
 import os
 import queue
 import statistics
@@ -49,7 +52,8 @@ def _coordinator_rounds(rank: int, spec: Spec, one_host: bool = True) -> dict[st
     peak = torch.tensor([proc_status("VmHWM")], dtype=torch.int64)
     raw = _raw_transport_seconds(sizes, spec)
     if one_host:
-        raw["shm_floor_seconds"], raw["shm_floor_cpu_seconds"] = _shm_floor_times(sizes, spec)
+        raw["shm_floor_seconds"], raw["shm_floor_cpu_seconds"], raw["shm_fresh_files_seconds"] = \
+            _shm_copy_times(sizes, spec)
         narrow = Batch({k: v[:, :1].contiguous() for k, v in tensors.items()}, {"ground_truth": ground_truth})
         fixed_laps, fixed_cpu = _reshard_rounds(narrow, ids, length_of, spec)[:2]
         raw["one_column_seconds"], raw["one_column_cpu_seconds"] = _across_ranks(
@@ -152,13 +156,20 @@ def _raw_transport_seconds(sizes: list[list[int]], spec: Spec) -> dict[str, floa
     return {"raw_alltoall_seconds": float(took[0]), "raw_p2p_seconds": float(took[1])}
 
 
-def _shm_floor_times(sizes: list[list[int]], spec: Spec) -> tuple[float, float]:
-    """The one-host floor for the coordinator's payload: the same bytes per peer pair
-    written by each rank into a mapped /dev/shm file per (transition, peer), a barrier,
-    then read by the peer into a receive buffer: two copies and one synchronisation per
-    transition, with every file and buffer made and touched before the timed rounds (no
-    planning, headers, page faults or allocation). Returns the median of the timed
-    rounds (max over ranks) and a rank's CPU seconds per round (mean over ranks)."""
+def _shm_copy_times(sizes: list[list[int]], spec: Spec) -> tuple[float, float, float]:
+    """The coordinator's payload, the same bytes per peer pair, copied through /dev/shm
+    with no planning and no headers, two ways:
+
+    - the floor: each rank writes into a mapped file per (transition, peer), a barrier,
+      then the peer reads it into a receive buffer: two copies and one synchronisation
+      per transition, with every file and buffer made and touched before the timed
+      rounds (no page faults or allocation);
+    - with fresh files: the same, but each transfer makes its file (and the receiver its
+      buffer), as a copy that keeps nothing between transfers does: the page faults and
+      allocation that the floor leaves out.
+
+    Returns the floor's median round (max over ranks), its CPU seconds per rank and round
+    (mean over ranks), and the fresh-files copy's median round (max over ranks)."""
     import torch.distributed as dist
 
     world, rank = spec.num_workers, dist.get_rank()
@@ -166,8 +177,8 @@ def _shm_floor_times(sizes: list[list[int]], spec: Spec) -> tuple[float, float]:
     dist.broadcast(token, src=0)  # names this measurement's files alike on every rank
     token = int(token)
 
-    def path(t: int, src: int, dst: int) -> str:
-        return f"/dev/shm/distflow-floor-{token}-{t}-{src}-{dst}"
+    def path(t: int, src: int, dst: int, transfer: str = "mapped") -> str:
+        return f"/dev/shm/distflow-floor-{token}-{transfer}-{t}-{src}-{dst}"
 
     outgoing = {}
     for t, out in enumerate(sizes):
@@ -200,7 +211,30 @@ def _shm_floor_times(sizes: list[list[int]], spec: Spec) -> tuple[float, float]:
                 if tt == t:
                     received[tt, p].copy_(slot)
 
-    return _across_ranks(*_median_round_seconds(spec, copies))
+    transfers = itertools.count()
+
+    def copies_through_fresh_files() -> None:
+        for t in active:
+            transfer = f"fresh{next(transfers)}"
+            for (tt, p), data in source.items():
+                if tt == t:
+                    torch.from_file(path(t, rank, p, transfer), shared=True, size=len(data),
+                                    dtype=torch.uint8).copy_(data)
+            dist.barrier()
+            for (tt, p), slot in incoming.items():
+                if tt == t:
+                    name = path(t, p, rank, transfer)
+                    mapped = torch.from_file(name, shared=True, size=len(slot), dtype=torch.uint8)
+                    os.unlink(name)
+                    torch.empty_like(slot).copy_(mapped)
+
+    floor = _across_ranks(*_median_round_seconds(spec, copies))
+    try:
+        fresh = _median_round_seconds(spec, copies_through_fresh_files)
+    finally:  # a failed round's files: this rank's own, which their reader did not unlink
+        for name in glob.glob(f"/dev/shm/distflow-floor-{token}-fresh*-*-{rank}-*"):
+            os.unlink(name)
+    return (*floor, _across_ranks(*fresh)[0])
 
 
 def _active_transitions(sizes: list[list[int]]) -> list[int]:

@@ -31,6 +31,7 @@ def test_quick_run_reports_every_mode(tmp_path):
     # the plain-transport references moved the same payload and were timed
     assert coordinator["raw_alltoall_seconds"] > 0 and coordinator["raw_p2p_seconds"] > 0
     assert coordinator["shm_floor_seconds"] > 0  # the plain /dev/shm copies of the same bytes
+    assert coordinator["shm_fresh_files_seconds"] > 0  # the same, through files made per transfer
     # the CPU each rank spent per round, the coordinator's and the copies', and the cores they shared
     assert coordinator["cpu_seconds_per_rank"] > 0 and coordinator["shm_floor_cpu_seconds"] > 0
     assert coordinator["cores"] >= 1
@@ -65,6 +66,7 @@ def test_quick_run_reports_every_mode(tmp_path):
         assert f"| 2 | {mode} |" in report
     assert "python -m distflow.benchmarks.dataplane --quick" in report and "nproc" in report
     assert "## Against shared memory's floor" in report and "x the plain shared-memory copies" in report
+    assert "the same copies through files made per transfer take" in report
 
 
 def test_images_make_the_drivers_peak_grow_with_the_batch_and_the_budget_stops_it(tmp_path):
