@@ -11,6 +11,7 @@ coordinator's reshards (`PhaseTimes`). On the emulated cluster each host's worke
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import itertools
 import os
@@ -231,9 +232,11 @@ def _shm_copy_times(sizes: list[list[int]], spec: Spec) -> tuple[float, float, f
     floor = _across_ranks(*_median_round_seconds(spec, copies))
     try:
         fresh = _median_round_seconds(spec, copies_through_fresh_files)
-    finally:  # a failed round's files: this rank's own, which their reader did not unlink
+    except BaseException:  # a failed round's files: this rank's own, which their reader did not unlink
         for name in glob.glob(f"/dev/shm/distflow-floor-{token}-fresh*-*-{rank}-*"):
-            os.unlink(name)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)
+        raise
     return (*floor, _across_ranks(*fresh)[0])
 
 
