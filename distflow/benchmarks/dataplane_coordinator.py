@@ -63,6 +63,9 @@ def _coordinator_rounds(rank: int, spec: Spec, one_host: bool = True) -> dict[st
     names = sorted({k for t in phases for k in t})
     phase_s = torch.tensor([statistics.median(t.get(k, 0.0) for t in phases) for k in names], dtype=torch.float64)
     dist.all_reduce(phase_s, op=dist.ReduceOp.MAX)  # per phase, the slowest rank's median
+    phase_cpu = torch.tensor([statistics.median(t.cpu.get(k, 0.0) for t in phases) for k in names],
+                             dtype=torch.float64)
+    dist.all_reduce(phase_cpu)  # per phase, the mean over ranks of each rank's median
     # Max over ranks: the slowest rank sets the stage time, the busiest sets the bytes.
     totals = torch.tensor([[sum(lap)] + lap for lap in laps], dtype=torch.float64)
     dist.all_reduce(totals, op=dist.ReduceOp.MAX)
@@ -74,7 +77,8 @@ def _coordinator_rounds(rank: int, spec: Spec, one_host: bool = True) -> dict[st
     cpu_s = torch.tensor([statistics.median(cpu)], dtype=torch.float64)
     dist.all_reduce(cpu_s)
     return {"laps": totals[:, 1:].tolist(), "busiest": int(busiest), "rows": int(held), "raw": raw,
-            "phases": dict(zip(names, phase_s.tolist())), "peak_rss": int(peak),
+            "phases": dict(zip(names, phase_s.tolist())),
+            "phase_cpu": dict(zip(names, (phase_cpu / spec.num_workers).tolist())), "peak_rss": int(peak),
             "cpu": float(cpu_s) / spec.num_workers}
 
 
@@ -337,5 +341,6 @@ def run_coordinator(spec: Spec) -> dict[str, Any]:
     if report["rows"] != spec.batch:
         raise RuntimeError(f"coordinator ended with {report['rows']} rows in all, expected {spec.batch}")
     return _record("coordinator", spec, report["laps"], report["busiest"], None, **report["raw"],
-                   phase_seconds=report["phases"], busiest_process_peak_rss_bytes=report["peak_rss"],
+                   phase_seconds=report["phases"], phase_cpu_seconds=report["phase_cpu"],
+                   busiest_process_peak_rss_bytes=report["peak_rss"],
                    cpu_seconds_per_rank=report["cpu"], cores=len(os.sched_getaffinity(0)))

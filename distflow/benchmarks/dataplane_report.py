@@ -52,6 +52,10 @@ def floor_lines(records: list[dict[str, Any]]) -> list[str]:
                                                             key=lambda kv: -kv[1]))
         lines.append(f"N={r['num_workers']}: coordinator {r['seconds'] / r['shm_floor_seconds']:.2f}x the plain "
                      f"shared-memory copies ({r['shm_floor_seconds']:.4f} s); its phases (s, slowest rank): {phases}")
+        if r.get("phase_cpu_seconds"):
+            cpu = ", ".join(f"{k} {v:.4f}" for k, v in sorted(r["phase_cpu_seconds"].items(), key=lambda kv: -kv[1]))
+            lines.append(f"N={r['num_workers']}: its phases' CPU (s per rank, the calling thread's, waits "
+                         f"excluded, mean over ranks): {cpu}")
         if r.get("shm_fresh_files_seconds"):
             lines.append(f"N={r['num_workers']}: the same copies through files made per transfer take "
                          f"{r['shm_fresh_files_seconds']:.4f} s: the coordinator is "

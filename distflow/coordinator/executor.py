@@ -90,15 +90,22 @@ class PhaseTimes(dict):
     """Seconds per phase of the reshards it is passed to (summed over calls): `metadata`
     (the all-gather of ids and lengths), `plan`, `pack` (rows into send buffers and
     slots), `sizes` (the size exchange, which also waits for the slowest peer), `keep`
-    (kept rows into place), `receive` (arrivals into place, waits on the wire included)."""
+    (kept rows into place), `receive` (arrivals into place, waits on the wire included).
+    `cpu` holds the calling thread's CPU seconds per phase (waits excluded, and the
+    collective backend's own threads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cpu: dict[str, float] = {}
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
             self[phase] = self.get(phase, 0.0) + time.perf_counter() - start
+            self.cpu[phase] = self.cpu.get(phase, 0.0) + time.thread_time() - start_cpu
 
 
 def _untimed(phase: str) -> contextlib.nullcontext:

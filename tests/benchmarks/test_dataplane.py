@@ -42,6 +42,12 @@ def test_quick_run_reports_every_mode(tmp_path):
     assert "the fixed costs: the same reshards of one-column rows" in md.read_text()
     # where the time goes: the payload phases and the one metadata all-gather of the step
     assert {"metadata", "plan", "pack", "sizes", "receive"} <= set(coordinator["phase_seconds"])
+    # and each phase's CPU on the calling thread, which waits do not count: never above its seconds
+    assert set(coordinator["phase_cpu_seconds"]) == set(coordinator["phase_seconds"])
+    assert coordinator["phase_cpu_seconds"]["plan"] > 0
+    assert all(cpu <= 1.01 * coordinator["phase_seconds"][k] + 1e-4  # two clocks: allow their granularity
+               for k, cpu in coordinator["phase_cpu_seconds"].items())
+    assert "its phases' CPU (s per rank" in md.read_text()
     for mode in CENTRALIZED:
         r = by_mode[mode]
         assert coordinator["busiest_process_bytes"] < r["busiest_process_bytes"]

@@ -2,11 +2,12 @@
 DP -> TP-group layout and back, byte accounting, zero bytes for the same layout."""
 
 import os
+import time
 
 import pytest
 import torch
 
-from distflow.coordinator.executor import GlobalView, TransferStats, _Assembler, pack, reshard, unpack
+from distflow.coordinator.executor import GlobalView, PhaseTimes, TransferStats, _Assembler, pack, reshard, unpack
 from distflow.coordinator.layout import Layout
 from distflow.data.batch import Batch
 from helpers import run_gloo
@@ -325,3 +326,18 @@ def test_reused_slots_a_full_shm_and_an_unsatisfiable_plan(tmp_path):
         assert not rounds[2]["slots_unchanged"] and rounds[3]["slots_unchanged"]  # round 2 grew them
         if mounted:  # 64 KiB of /dev/shm cannot hold the last round: it went over the wire
             assert rounds[4]["shm_sent"] < rounds[4]["payload"]
+
+
+def test_phase_times_count_a_wait_in_seconds_and_work_in_cpu():
+    """A phase that waits takes seconds but almost no CPU of the calling thread; one that
+    computes takes both; repeated phases add up."""
+    times = PhaseTimes()
+    with times("sizes"):
+        time.sleep(0.05)
+    for _ in range(2):
+        with times("plan"):
+            deadline = time.thread_time() + 0.02
+            while time.thread_time() < deadline:
+                pass
+    assert times["sizes"] >= 0.05 and times.cpu["sizes"] < 0.01
+    assert times.cpu["plan"] >= 0.04 and times["plan"] >= 0.04 * 0.99  # two clocks: allow their granularity
