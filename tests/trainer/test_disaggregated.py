@@ -72,7 +72,7 @@ def _loss(*overrides: str, with_old: bool) -> tuple[float, dict]:
     micro = Batch({"response_mask": torch.ones(1, 3), "advantages": torch.tensor([[1.0, -1.0, 0.5]]),
                    "rollout_log_probs": log(0.1, 0.5, 0.2)} | ({"old_log_probs": log(0.4, 0.5, 0.3)} if with_old else {}))
     loss, metrics = make_policy_loss(cfg, 3.0, 1.0)(log(0.5, 0.4, 0.3).requires_grad_(), torch.zeros(1, 3), micro)
-    return float(loss), metrics
+    return float(loss.detach()), metrics
 
 
 def test_decoupled_ppo_and_behaviour_ratio_against_hand_computed_values():
