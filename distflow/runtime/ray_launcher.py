@@ -118,16 +118,21 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
     meter = meter if meter is not None else LauncherMeter()
     actors: list[Any] = []
     relay = driver = None
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    # A local Ray instance and its workers inherit this process's environment, so the
+    # workers' variables are set here for the launch (a runtime_env would keep Ray from
+    # using the workers it prestarts: a slower start); a cluster's workers get them
+    # through Ray's runtime_env.
+    worker_env = WORKER_ENV | env
+    set_here = worker_env if ray_address is None else env
+    before = {k: os.environ.get(k) for k in set_here}
+    os.environ.update(set_here)
     try:
         if ray_address is None:
             ray.init(num_cpus=num_workers, include_dashboard=False, _temp_dir=temp_dir,
-                     _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False,
-                     runtime_env={"env_vars": WORKER_ENV | env})
+                     _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False)
         else:
             ray.init(address=ray_address, _node_ip_address=check_ray_address(ray_address), log_to_driver=True,
-                     configure_logging=False, runtime_env={"env_vars": WORKER_ENV | env})
+                     configure_logging=False, runtime_env={"env_vars": worker_env})
             slots = int(ray.available_resources().get("CPU", 0))
             if slots < num_workers:
                 raise ClusterTooSmall(f"runtime.num_workers={num_workers}: the Ray cluster at {ray_address} has "

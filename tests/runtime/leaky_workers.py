@@ -1,11 +1,14 @@
-"""Worker programs for the launcher-meter test: one that keeps its data to itself, and
-one that leaks batch data to the launcher in each way the launcher can receive it."""
+"""Worker programs for the launcher-meter test: one that keeps its data to itself (and
+tells the environment it was started with), and one that leaks batch data to the
+launcher in each way the launcher can receive it."""
 
 import json
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from distflow.runtime.process_group import WORKER_ENV
 
 
 def _metrics(run_dir: str, record: dict) -> None:
@@ -16,7 +19,14 @@ def _metrics(run_dir: str, record: dict) -> None:
 
 def clean(run_dir: str) -> dict:
     _metrics(run_dir, {"step": 1, "reward/mean": 0.45, "val/accuracy": 0.5})
-    return {"steps": 1, "heldout_accuracy_final": 0.5, "run_dir": run_dir}
+    return {"steps": 1, "heldout_accuracy_final": 0.5, "run_dir": run_dir, "started_with": _start_environment()}
+
+
+def _start_environment() -> dict:
+    """WORKER_ENV's variables as this process was started with them (the worker's own later
+    changes to os.environ do not show in /proc/self/environ)."""
+    entries = (e.decode().split("=", 1) for e in Path("/proc/self/environ").read_bytes().split(b"\0") if b"=" in e)
+    return {k: v for k, v in entries if k in WORKER_ENV}
 
 
 def leaky(run_dir: str) -> dict:

@@ -38,20 +38,29 @@ def test_files_read_are_metered_line_by_line(tmp_path):
 
 @pytest.mark.slow
 def test_a_real_launch_counts_zero_for_a_clean_worker_and_every_leaked_byte(tmp_path, monkeypatch):
+    """Also: the workers start with the launcher's worker environment (offline, ...), which
+    the launcher sets only for the launch."""
     from distflow.cli import LauncherProgress
+    from distflow.runtime.process_group import WORKER_ENV
     from distflow.runtime.ray_launcher import launch_ray
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
-    results = {}
+    unset = set(WORKER_ENV) - {"RAY_USAGE_STATS_ENABLED"}  # the launcher keeps that one here too: Ray's stats off
+    for k in unset:
+        monkeypatch.delenv(k, raising=False)
+    results, returned = {}, {}
     for name in ("clean", "leaky"):
         run_dir = tmp_path / name
         run_dir.mkdir()
         meter = LauncherMeter()
         progress = LauncherProgress(run_dir, total=1, enabled=True, meter=meter)  # it reads metrics.jsonl
-        launch_ray(f"leaky_workers:{name}", (str(run_dir),), run_dir=run_dir, num_workers=2, device="cpu",
-                   collective_timeout_s=60, threads=1, on_poll=progress.poll, poll_s=0.2, meter=meter)
+        returned[name] = launch_ray(f"leaky_workers:{name}", (str(run_dir),), run_dir=run_dir, num_workers=2,
+                                    device="cpu", collective_timeout_s=60, threads=1, on_poll=progress.poll,
+                                    poll_s=0.2, meter=meter)
         progress.close()
         results[name] = json.loads((run_dir / "launcher.json").read_text())
+    assert [r["started_with"] for r in returned["clean"]] == [WORKER_ENV, WORKER_ENV]
+    assert not unset & set(os.environ)  # this process's environment is as it was
     clean, leaky = results["clean"], results["leaky"]
     assert clean["payload_bytes_received"] == 0
     assert clean["received_by_source"]["result"]["control"] > 0  # the meter saw the return values
