@@ -509,6 +509,9 @@ def _validate_cross(cfg: Config) -> None:
     mini = cfg.actor.ppo_mini_batch_size
     if batch % mini:
         raise ConfigError(f"actor.ppo_mini_batch_size={mini}: must divide data.train_batch_size={batch}")
+    if cfg.algorithm.dynamic_sampling and cfg.algorithm.group_size < 2:
+        raise ConfigError(f"algorithm.group_size={cfg.algorithm.group_size}: dynamic sampling keeps only groups "
+                          "whose rewards differ, which a group of one response never does; use group_size >= 2")
     if cfg.runtime.mode == "centralized":
         if cfg.runtime.launcher != "ray":
             raise ConfigError("runtime.mode='centralized': needs runtime.launcher=ray (the driver is Ray's)")

@@ -42,6 +42,8 @@ def test_yaml_file_then_overrides(tmp_path):
     ("actor.ppo_mini_batch_size=5", "actor.ppo_mini_batch_size=5: must divide"),
     ("runtime.mode=central", "runtime.mode='central': allowed values are"),
     ("runtime.ray_address=1.2.3.4:6379 runtime.launcher=torchrun", "needs runtime.launcher=ray"),
+    ("algorithm.name=dapo algorithm.group_size=1", "algorithm.group_size=1: dynamic sampling keeps only groups "
+                                                   "whose rewards differ"),
 ])
 def test_bad_values_name_key_and_value(override, fragment):
     with pytest.raises(ConfigError) as err:
@@ -91,6 +93,7 @@ def test_yaml_unknown_key(tmp_path):
     ("model.path=/does/not/exist", "/does/not/exist"),
     ("data.train_files=/no/such.parquet", "/no/such.parquet"),
     ("algorithm.name=dapo runtime.mode=centralized", "filters run in distributed mode only"),
+    ("algorithm.name=rloo algorithm.group_size=1", "the 'rloo' estimator needs at least 2 responses per prompt"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(override, fragment, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "distflow.cli", "train", *override.split()],

@@ -59,21 +59,24 @@ Estimator = Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]
 class EstimatorInfo:
     needs: tuple[str, ...]  # optional inputs read: "values", "baseline"
     batch_whitened: bool  # calls inputs.whiten
+    min_group_size: int = 1  # fewer responses per prompt give every advantage 0
 
 
 ADV_ESTIMATORS: dict[str, Estimator] = {}
 ESTIMATOR_INFO: dict[str, EstimatorInfo] = {}
 
 
-def register_adv_est(name: str, *, needs: tuple[str, ...] = (), batch_whitened: bool = False):
-    """Decorator registering an estimator under ``name`` with what it needs."""
+def register_adv_est(name: str, *, needs: tuple[str, ...] = (), batch_whitened: bool = False,
+                     min_group_size: int = 1):
+    """Decorator registering an estimator under ``name`` with what it needs
+    (``min_group_size``: the responses per prompt below which it gives no signal)."""
     unknown = set(needs) - set(OPTIONAL_INPUTS)
     if unknown:
         raise ValueError(f"estimator {name!r}: unknown needs {sorted(unknown)}; allowed: {list(OPTIONAL_INPUTS)}")
 
     def decorator(fn: Estimator) -> Estimator:
         register(ADV_ESTIMATORS, "advantage estimator", name)(fn)
-        ESTIMATOR_INFO[name] = EstimatorInfo(tuple(needs), batch_whitened)
+        ESTIMATOR_INFO[name] = EstimatorInfo(tuple(needs), batch_whitened, min_group_size)
         return fn
 
     return decorator
@@ -104,11 +107,12 @@ def dr_grpo(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return core.compute_dr_grpo_advantage(inputs.outcome(), inputs.mask, inputs.group_ids)
 
 
-@register_adv_est("rloo")
+@register_adv_est("rloo", min_group_size=2)
 def rloo(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Reward minus the mean of the group's other samples. A group of one gets 0, where
     verl's RLOO gives the raw reward: with no other sample there is no baseline, and a
-    raw reward would push the update in one direction for every such prompt."""
+    raw reward would push the update in one direction for every such prompt; so a run of
+    one response per prompt is refused (``min_group_size=2``)."""
     return core.compute_rloo_advantage(inputs.outcome(), inputs.mask, inputs.group_ids)
 
 

@@ -75,6 +75,9 @@ def _checked(cfg: Config):
         get_policy_loss(a.policy_loss)
     except ValueError as e:
         raise GraphError(f"algorithm.policy_loss={a.policy_loss!r}: {e}") from None
+    if a.group_size < info.min_group_size:
+        raise GraphError(f"algorithm.group_size={a.group_size}: the {a.estimator!r} estimator needs at least "
+                         f"{info.min_group_size} responses per prompt; with fewer every advantage is 0")
     return info
 
 

@@ -164,6 +164,16 @@ def test_an_unknown_estimator_or_policy_loss_is_one_line():
         build_graph(load_config(None, ["algorithm.policy_loss=cispo"]))
 
 
+def test_a_group_of_one_is_refused_only_where_it_gives_no_signal():
+    # RLOO's baseline is the mean of the prompt's other responses: with none, every advantage is 0
+    with pytest.raises(GraphError, match=r"^algorithm.group_size=1: the 'rloo' estimator needs at least 2 "):
+        build_graph(load_config(None, ["algorithm.name=rloo", "algorithm.group_size=1"]))
+    # GRPO's group of one standardises with mean 0 and std 1 (verl's rule): the raw reward, a signal
+    for name in ("grpo", "reinforce_plus_plus", "ppo", "remax"):
+        build_graph(load_config(None, [f"algorithm.name={name}", "algorithm.group_size=1"]))
+    build_graph(load_config(None, ["algorithm.name=rloo", "algorithm.group_size=2"]))
+
+
 def test_tensor_parallelism_is_vllm_only_and_makes_the_replica():
     from distflow.config import ConfigError
 
