@@ -174,6 +174,12 @@ class ActorConfig:
                                                 "its tokens once and their responses on its cached keys and "
                                                 "values: the same log-probs and gradients, less compute; the "
                                                 "actor and the reference; not with images or actor.strategy=fsdp2")
+    gradient_checkpointing: bool = _spec(False, doc="recompute each decoder layer's activations in the backward "
+                                                    "instead of keeping them from the forward (HF's activation "
+                                                    "checkpointing, verl's enable_gradient_checkpointing): one "
+                                                    "layer's activations in memory instead of all, for about one "
+                                                    "more forward of compute; the update then runs each row's "
+                                                    "prompt itself (forward_prompt_once: scoring forwards only)")
     use_dynamic_bsz: bool = _spec(False, doc="form micro-batches by token budget instead of count")
     max_tokens_per_micro_batch: int = _spec(4096, min=1, doc="token budget with use_dynamic_bsz")
     strategy: str = _spec("auto", choices=("auto", "fsdp2", "ddp"),
@@ -194,6 +200,7 @@ class CriticConfig:
     value_clip: float = _spec(0.5, min=0.0, doc="clip range of the value loss")
     grad_clip: float = _spec(1.0, min=0.0)
     strategy: str = _spec("auto", choices=("auto", "fsdp2", "ddp"), doc="as actor.strategy")
+    gradient_checkpointing: bool = _spec(False, doc="as actor.gradient_checkpointing")
 
 
 @dataclass(kw_only=True)

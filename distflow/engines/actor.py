@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distflow.data.batch import Batch
 from distflow.data.images import IMAGE_FIELDS
-from distflow.engines.common import first_of_tied, forward_response
+from distflow.engines.common import enable_gradient_checkpointing, first_of_tied, forward_response
 from distflow.engines.lora import is_lora, merged_weights
 
 # (log_probs (B,R), entropy (B,R), micro-batch) -> (loss share, metrics to sum)
@@ -140,17 +140,20 @@ class DataParallelTrainable:
     Mixed precision: the weights and AdamW's state are fp32 (the master copy); with
     `compute_dtype=torch.bfloat16` the forwards and backwards run in bf16 (FSDP2's
     MixedPrecisionPolicy, or autocast for DDP and one worker) and the gradients are
-    reduced and applied in fp32."""
+    reduced and applied in fp32. `gradient_checkpointing`: each decoder layer's
+    activations are recomputed in the backward (`enable_gradient_checkpointing`)."""
 
     forward: Forward = staticmethod(policy_forward)
 
     def __init__(self, model, optim: OptimConfig, device: torch.device, strategy: str = "auto",
-                 compute_dtype: torch.dtype = torch.float32):
+                 compute_dtype: torch.dtype = torch.float32, gradient_checkpointing: bool = False):
         self.device, self.compute_dtype = device, compute_dtype
         self.dp_size = dist.get_world_size() if dist.is_initialized() else 1
         self.module = model.to(device=device, dtype=torch.float32)
         if hasattr(self.module, "config"):
             self.module.config.use_cache = False
+        if gradient_checkpointing:
+            enable_gradient_checkpointing(self.module)
         self.strategy = resolve_strategy(strategy, self.module, device)
         if self.strategy == "fsdp2":
             shard_model(self.module, compute_dtype)
@@ -226,11 +229,13 @@ class DataParallelTrainable:
 
 class Actor(DataParallelTrainable):
     """`prompt_once` (actor.forward_prompt_once): rows sharing a prompt share its forward,
-    except under FSDP2, whose per-layer gathers would run for both forwards."""
+    except under FSDP2, whose per-layer gathers would run for both forwards, and in the
+    update with gradient checkpointing (`forward_response` decides)."""
 
     def __init__(self, model, optim: OptimConfig, device: torch.device, temperature: float = 1.0,
-                 strategy: str = "auto", compute_dtype: torch.dtype = torch.float32, prompt_once: bool = False):
-        super().__init__(model, optim, device, strategy, compute_dtype)
+                 strategy: str = "auto", compute_dtype: torch.dtype = torch.float32, prompt_once: bool = False,
+                 gradient_checkpointing: bool = False):
+        super().__init__(model, optim, device, strategy, compute_dtype, gradient_checkpointing)
         # the rollout's temperature, as verl
         self.forward = partial(policy_forward, temperature=temperature,
                                prompt_once=prompt_once and self.strategy != "fsdp2")

@@ -124,6 +124,28 @@ def unwrapped(model):
     return getattr(model, "module", model)
 
 
+def enable_gradient_checkpointing(model) -> None:
+    """HF's activation checkpointing, non-reentrant, on the first HF model inside `model`
+    (a causal LM, the one under a LoRA adapter, or a critic's body): each decoder layer's
+    forward is run again in the backward instead of its activations being kept. It wraps
+    the layers' `forward`, not their `__call__`, so FSDP2's hooks stay outside."""
+    from transformers import PreTrainedModel
+
+    hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    if hf is None or not hf.supports_gradient_checkpointing:
+        raise ValueError(f"{type(hf or model).__name__} does not support gradient checkpointing")
+    kwargs = {"use_reentrant": False}
+    if hasattr(hf, "activation_checkpointing_enable"):  # its name from transformers 5.2x on
+        hf.activation_checkpointing_enable(kwargs)
+    else:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def checkpoints_activations(model) -> bool:
+    """Some layer of `model` recomputes its activations in the backward."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in unwrapped(model).modules())
+
+
 def render_prompt(tokenizer, messages: list[dict[str, str]]) -> str:
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -211,12 +233,15 @@ def _logits_prompt_once(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
     same function as one forward per row (a prompt's states never see what follows it),
     and autograd sums each shared prompt's gradient over its rows. With GRPO's groups of
     G samples a prompt of P tokens costs P once instead of G times. None where no two
-    rows share a prompt (then one forward per row is as cheap)."""
+    rows share a prompt (then one forward per row is as cheap), and in a forward with
+    gradients through checkpointed layers, which take no cache there (HF's rule)."""
+    lm = unwrapped(model)
+    if lm.training and torch.is_grad_enabled() and checkpoints_activations(lm):
+        return None
     ids, mask, row_prompt = distinct_prompts(prompts, prompt_mask)
     if len(ids) == len(prompts):
         return None
     width = prompts.shape[1]
-    lm = unwrapped(model)
     cache_arg, last = cache_arguments(lm)
     # the prompts alone, outside a DDP wrapper: DDP takes one forward per backward, and
     # their parameters' gradients reach its hooks through the response forward's backward

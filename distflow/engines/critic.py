@@ -54,8 +54,8 @@ class Critic(DataParallelTrainable):
     forward = staticmethod(value_forward)
 
     def __init__(self, causal_lm, optim, device: torch.device, strategy: str = "auto",
-                 compute_dtype: torch.dtype = torch.float32):
-        super().__init__(ValueModel(causal_lm), optim, device, strategy, compute_dtype)
+                 compute_dtype: torch.dtype = torch.float32, gradient_checkpointing: bool = False):
+        super().__init__(ValueModel(causal_lm), optim, device, strategy, compute_dtype, gradient_checkpointing)
 
     def compute_values(self, batch: Batch, micro_batches: MicroBatches) -> torch.Tensor:
         return self.compute(batch, micro_batches)

@@ -32,8 +32,8 @@ from distflow.data.dataset import PromptReader, PromptRow, ShardedDataset
 from distflow.data.images import ImagePrompter
 from distflow.data.loader import ShardedSampler
 from distflow.engines.actor import Actor, OptimConfig, ReferenceModel, lr_factor
-from distflow.engines.common import (causal_lm_skeleton, load_causal_lm, load_image_prompter, load_tokenizer,
-                                     resolve_model_path)
+from distflow.engines.common import (causal_lm_skeleton, checkpoints_activations, load_causal_lm, load_image_prompter,
+                                     load_tokenizer, resolve_model_path)
 from distflow.engines.agent import EpisodeRunner, EpisodeSettings, ToolEnvironment
 from distflow.engines.critic import Critic
 from distflow.engines.openai_endpoint import AgentRunner, AgentSettings
@@ -255,7 +255,8 @@ class Trainer:
         compute_dtype = getattr(torch, cfg.model.dtype)
         actor = Actor(self._policy(policy_path),
                       OptimConfig(lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay, grad_clip=cfg.actor.grad_clip),
-                      device, cfg.rollout.temperature, cfg.actor.strategy, compute_dtype, cfg.actor.forward_prompt_once)
+                      device, cfg.rollout.temperature, cfg.actor.strategy, compute_dtype, cfg.actor.forward_prompt_once,
+                      cfg.actor.gradient_checkpointing)
         rollout = make_rollout_engine(cfg, policy_path, self.tokenizer, device, actor)
         if self.resume_from is not None and cfg.actor.lora_rank:  # an engine of its own starts from the base
             rollout.update_weights(actor.iter_full_weights(), version=0)
@@ -266,7 +267,7 @@ class Trainer:
                    ReferenceModel(load_causal_lm(cfg.model.path, cfg.model.dtype), device, cfg.rollout.temperature,
                                   cfg.actor.forward_prompt_once))
         critic = (Critic(load_causal_lm(cfg.model.path), OptimConfig(lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip),
-                         device, cfg.critic.strategy, compute_dtype)
+                         device, cfg.critic.strategy, compute_dtype, cfg.critic.gradient_checkpointing)
                   if roles & {"critic_forward", "critic_train"} else None)
         reward_fn, accuracy_fn = make_reward_runners(cfg)
         a = cfg.algorithm
@@ -434,6 +435,8 @@ class Trainer:
             "algorithm": cfg.algorithm.name, "run_dir": str(self.run_dir),
             "network": "cluster" if cfg.runtime.ray_address else "loopback" if netns.inside() else "host",
             **self.actor.parameter_counts(),
+            "actor_strategy": self.actor.strategy,  # what actor.strategy=auto resolved to
+            "actor_gradient_checkpointing": checkpoints_activations(self.actor.model),
         }
         if self.stream is not None:
             rt = cfg.runtime

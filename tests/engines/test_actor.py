@@ -51,14 +51,14 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _train(rank: int, world: int, model_dir: str, strategy: str = "auto"):
+def _train(rank: int, world: int, model_dir: str, strategy: str = "auto", gradient_checkpointing: bool = False):
     cfg = load_config(None, [f"runtime.num_workers={world}", "data.train_batch_size=4",
                              "actor.ppo_mini_batch_size=4", "algorithm.kl_coef=0.1"])
     batch = _batch(model_dir)
     local = batch.select(list(range(rank, len(batch), world)))
     num_tokens, num_seqs = float(batch["response_mask"].sum()), float(len(batch))
     actor = Actor(load_causal_lm(model_dir), OptimConfig(lr=1e-3, grad_clip=1e9), torch.device("cpu"),
-                  strategy=strategy)
+                  strategy=strategy, gradient_checkpointing=gradient_checkpointing)
     # two micro-batches per rank: DDP all-reduces once, in the second backward
     sums = actor.train_mini_batch(local, [[i] for i in range(len(local))], make_policy_loss(cfg, num_tokens, num_seqs))
     state = {k: v.clone() for k, v in actor.full_state_dict().items()}
@@ -87,6 +87,7 @@ def _on_two_ranks(rank: int, world: int, model_dir: str) -> dict:
     """Every two-rank check of this module, in one launch (a launch's start-up costs more
     than the checks)."""
     return {"train": {s: _train(rank, world, model_dir, s) for s in STRATEGIES},
+            "checkpointed": {s: _train(rank, world, model_dir, s, gradient_checkpointing=True) for s in EXPLICIT},
             "load": {s: _load_full_state(rank, world, model_dir, s) for s in EXPLICIT},
             "bf16": {s: _train_bf16(rank, world, model_dir, s) for s in EXPLICIT},
             "prompt_once": _train_prompt_once(rank, world, model_dir, True)}
@@ -97,11 +98,13 @@ def two_ranks(random_model_dir) -> list[dict]:
     return run_gloo(_on_two_ranks, 2, random_model_dir, timeout=240.0)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_two_ranks_match_one_process(random_model_dir, two_ranks, strategy):
+@pytest.mark.parametrize("strategy, run", [(s, "train") for s in STRATEGIES] + [(s, "checkpointed") for s in EXPLICIT])
+def test_two_ranks_match_one_process(random_model_dir, two_ranks, strategy, run):
+    """Also with gradient checkpointing on the two ranks (FSDP2's hooks stay outside the
+    recomputed layers): the update of one process without it."""
     ref_grads, ref_norm, ref_state, alone = _train(0, 1, random_model_dir)
     assert alone == "none"
-    for grads, norm, state, used in (ranks["train"][strategy] for ranks in two_ranks):
+    for grads, norm, state, used in (ranks[run][strategy] for ranks in two_ranks):
         assert used == ("ddp" if strategy == "auto" else strategy)  # auto: a 0.1M-parameter model fits anywhere
         assert abs(norm - ref_norm) < 1e-4 * max(1.0, ref_norm)
         assert ref_norm > 0
@@ -245,3 +248,47 @@ def test_ddp_ranks_sharing_prompt_forwards_match_one_process_without(random_mode
         assert strategy == "ddp" and abs(norm - ref_norm) < 1e-4 * max(1.0, ref_norm) and ref_norm > 0
         for name, g in ref_grads.items():
             assert _same_gradient(grads[name], g), name
+
+
+@pytest.mark.parametrize("trainable", ["actor", "critic"])
+def test_gradient_checkpointing_keeps_less_for_the_backward_and_gives_the_same_update(random_model_dir, trainable):
+    """actor/critic.gradient_checkpointing: the same gradients, with a quarter or less of the
+    bytes autograd keeps from the forward (counted by a saved-tensors hook, which sees
+    what the recomputed layers do not keep). The actor's update then runs every row's
+    prompt itself (checkpointed layers take no cache in a forward with gradients), while
+    its scoring forward still runs each shared prompt once (tokens at the embedding)."""
+    from distflow.engines.common import unwrapped
+    from distflow.engines.critic import Critic
+    from distflow.trainer.nodes import make_value_loss
+
+    batch = _grouped_batch(random_model_dir)
+    batch.tensors["values"] = torch.zeros(batch["responses"].shape)
+    batch.tensors["returns"] = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(2))
+    cfg = load_config(None, ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "algorithm.kl_coef=0.1"])
+    counts = float(batch["response_mask"].sum()), float(len(batch))
+    make_loss = make_policy_loss if trainable == "actor" else make_value_loss
+    runs = {}
+    for checkpointing in (False, True):
+        optim = OptimConfig(lr=1e-3, grad_clip=1e9)
+        engine = (Actor(load_causal_lm(random_model_dir), optim, torch.device("cpu"), prompt_once=True,
+                        gradient_checkpointing=checkpointing) if trainable == "actor" else
+                  Critic(load_causal_lm(random_model_dir), optim, torch.device("cpu"),
+                         gradient_checkpointing=checkpointing))
+        tokens, kept = [], []
+        embeddings = engine.module.get_input_embeddings() if trainable == "actor" else engine.module.body.embed_tokens
+        embeddings.register_forward_hook(lambda m, i, o: tokens.append(i[0].numel()))
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            sums = engine.train_mini_batch(batch, [list(range(len(batch)))], make_loss(cfg, *counts))
+        trained = sum(tokens)
+        tokens.clear()
+        engine.compute(batch, [list(range(len(batch)))])
+        runs[checkpointing] = (_grads(unwrapped(engine.model)), sums["grad_norm"], sum(kept), trained, sum(tokens))
+    (grads, norm, kept, trained, scored), (grads1, norm1, kept1, trained1, scored1) = runs[False], runs[True]
+    assert norm > 0 and abs(norm1 - norm) < 1e-4 * norm
+    for name, g in grads.items():
+        assert _same_gradient(grads1[name], g), name
+    assert kept1 < 0.25 * kept, (kept1, kept)
+    assert scored1 == scored
+    if trainable == "actor":
+        assert scored < trained1 and trained == scored  # one forward per row in the checkpointed update only

@@ -82,6 +82,26 @@ def test_only_the_adapter_trains_and_the_reference_is_the_base(random_model_dir)
         counts["trainable_parameters"]
 
 
+def test_gradient_checkpointing_under_the_adapter_gives_the_adapters_gradients(random_model_dir):
+    """The checkpointed layers are the base model's, under peft's wrapper: the adapter's
+    gradients are those of the run that keeps the activations."""
+    from distflow.engines.common import checkpoints_activations
+
+    grads = {}
+    for checkpointing in (False, True):
+        actor = Actor(_adapted(random_model_dir), OptimConfig(lr=1e-2), torch.device("cpu"),
+                      gradient_checkpointing=checkpointing)
+        assert checkpoints_activations(actor.model) is checkpointing
+        batch = _batch(actor.module.config.vocab_size)
+        actor.model.train()
+        log_probs, _ = actor.forward(actor.model, batch, True)
+        (log_probs * batch["response_mask"]).sum().backward()
+        grads[checkpointing] = {n: p.grad for n, p in actor.module.named_parameters() if p.requires_grad}
+    assert grads[False] and grads[False].keys() == grads[True].keys()
+    for name, g in grads[False].items():
+        assert g.abs().sum() > 0 and torch.allclose(grads[True][name], g, atol=1e-6, rtol=1e-5), name
+
+
 def _cli(args, cwd):
     return subprocess.run([sys.executable, "-m", "distflow.cli", *args], cwd=cwd, capture_output=True, text=True,
                           env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=400)

@@ -134,6 +134,8 @@ TWO_WORKER_RUNS = {
               "actor.micro_batch_size=2"],
     "budget": ["trainer.total_steps=2", "trainer.save_final=false", "actor.ppo_mini_batch_size=2",
                "actor.use_dynamic_bsz=true", "actor.max_tokens_per_micro_batch=160"],
+    "checkpointed": ["trainer.total_steps=2", "trainer.save_final=false", "actor.ppo_mini_batch_size=2",
+                     "actor.micro_batch_size=2", "actor.gradient_checkpointing=true"],
     "tis": ["trainer.total_steps=2", "trainer.save_final=false", "actor.ppo_mini_batch_size=2",
             "algorithm.rollout_correction=token_tis"],
     "bf16": ["model.dtype=bfloat16"],
@@ -178,18 +180,31 @@ def test_token_budget_micro_batches_train_like_fixed_ones_end_to_end(two_worker_
     same run as fixed-size ones (the loss is normalised by global counts, so how a
     mini-batch is cut cannot change the update); a budget below the longest sequence
     stops the run naming the key, so the budget path really ran."""
-    fixed, budget = run_metrics(two_worker_runs["fixed"]), run_metrics(two_worker_runs["budget"])
-    for a, b in zip(fixed[1:], budget[1:], strict=True):
-        for k in ["reward/mean", "reward/accuracy", "response/length_mean", "tokens/total"]:
-            assert a[k] == b[k], (k, a[k], b[k])
-        for k in ["actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "actor/clip_frac"]:
-            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (k, a[k], b[k])
+    _same_training(run_metrics(two_worker_runs["fixed"]), run_metrics(two_worker_runs["budget"]))
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, "-m", "distflow.cli", "train", *SMALL, "runtime.launcher=torchrun",
                            "trainer.total_steps=1", "actor.use_dynamic_bsz=true", "actor.max_tokens_per_micro_batch=10",
                            f"trainer.output_dir={tmp_path / 'tiny'}"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode != 0 and "actor.max_tokens_per_micro_batch=10 is smaller than a" in proc.stderr
+
+
+def _same_training(records: list[dict], others: list[dict]) -> None:
+    """The same samples and, to float32 rounding, the same updates, step by step."""
+    for a, b in zip(records[1:], others[1:], strict=True):
+        for k in ["reward/mean", "reward/accuracy", "response/length_mean", "tokens/total"]:
+            assert a[k] == b[k], (k, a["step"], a[k], b[k])
+        for k in ["actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "actor/clip_frac"]:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (k, a["step"], a[k], b[k])
+
+
+def test_gradient_checkpointing_trains_like_keeping_the_activations(two_worker_runs):
+    """actor.gradient_checkpointing on 2 workers: the same run as without it (whose update
+    runs each shared prompt once, where the checkpointed one runs it per row)."""
+    _same_training(run_metrics(two_worker_runs["fixed"]), run_metrics(two_worker_runs["checkpointed"]))
+    for name, checkpointed in (("fixed", False), ("checkpointed", True)):
+        summary = json.loads((two_worker_runs[name] / "summary.json").read_text())
+        assert summary["actor_gradient_checkpointing"] is checkpointed and summary["actor_strategy"] == "ddp"
 
 
 def test_rollout_correction_runs_end_to_end_and_measures_the_mismatch(two_worker_runs):
