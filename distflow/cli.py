@@ -12,6 +12,7 @@
     distflow bench engines [--quick] [--json FILE] [--results-md FILE]
     distflow bench trl [--steps 60] [--json FILE] [--results-md FILE]
     distflow bench async [--quick] [--json FILE] [--results-md FILE]
+    distflow bench checkpointing [--quick] [--json FILE] [--results-md FILE]
     distflow cluster up|down|status [--hosts 5] [--rate-mbit 400] [--delay-ms 0]
     distflow dag show [RECIPE] [--out PATH] [--config FILE] [section.key=value ...]
     distflow dag recipes
@@ -337,6 +338,8 @@ BENCHMARKS = {
     "engines": ("engines", "rollout engines: HF generate vs vLLM, tokens/s, start-up, weight sync (needs vLLM)"),
     "trl": ("peer_trl", "distflow train vs TRL's GRPOTrainer, same model, data, reward and wall budget (needs TRL)"),
     "async": ("async_rl", "synchronous colocated vs asynchronous disaggregated training on the same cores"),
+    "checkpointing": ("checkpointing", "an actor update's kept activations, peak memory and time with and without "
+                                       "gradient checkpointing"),
 }
 
 

@@ -1,0 +1,184 @@
+"""Gradient checkpointing (`actor.gradient_checkpointing`): what an actor update costs in
+memory and time with and without it, on the same model, batch and loss.
+
+    distflow bench checkpointing                  # about 3 min on 2 cores
+    distflow bench checkpointing --quick          # the embedded model, short rows
+
+Model: engines.py's llama-57m (a random Llama: hidden 512, 12 layers, 8 heads, MLP 1536,
+vocab 32,000), fp32 on CPU; `--quick`: the embedded 0.87M-parameter model. Batch: GRPO
+groups of `--group-size` rows that share a prompt (random token ids), `--prompt-len` and
+`--response-len` tokens, one micro-batch; the actor's policy loss (no KL term).
+
+Each mode runs in a fresh process: one untimed update first (it allocates AdamW's moments
+and warms the allocator), then `--repeats` timed updates, then one more for the peak
+memory. Per mode:
+- `kept MB`: the activations autograd keeps from the forward for the backward, counted
+  by a saved-tensors hook on the first update (distinct storages, the weights excluded;
+  not the checkpointed layers' inputs, which the recompute holds outside that hook: the
+  peak below includes them);
+- `peak step MB`: the process's peak resident memory during the last update above its
+  resident memory just before it (free heap returned first, the peak reset through
+  /proc/self/clear_refs);
+- `seconds`: the median timed update.
+Modes: `kept`, the default (activations kept, actor.forward_prompt_once on: a group's
+prompt runs once); `kept-per-row`, with forward_prompt_once off (every row runs its
+prompt, as the checkpointed update does); `checkpointed`, gradient checkpointing on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from distflow.benchmarks.engines import MODELS, build_random_llama
+
+MODES = {"kept": (False, True), "kept-per-row": (False, False), "checkpointed": (True, True)}  # (checkpointing, prompt once)
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1))
+
+
+def _settle() -> None:
+    """Free memory back to the system, and the peak resident size reset to the current."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc
+        pass
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _batch(vocab: int, rows: int, group_size: int, prompt_len: int, response_len: int):
+    from distflow.data.batch import Batch
+
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, vocab, (rows // group_size, prompt_len), generator=g).repeat_interleave(group_size, 0)
+    responses = torch.randint(3, vocab, (rows, response_len), generator=g)
+    return Batch({"prompts": prompts, "prompt_mask": torch.ones_like(prompts),
+                  "responses": responses, "response_mask": torch.ones_like(responses),
+                  "advantages": torch.randn(rows, 1, generator=g).expand(rows, response_len).contiguous()})
+
+
+def measure_mode(path: str, checkpointing: bool, prompt_once: bool, rows: int, group_size: int, prompt_len: int,
+                 response_len: int, repeats: int) -> dict:
+    """One mode in this process (see the module docstring)."""
+    from distflow.config import load_config
+    from distflow.engines.actor import Actor, OptimConfig
+    from distflow.engines.common import load_causal_lm
+    from distflow.trainer.nodes import make_policy_loss
+
+    actor = Actor(load_causal_lm(path), OptimConfig(lr=1e-6), torch.device("cpu"), prompt_once=prompt_once,
+                  gradient_checkpointing=checkpointing)
+    batch = _batch(actor.module.config.vocab_size, rows, group_size, prompt_len, response_len)
+    cfg = load_config(None, ["algorithm.use_kl_loss=false"])
+    loss = make_policy_loss(cfg, float(batch["response_mask"].sum()), float(len(batch)))
+    micro = [list(range(rows))]
+    weights = {p.untyped_storage().data_ptr() for p in actor.module.parameters()}
+    kept: dict[int, int] = {}  # storage -> bytes: views of one tensor count once
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        actor.train_mini_batch(batch, micro, loss)
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        actor.train_mini_batch(batch, micro, loss)
+        seconds.append(time.perf_counter() - start)
+    _settle()
+    before = _status_kb("VmRSS")
+    actor.train_mini_batch(batch, micro, loss)
+    peak = _status_kb("VmHWM") - before
+    return {"kept_mb": sum(kept.values()) / 2**20, "peak_step_mb": peak / 1024, "seconds": statistics.median(seconds),
+            "parameters_millions": round(sum(p.numel() for p in actor.module.parameters()) / 1e6, 2)}
+
+
+def markdown(records: list[dict], command: str, seconds: float) -> str:
+    r0 = records[0]
+    lines = [f"Measured with `{command}` ({seconds / 60:.1f} min, {platform.machine()}, {os.cpu_count()} cores): "
+             f"{r0['model']} ({r0['parameters_millions']}M parameters), {r0['rows']} rows in groups of "
+             f"{r0['group_size']}, {r0['prompt_len']} + {r0['response_len']} tokens, one micro-batch, "
+             f"median of {r0['repeats']} updates.", "",
+             "| mode | kept MB | peak step MB | seconds | kept / kept's | peak / kept's | seconds / kept's |",
+             "|---|---|---|---|---|---|---|"]
+    base = next(r for r in records if r["mode"] == "kept")
+    for r in records:
+        lines.append(f"| {r['mode']} | {r['kept_mb']:,.1f} | {r['peak_step_mb']:,.1f} | {r['seconds']:.2f} "
+                     f"| {r['kept_mb'] / base['kept_mb']:.2f} | {r['peak_step_mb'] / base['peak_step_mb']:.2f} "
+                     f"| {r['seconds'] / base['seconds']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="distflow bench checkpointing", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the embedded model, 16 + 48 tokens")
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--response-len", type=int, default=192)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", help="write one record per mode (JSON lines)")
+    parser.add_argument("--results-md", help="write the table as markdown")
+    parser.add_argument("--child", nargs=2, metavar=("MODE", "MODEL_DIR"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.prompt_len, args.response_len = 16, 48
+    shape = (args.rows, args.group_size, args.prompt_len, args.response_len, args.repeats)
+    if args.rows % args.group_size:
+        parser.error(f"--rows={args.rows}: must be a multiple of --group-size={args.group_size}")
+    if args.child:  # one mode, in this fresh process: its record on the last line
+        print(json.dumps(measure_mode(args.child[1], *MODES[args.child[0]], *shape)))
+        return 0
+    from distflow.config import BUILTIN_MODEL
+    from distflow.engines.common import resolve_model_path
+
+    start, records = time.time(), []
+    name = "embedded" if args.quick else "llama-57m"
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    with tempfile.TemporaryDirectory(prefix="distflow-bench-checkpointing-") as tmp:
+        path = resolve_model_path(BUILTIN_MODEL) if args.quick else build_random_llama(Path(tmp) / name, MODELS[name])
+        for mode in MODES:
+            child = [sys.executable, "-m", "distflow.benchmarks.checkpointing", "--child", mode, path,
+                     *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                       if k in ("rows", "group_size", "prompt_len", "response_len", "repeats"))]
+            proc = subprocess.run(child, capture_output=True, text=True, env=env, timeout=1800)
+            if proc.returncode:
+                print(proc.stderr[-3000:], file=sys.stderr)
+                return proc.returncode
+            record = {"model": name, "mode": mode, "rows": args.rows, "group_size": args.group_size,
+                      "prompt_len": args.prompt_len, "response_len": args.response_len, "repeats": args.repeats,
+                      **json.loads(proc.stdout.strip().splitlines()[-1])}
+            records.append(record)
+            print(f"{mode:>12}: kept {record['kept_mb']:,.1f} MB, peak step {record['peak_step_mb']:,.1f} MB, "
+                  f"{record['seconds']:.2f} s per update", flush=True)
+    if args.json:
+        Path(args.json).write_text("".join(json.dumps(r) + "\n" for r in records))
+    if args.results_md:
+        command = "distflow bench checkpointing " + " ".join(argv if argv is not None else sys.argv[1:])
+        Path(args.results_md).write_text(markdown(records, command.strip(), time.time() - start))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
