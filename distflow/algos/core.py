@@ -552,11 +552,35 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of ``softmax(logits)`` ``(B, T, V) -> (B, T)``.
 
     Uses ``logsumexp - sum(p * logits)``; ``-inf`` logits (masked vocab) are
-    allowed and contribute 0 rather than ``0 * -inf = nan``.
+    allowed and contribute 0 rather than ``0 * -inf = nan``. For the backward it keeps
+    only ``logits`` (which the log-probs keep anyway), not the softmax, the product and
+    the mask that autograd would keep: three more (B, T, V) tensors, as large as the
+    logits, for a term that is often only a metric (``_Entropy``).
     """
+    return _Entropy.apply(logits)
+
+
+def _probs_and_mean(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``softmax(logits)`` and ``E_p[logits]`` (B, T, 1), masked vocab (p = 0) left out."""
     probs = torch.softmax(logits, dim=-1)
-    weighted = torch.where(probs > 0, probs * logits, torch.zeros_like(logits))
-    return torch.logsumexp(logits, dim=-1) - weighted.sum(-1)
+    return probs, torch.where(probs > 0, probs * logits, 0.0).sum(-1, keepdim=True)
+
+
+class _Entropy(torch.autograd.Function):
+    """H = logsumexp(l) - E_p[l], whose gradient ``-p * (l - E_p[l])`` is recomputed
+    from the logits in the backward (a softmax more, no (B, T, V) tensor kept)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(logits)
+        _, mean = _probs_and_mean(logits)
+        return torch.logsumexp(logits, dim=-1) - mean.squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (logits,) = ctx.saved_tensors
+        probs, mean = _probs_and_mean(logits)
+        return torch.where(probs > 0, probs * (mean - logits), 0.0) * grad.unsqueeze(-1)
 
 
 def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -639,6 +639,39 @@ def test_entropy_matches_naive(shape):
     close(entropy_from_logits(logits), expected, atol=1e-9)
 
 
+def _autograd_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """The entropy as autograd differentiates it: the reference for the gradient."""
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - torch.where(probs > 0, probs * logits, torch.zeros_like(logits)).sum(-1)
+
+
+def test_entropy_gradient_is_autograds_and_keeps_only_the_logits():
+    gen = make_gen(7)
+    logits = (torch.randn(2, 3, 6, generator=gen, dtype=F64) * 3).requires_grad_()
+    torch.autograd.gradcheck(entropy_from_logits, (logits,))
+    masked = logits.detach().clone()
+    masked[0, 1, :4] = -math.inf  # masked vocab: no nan, the gradient there is 0
+    masked[1, 2, 1:] = -math.inf  # one token certain: entropy 0, gradient 0
+    upstream = torch.randn(2, 3, generator=gen, dtype=F64)
+    grads = []
+    # autograd's own gradient through -inf is nan: its reference has them at -1e4 (p is 0 there too)
+    for fn, x in ((entropy_from_logits, masked), (_autograd_entropy, masked.nan_to_num(neginf=-1e4))):
+        x = x.clone().requires_grad_()
+        (fn(x) * upstream).sum().backward()
+        grads.append(x.grad)
+    assert torch.isfinite(grads[0]).all() and grads[0][0, 1, :4].eq(0).all() and grads[0][1, 2].eq(0).all()
+    close(grads[0].flatten(1), grads[1].flatten(1).tolist(), atol=1e-12)
+    close(entropy_from_logits(masked), _autograd_entropy(masked).tolist(), atol=1e-12)
+    # what each keeps for the backward: the logits only, against three more tensors of their size
+    kept = {}
+    for name, fn in (("ours", entropy_from_logits), ("autograd", _autograd_entropy)):
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+            fn(logits)
+        kept[name] = sum(sizes)
+    assert kept["ours"] == logits.numel() and kept["autograd"] >= 3 * logits.numel()
+
+
 def test_log_probs_hand_values():
     ln2 = math.log(2.0)
     logits = torch.tensor([[[0.0, ln2, 0.0], [0.0, ln2, 0.0], [1000.0, 0.0, 0.0], [1000.0, 0.0, 0.0]]], dtype=F64)
