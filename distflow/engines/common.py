@@ -196,9 +196,12 @@ def forward_response(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
         attention = torch.cat([pm, rm], dim=1).long()
         position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
         vision = model_inputs(images, input_ids, unwrapped(model).config.image_token_id) if images else {}
+        # the output head on the last R' + 1 positions only, where the model takes that: the
+        # prompt's other positions predict nothing that is scored (TRL's logits_to_keep)
+        keep = {"logits_to_keep": r.shape[1] + 1} if takes_logits_to_keep(unwrapped(model)) else {}
         logits = model(input_ids=input_ids, attention_mask=attention, position_ids=None if vision else position_ids,
-                       use_cache=False, **vision).logits
-        logits = logits[:, p.shape[1] - 1: p.shape[1] - 1 + r.shape[1]]  # (B, R', V): predicts r
+                       use_cache=False, **vision, **keep).logits
+        logits = logits[:, -(r.shape[1] + 1): -1]  # (B, R', V): from the last prompt position on, predicts r
     logits = logits.float() / temperature
     log_probs = log_probs_from_logits(logits, r)
     entropy = entropy_from_logits(logits) if with_entropy else None
@@ -209,14 +212,23 @@ def forward_response(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
     return log_probs, entropy
 
 
+def _forward_parameters(model):
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a LoRA adapter (peft)
+    return inspect.signature(hf.forward).parameters
+
+
+def takes_logits_to_keep(model) -> bool:
+    """The HF model runs its output head on the last N positions only when asked
+    (`logits_to_keep=N`)."""
+    return "logits_to_keep" in _forward_parameters(model)
+
+
 def cache_arguments(model) -> tuple[str, dict]:
     """How a HF causal LM takes a key/value cache: the argument's name (`cache` from
     transformers 5.2x on, `past_key_values` before), and `logits_to_keep=1` (logits of
     the last position only) where it takes that."""
-    hf = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a LoRA adapter (peft)
-    accepts = inspect.signature(hf.forward).parameters
-    return ("cache" if "cache" in accepts else "past_key_values",
-            {"logits_to_keep": 1} if "logits_to_keep" in accepts else {})
+    return ("cache" if "cache" in _forward_parameters(model) else "past_key_values",
+            {"logits_to_keep": 1} if takes_logits_to_keep(model) else {})
 
 
 def distinct_prompts(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -292,3 +292,26 @@ def test_gradient_checkpointing_keeps_less_for_the_backward_and_gives_the_same_u
     assert scored1 == scored
     if trainable == "actor":
         assert scored < trained1 and trained == scored  # one forward per row in the checkpointed update only
+
+
+def test_the_output_head_runs_on_the_scored_positions_only(random_model_dir):
+    """forward_response asks the model for the logits of the last R' + 1 positions (from
+    the last prompt token on): the log-probs of slicing the full logits, with the output
+    head run on R' + 1 positions instead of P + R'."""
+    from distflow.algos.core import log_probs_from_logits
+    from distflow.engines.common import forward_response, trim_padding
+
+    batch = _batch(random_model_dir)
+    model = load_causal_lm(random_model_dir)
+    positions = []
+    model.get_output_embeddings().register_forward_hook(lambda m, i, o: positions.append(o.shape[1]))
+    log_probs, _ = forward_response(model, batch["prompts"], batch["prompt_mask"], batch["responses"],
+                                    batch["response_mask"])
+    p, pm, r, rm = trim_padding(batch["prompts"], batch["prompt_mask"], batch["responses"], batch["response_mask"])
+    attention = torch.cat([pm, rm], dim=1)
+    full = model(input_ids=torch.cat([p, r], dim=1), attention_mask=attention,
+                 position_ids=(attention.cumsum(-1) - 1).clamp(min=0)).logits
+    want = log_probs_from_logits(full[:, p.shape[1] - 1: p.shape[1] - 1 + r.shape[1]], r)
+    assert positions == [r.shape[1] + 1, p.shape[1] + r.shape[1]] and p.shape[1] > 1
+    torch.testing.assert_close(log_probs[:, :r.shape[1]], want, rtol=0, atol=1e-6)
+    assert log_probs.abs().sum() > 0
