@@ -1,4 +1,5 @@
-"""Gradient checkpointing: an actor update's memory and time with and without it.
+"""Gradient checkpointing and the chunked output head: an actor update's memory and time
+with and without them.
 
     python benchmarks/checkpointing.py --json benchmarks/checkpointing.jsonl --results-md benchmarks/CHECKPOINTING.md
     python benchmarks/checkpointing.py --help

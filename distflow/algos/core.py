@@ -54,6 +54,7 @@ __all__ = [
     "policy_loss_gspo",
     "entropy_from_logits",
     "log_probs_from_logits",
+    "log_probs_from_hidden",
     "value_loss_clipped",
     "overlong_reward_penalty",
     "token_level_rewards",
@@ -595,6 +596,92 @@ def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.T
         return torch.stack(rows).to(logits.dtype)
     picked = logits.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)  # (B, T)
     return picked - torch.logsumexp(logits, dim=-1)
+
+
+def log_probs_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          labels: torch.Tensor, temperature: float, chunk_tokens: int,
+                          with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``labels`` (and the entropy) under ``softmax((hidden @ weight.T + bias)
+    / temperature)``, ``(N, H) -> (N,)``, computed ``chunk_tokens`` rows at a time: the
+    output head's (N, V) logits are never kept, only a chunk's, in the forward and again
+    in the backward, which recomputes them (``_ChunkedOutputHead``). The same values and
+    gradients as the head followed by :func:`log_probs_from_logits` and
+    :func:`entropy_from_logits`, with (chunk, V) memory instead of (N, V); the head runs in
+    autocast's dtype when autocast is on, in the weight's otherwise, as ``nn.Linear``
+    would. Returns fp32 (fp64 for an fp64 head)."""
+    return _ChunkedOutputHead.apply(hidden, weight, bias, labels, temperature, chunk_tokens, with_entropy)
+
+
+class _ChunkedOutputHead(torch.autograd.Function):
+    """Per chunk of rows, logits l = (h W^T + b) / T, then log p(y) = l_y - logsumexp(l)
+    and H = logsumexp(l) - E_p[l]. Backward, per chunk: dL/dl = g_logp (onehot(y) - p) +
+    g_H p (E_p[l] - l), then through the head (dh = dz W, dW += dz^T h, db += sum dz) with
+    dz = dL/dl / T. Keeps h, W, b and the labels: nothing V-sized."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_tokens, with_entropy):
+        dtype = _head_dtype(hidden, weight)
+        log_probs = torch.empty(len(hidden), dtype=_at_least_fp32(dtype), device=hidden.device)
+        entropy = torch.empty_like(log_probs) if with_entropy else None
+        for rows in _chunks(len(hidden), chunk_tokens):
+            logits = _head_logits(hidden[rows], weight, bias, dtype, temperature)
+            lse = torch.logsumexp(logits, dim=-1)
+            log_probs[rows] = logits.gather(-1, labels[rows].long().unsqueeze(-1)).squeeze(-1) - lse
+            if with_entropy:
+                entropy[rows] = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, labels)
+        ctx.dtype, ctx.temperature, ctx.chunk_tokens = dtype, temperature, chunk_tokens
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        hidden, weight, bias, labels = ctx.saved_tensors
+        dtype, need_hidden, need_weight, need_bias = ctx.dtype, *ctx.needs_input_grad[:3]
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        accumulate = _at_least_fp32(dtype)  # the weight's gradient is summed over the chunks in fp32 at least
+        grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(bias.shape, dtype=accumulate, device=bias.device) if need_bias else None
+        for rows in _chunks(len(hidden), ctx.chunk_tokens):
+            logits = _head_logits(hidden[rows], weight, bias, dtype, ctx.temperature)
+            probs = torch.softmax(logits, dim=-1)
+            grad_logits = torch.zeros_like(logits)
+            if grad_log_probs is not None:
+                grad_logits -= probs * grad_log_probs[rows].unsqueeze(-1)
+                grad_logits.scatter_add_(-1, labels[rows].long().unsqueeze(-1), grad_log_probs[rows].unsqueeze(-1))
+            if grad_entropy is not None:
+                mean = (probs * logits).sum(-1, keepdim=True)
+                grad_logits += probs * (mean - logits) * grad_entropy[rows].unsqueeze(-1)
+            grad_z = (grad_logits / ctx.temperature).to(dtype)
+            if need_hidden:
+                grad_hidden[rows] = (grad_z @ weight.to(dtype)).to(hidden.dtype)
+            if need_weight:
+                grad_weight += grad_z.T @ hidden[rows].to(dtype)
+            if need_bias:
+                grad_bias += grad_z.sum(0)
+        return (grad_hidden, grad_weight.to(weight.dtype) if need_weight else None,
+                grad_bias.to(bias.dtype) if need_bias else None, None, None, None, None)
+
+
+def _chunks(n: int, size: int) -> list[slice]:
+    return [slice(start, min(start + size, n)) for start in range(0, n, size)]
+
+
+def _head_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype ``nn.Linear`` computes in here: autocast's, where it is on."""
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+
+
+def _head_logits(hidden, weight, bias, dtype, temperature) -> torch.Tensor:
+    """fp32 (or fp64) logits / T of one chunk, the head's product taken in ``dtype``."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        logits = torch.nn.functional.linear(hidden.to(dtype), weight.to(dtype),
+                                            None if bias is None else bias.to(dtype))
+    return logits.to(_at_least_fp32(dtype)) / temperature
+
+
+def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
 
 
 # --------------------------------------------------------------------------

@@ -1,7 +1,8 @@
-"""Gradient checkpointing (`actor.gradient_checkpointing`): what an actor update costs in
-memory and time with and without it, on the same model, batch and loss.
+"""Gradient checkpointing (`actor.gradient_checkpointing`) and the chunked output head
+(`actor.output_head_chunk_tokens`): what an actor update costs in memory and time with and
+without them, on the same model, batch and loss.
 
-    distflow bench checkpointing                  # about 3 min on 2 cores
+    distflow bench checkpointing                  # about 5 min on 2 cores
     distflow bench checkpointing --quick          # the embedded model, short rows
 
 Model: engines.py's llama-57m (a random Llama: hidden 512, 12 layers, 8 heads, MLP 1536,
@@ -22,7 +23,9 @@ memory. Per mode:
 - `seconds`: the median timed update.
 Modes: `kept`, the default (activations kept, actor.forward_prompt_once on: a group's
 prompt runs once); `kept-per-row`, with forward_prompt_once off (every row runs its
-prompt, as the checkpointed update does); `checkpointed`, gradient checkpointing on.
+prompt, as the checkpointed update does); `checkpointed`, gradient checkpointing on;
+`head-chunked` and `checkpointed-head-chunked`, the same two with the output head run
+`--head-chunk-tokens` tokens at a time (its logits never kept whole).
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ import torch
 
 from distflow.benchmarks.engines import MODELS, build_random_llama
 
-MODES = {"kept": (False, True), "kept-per-row": (False, False), "checkpointed": (True, True)}  # (checkpointing, prompt once)
+MODES = {  # (gradient checkpointing, prompt once, the output head chunked)
+    "kept": (False, True, False), "kept-per-row": (False, False, False), "checkpointed": (True, True, False),
+    "head-chunked": (False, True, True), "checkpointed-head-chunked": (True, True, True)}
 
 
 def _status_kb(field: str) -> int:
@@ -75,8 +80,8 @@ def _batch(vocab: int, rows: int, group_size: int, prompt_len: int, response_len
                   "advantages": torch.randn(rows, 1, generator=g).expand(rows, response_len).contiguous()})
 
 
-def measure_mode(path: str, checkpointing: bool, prompt_once: bool, rows: int, group_size: int, prompt_len: int,
-                 response_len: int, repeats: int) -> dict:
+def measure_mode(path: str, checkpointing: bool, prompt_once: bool, head_chunked: bool, rows: int, group_size: int,
+                 prompt_len: int, response_len: int, repeats: int, head_chunk_tokens: int) -> dict:
     """One mode in this process (see the module docstring)."""
     from distflow.config import load_config
     from distflow.engines.actor import Actor, OptimConfig
@@ -84,7 +89,7 @@ def measure_mode(path: str, checkpointing: bool, prompt_once: bool, rows: int, g
     from distflow.trainer.nodes import make_policy_loss
 
     actor = Actor(load_causal_lm(path), OptimConfig(lr=1e-6), torch.device("cpu"), prompt_once=prompt_once,
-                  gradient_checkpointing=checkpointing)
+                  gradient_checkpointing=checkpointing, head_chunk_tokens=head_chunk_tokens if head_chunked else 0)
     batch = _batch(actor.module.config.vocab_size, rows, group_size, prompt_len, response_len)
     cfg = load_config(None, ["algorithm.use_kl_loss=false"])
     loss = make_policy_loss(cfg, float(batch["response_mask"].sum()), float(len(batch)))
@@ -118,7 +123,7 @@ def markdown(records: list[dict], command: str, seconds: float) -> str:
     lines = [f"Measured with `{command}` ({seconds / 60:.1f} min, {platform.machine()}, {os.cpu_count()} cores): "
              f"{r0['model']} ({r0['parameters_millions']}M parameters), {r0['rows']} rows in groups of "
              f"{r0['group_size']}, {r0['prompt_len']} + {r0['response_len']} tokens, one micro-batch, "
-             f"median of {r0['repeats']} updates.", "",
+             f"median of {r0['repeats']} updates; head-chunked: {r0['head_chunk_tokens']} tokens a chunk.", "",
              "| mode | kept MB | peak step MB | seconds | kept / kept's | peak / kept's | seconds / kept's |",
              "|---|---|---|---|---|---|---|"]
     base = next(r for r in records if r["mode"] == "kept")
@@ -138,13 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--response-len", type=int, default=192)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--head-chunk-tokens", type=int, default=256, help="the head-chunked modes' chunk")
     parser.add_argument("--json", help="write one record per mode (JSON lines)")
     parser.add_argument("--results-md", help="write the table as markdown")
     parser.add_argument("--child", nargs=2, metavar=("MODE", "MODEL_DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.prompt_len, args.response_len = 16, 48
-    shape = (args.rows, args.group_size, args.prompt_len, args.response_len, args.repeats)
+    shape = (args.rows, args.group_size, args.prompt_len, args.response_len, args.repeats, args.head_chunk_tokens)
     if args.rows % args.group_size:
         parser.error(f"--rows={args.rows}: must be a multiple of --group-size={args.group_size}")
     if args.child:  # one mode, in this fresh process: its record on the last line
@@ -161,16 +167,17 @@ def main(argv: list[str] | None = None) -> int:
         for mode in MODES:
             child = [sys.executable, "-m", "distflow.benchmarks.checkpointing", "--child", mode, path,
                      *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                       if k in ("rows", "group_size", "prompt_len", "response_len", "repeats"))]
+                       if k in ("rows", "group_size", "prompt_len", "response_len", "repeats", "head_chunk_tokens"))]
             proc = subprocess.run(child, capture_output=True, text=True, env=env, timeout=1800)
             if proc.returncode:
                 print(proc.stderr[-3000:], file=sys.stderr)
                 return proc.returncode
             record = {"model": name, "mode": mode, "rows": args.rows, "group_size": args.group_size,
                       "prompt_len": args.prompt_len, "response_len": args.response_len, "repeats": args.repeats,
+                      "head_chunk_tokens": args.head_chunk_tokens,
                       **json.loads(proc.stdout.strip().splitlines()[-1])}
             records.append(record)
-            print(f"{mode:>12}: kept {record['kept_mb']:,.1f} MB, peak step {record['peak_step_mb']:,.1f} MB, "
+            print(f"{mode:>25}: kept {record['kept_mb']:,.1f} MB, peak step {record['peak_step_mb']:,.1f} MB, "
                   f"{record['seconds']:.2f} s per update", flush=True)
     if args.json:
         Path(args.json).write_text("".join(json.dumps(r) + "\n" for r in records))

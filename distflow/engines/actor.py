@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distflow.data.batch import Batch
 from distflow.data.images import IMAGE_FIELDS
-from distflow.engines.common import enable_gradient_checkpointing, first_of_tied, forward_response
+from distflow.engines.common import check_head_chunking, enable_gradient_checkpointing, first_of_tied, forward_response
 from distflow.engines.lora import is_lora, merged_weights
 
 # (log_probs (B,R), entropy (B,R), micro-batch) -> (loss share, metrics to sum)
@@ -79,14 +79,16 @@ MicroBatches = list[list[int]]  # row indices per micro-batch; [] = a lockstep-o
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # (model, micro, train) -> per-token outputs
 
 
-def policy_forward(model, micro: Batch, train: bool, temperature: float = 1.0, prompt_once: bool = False):
+def policy_forward(model, micro: Batch, train: bool, temperature: float = 1.0, prompt_once: bool = False,
+                   head_chunk_tokens: int = 0):
     """Log-probs of the responses at the sampling temperature, and their entropy when
-    training. `prompt_once`: rows with the same prompt share one forward of it."""
+    training. `prompt_once`: rows with the same prompt share one forward of it;
+    `head_chunk_tokens`: the output head runs that many tokens at a time."""
     return forward_response(model, micro["prompts"], micro["prompt_mask"], micro["responses"],
                             micro["response_mask"], with_entropy=train, temperature=temperature,
                             observation_mask=micro.tensors.get("observation_mask"),
                             images={k: micro.tensors[k] for k in IMAGE_FIELDS if k in micro.tensors},
-                            prompt_once=prompt_once)
+                            prompt_once=prompt_once, head_chunk_tokens=head_chunk_tokens)
 
 
 def _micro(batch: Batch, rows: list[int]) -> Batch:
@@ -230,15 +232,20 @@ class DataParallelTrainable:
 class Actor(DataParallelTrainable):
     """`prompt_once` (actor.forward_prompt_once): rows sharing a prompt share its forward,
     except under FSDP2, whose per-layer gathers would run for both forwards, and in the
-    update with gradient checkpointing (`forward_response` decides)."""
+    update with gradient checkpointing (`forward_response` decides). `head_chunk_tokens`
+    (actor.output_head_chunk_tokens): the output head runs that many tokens at a time."""
 
     def __init__(self, model, optim: OptimConfig, device: torch.device, temperature: float = 1.0,
                  strategy: str = "auto", compute_dtype: torch.dtype = torch.float32, prompt_once: bool = False,
-                 gradient_checkpointing: bool = False):
+                 gradient_checkpointing: bool = False, head_chunk_tokens: int = 0):
+        if head_chunk_tokens:
+            check_head_chunking(model)
         super().__init__(model, optim, device, strategy, compute_dtype, gradient_checkpointing)
+        self.head_chunk_tokens = head_chunk_tokens
         # the rollout's temperature, as verl
         self.forward = partial(policy_forward, temperature=temperature,
-                               prompt_once=prompt_once and self.strategy != "fsdp2")
+                               prompt_once=prompt_once and self.strategy != "fsdp2",
+                               head_chunk_tokens=head_chunk_tokens)
 
     def compute_log_probs(self, batch: Batch, micro_batches: MicroBatches) -> torch.Tensor:
         return self.compute(batch, micro_batches)
@@ -269,13 +276,17 @@ class ReferenceModel:
     """Frozen policy copy for the KL term; replicated, since at small sizes a replica is
     cheaper than the all-gathers of a sharded forward."""
 
-    def __init__(self, model, device: torch.device, temperature: float = 1.0, prompt_once: bool = False):
-        self.device, self.temperature, self.prompt_once = device, temperature, prompt_once
+    def __init__(self, model, device: torch.device, temperature: float = 1.0, prompt_once: bool = False,
+                 head_chunk_tokens: int = 0):
+        if head_chunk_tokens:
+            check_head_chunking(model)
+        self.device = device
+        self.forward = partial(policy_forward, temperature=temperature, prompt_once=prompt_once,
+                               head_chunk_tokens=head_chunk_tokens)
         self.model = model.to(device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
 
     @torch.no_grad()
     def compute_log_probs(self, batch: Batch, micro_batches: MicroBatches) -> torch.Tensor:
-        return _gather_rows(batch.to_device(self.device), self.model, micro_batches,
-                            partial(policy_forward, temperature=self.temperature, prompt_once=self.prompt_once))
+        return _gather_rows(batch.to_device(self.device), self.model, micro_batches, self.forward)

@@ -11,8 +11,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from distflow.algos.core import entropy_from_logits, log_probs_from_logits
-from distflow.config import BUILTIN_MODELS
+from distflow.algos.core import entropy_from_logits, log_probs_from_hidden, log_probs_from_logits
+from distflow.config import BUILTIN_MODELS, ConfigError
 from distflow.data.images import ImagePrompter, model_inputs
 
 
@@ -175,7 +175,7 @@ def forward_response(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
                      with_entropy: bool = False, temperature: float = 1.0,
                      observation_mask: torch.Tensor | None = None,
                      images: dict[str, torch.Tensor] | None = None,
-                     prompt_once: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     prompt_once: bool = False, head_chunk_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of `responses` given left-padded `prompts`, under
     softmax(logits / temperature): the distribution the rollout sampled from.
 
@@ -185,31 +185,63 @@ def forward_response(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
     the generated ones (`response_mask`, the loss mask). `images`: the rows' padded
     `pixel_values` and `image_grid_thw` (data/images.py); the model then places the
     image tokens itself (Qwen2-VL's M-RoPE), as its generation does. `prompt_once`: rows
-    with the same prompt share one forward of it (`_logits_prompt_once`); not with images.
+    with the same prompt share one forward of it (`_states_prompt_once`); not with images.
+    `head_chunk_tokens` > 0: the model stops at its final hidden states and the output
+    head runs that many tokens at a time (`log_probs_from_hidden`), its logits never kept
+    whole; the model must pass `check_head_chunking`.
     """
     full_width = responses.shape[1]
     seen = response_mask if observation_mask is None else response_mask + observation_mask  # (B, R)
     p, pm, r, rm = trim_padding(prompts, prompt_mask, responses, seen)
-    logits = _logits_prompt_once(model, p, pm, r, rm) if prompt_once and not images else None
-    if logits is None:
+    hidden = head_chunk_tokens > 0
+    states = _states_prompt_once(model, p, pm, r, rm, hidden) if prompt_once and not images else None
+    if states is None:
         input_ids = torch.cat([p, r], dim=1)  # (B, P + R')
         attention = torch.cat([pm, rm], dim=1).long()
         position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
         vision = model_inputs(images, input_ids, unwrapped(model).config.image_token_id) if images else {}
-        # the output head on the last R' + 1 positions only, where the model takes that: the
-        # prompt's other positions predict nothing that is scored (TRL's logits_to_keep)
-        keep = {"logits_to_keep": r.shape[1] + 1} if takes_logits_to_keep(unwrapped(model)) else {}
-        logits = model(input_ids=input_ids, attention_mask=attention, position_ids=None if vision else position_ids,
-                       use_cache=False, **vision, **keep).logits
-        logits = logits[:, -(r.shape[1] + 1): -1]  # (B, R', V): from the last prompt position on, predicts r
-    logits = logits.float() / temperature
-    log_probs = log_probs_from_logits(logits, r)
-    entropy = entropy_from_logits(logits) if with_entropy else None
+        out = model(input_ids=input_ids, attention_mask=attention, position_ids=None if vision else position_ids,
+                    use_cache=False, **vision, **_head_arguments(model, r.shape[1] + 1, hidden))
+        # from the last prompt position on, each position predicts the next token of r: (B, R', V or H)
+        states = _scoring_states(out, hidden)[:, -(r.shape[1] + 1): -1]
+    if hidden:
+        head = unwrapped(model).get_output_embeddings()  # after the forward: FSDP2 has gathered it
+        log_probs, entropy = log_probs_from_hidden(states.flatten(0, 1), head.weight, head.bias, r.flatten(),
+                                                   temperature, head_chunk_tokens, with_entropy)
+        log_probs, entropy = log_probs.view(r.shape), entropy.view(r.shape) if with_entropy else None
+    else:
+        logits = states.float() / temperature
+        log_probs = log_probs_from_logits(logits, r)
+        entropy = entropy_from_logits(logits) if with_entropy else None
     pad = full_width - r.shape[1]
     if pad:
         log_probs = torch.nn.functional.pad(log_probs, (0, pad))
         entropy = torch.nn.functional.pad(entropy, (0, pad)) if entropy is not None else None
     return log_probs, entropy
+
+
+def _head_arguments(model, positions: int, hidden: bool) -> dict:
+    """What the forward asks of the output head: its logits on the last `positions` only
+    (TRL's logits_to_keep: the prompt's other positions predict nothing that is scored),
+    or, for `hidden`, none at all and the final hidden states instead."""
+    if hidden:
+        return {"logits_to_keep": torch.empty(0, dtype=torch.long), "output_hidden_states": True}
+    return {"logits_to_keep": positions} if takes_logits_to_keep(unwrapped(model)) else {}
+
+
+def _scoring_states(out, hidden: bool) -> torch.Tensor:
+    """The forward's logits, or its final (normed) hidden states: the output head's input."""
+    return out.hidden_states[-1] if hidden else out.logits
+
+
+def check_head_chunking(model) -> None:
+    """A chunked output head (actor.output_head_chunk_tokens) needs a HF causal LM whose
+    forward can skip its head (`logits_to_keep`) and whose head is a plain linear layer."""
+    lm = unwrapped(model)
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    if not takes_logits_to_keep(lm) or type(head) is not torch.nn.Linear:
+        raise ConfigError(f"actor.output_head_chunk_tokens: {type(lm).__name__}'s output head "
+                          f"({type(head).__name__}) is not a plain linear layer its forward can skip; use 0")
 
 
 def _forward_parameters(model):
@@ -237,11 +269,12 @@ def distinct_prompts(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tenso
     return unique[:, :ids.shape[1]], unique[:, ids.shape[1]:], row_prompt
 
 
-def _logits_prompt_once(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
-                        seen: torch.Tensor) -> torch.Tensor | None:
-    """The logits that predict `responses` (B, R', V), with each distinct prompt of the
-    batch run once: its keys and values are then handed to every row that has it, and
-    those rows run only their response tokens on them. Causal attention makes this the
+def _states_prompt_once(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
+                        seen: torch.Tensor, hidden: bool = False) -> torch.Tensor | None:
+    """The logits that predict `responses` (B, R', V), or for `hidden` the final hidden
+    states that do (B, R', H), with each distinct prompt of the batch run once: its keys
+    and values are then handed to every row that has it, and those rows run only their
+    response tokens on them. Causal attention makes this the
     same function as one forward per row (a prompt's states never see what follows it),
     and autograd sums each shared prompt's gradient over its rows. With GRPO's groups of
     G samples a prompt of P tokens costs P once instead of G times. None where no two
@@ -254,16 +287,17 @@ def _logits_prompt_once(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
     if len(ids) == len(prompts):
         return None
     width = prompts.shape[1]
-    cache_arg, last = cache_arguments(lm)
+    cache_arg, _ = cache_arguments(lm)
     # the prompts alone, outside a DDP wrapper: DDP takes one forward per backward, and
     # their parameters' gradients reach its hooks through the response forward's backward
     head = lm(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-              use_cache=True, **last)
+              use_cache=True, **_head_arguments(lm, 1, hidden))
     cache = head.past_key_values
     cache.batch_select_indices(row_prompt)  # each row's prompt's keys and values
     attention = torch.cat([prompt_mask, seen], dim=1).long()
     positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, width:]
     rest = model(input_ids=responses, attention_mask=attention, position_ids=positions, use_cache=True,
-                 **{cache_arg: cache}).logits
+                 **{cache_arg: cache}, **_head_arguments(model, responses.shape[1], hidden))
     # the prompt's last position predicts the first response token; each response token the next
-    return torch.cat([head.logits[:, -1:][row_prompt], rest[:, :-1]], dim=1)
+    return torch.cat([_scoring_states(head, hidden)[:, -1:][row_prompt], _scoring_states(rest, hidden)[:, :-1]],
+                     dim=1)

@@ -256,7 +256,7 @@ class Trainer:
         actor = Actor(self._policy(policy_path),
                       OptimConfig(lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay, grad_clip=cfg.actor.grad_clip),
                       device, cfg.rollout.temperature, cfg.actor.strategy, compute_dtype, cfg.actor.forward_prompt_once,
-                      cfg.actor.gradient_checkpointing)
+                      cfg.actor.gradient_checkpointing, cfg.actor.output_head_chunk_tokens)
         rollout = make_rollout_engine(cfg, policy_path, self.tokenizer, device, actor)
         if self.resume_from is not None and cfg.actor.lora_rank:  # an engine of its own starts from the base
             rollout.update_weights(actor.iter_full_weights(), version=0)
@@ -265,7 +265,7 @@ class Trainer:
         if "reference" in roles:  # with LoRA: the actor's own base (its adapter off), no second copy
             ref = (AdapterDisabledReference(actor, cfg.rollout.temperature) if cfg.actor.lora_rank else
                    ReferenceModel(load_causal_lm(cfg.model.path, cfg.model.dtype), device, cfg.rollout.temperature,
-                                  cfg.actor.forward_prompt_once))
+                                  cfg.actor.forward_prompt_once, cfg.actor.output_head_chunk_tokens))
         critic = (Critic(load_causal_lm(cfg.model.path), OptimConfig(lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip),
                          device, cfg.critic.strategy, compute_dtype, cfg.critic.gradient_checkpointing)
                   if roles & {"critic_forward", "critic_train"} else None)
@@ -437,6 +437,7 @@ class Trainer:
             **self.actor.parameter_counts(),
             "actor_strategy": self.actor.strategy,  # what actor.strategy=auto resolved to
             "actor_gradient_checkpointing": checkpoints_activations(self.actor.model),
+            "actor_output_head_chunk_tokens": self.actor.head_chunk_tokens,  # 0: the logits kept whole
         }
         if self.stream is not None:
             rt = cfg.runtime

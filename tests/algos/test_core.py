@@ -672,6 +672,27 @@ def test_entropy_gradient_is_autograds_and_keeps_only_the_logits():
     assert kept["ours"] == logits.numel() and kept["autograd"] >= 3 * logits.numel()
 
 
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+def test_log_probs_from_hidden_is_the_head_then_log_probs_and_entropy_with_their_gradients(chunk):
+    """The chunked output head: the same values as the whole logits followed by
+    log_probs_from_logits and entropy_from_logits, and gradients that gradcheck confirms
+    for the hidden states, the weight and the bias (a temperature; chunks that do not
+    divide the rows; one chunk for all)."""
+    gen = make_gen(11)
+    hidden = torch.randn(9, 5, generator=gen, dtype=F64).requires_grad_()
+    weight = torch.randn(13, 5, generator=gen, dtype=F64).requires_grad_()
+    bias = torch.randn(13, generator=gen, dtype=F64).requires_grad_()
+    labels = torch.randint(0, 13, (9,), generator=gen)
+    log_probs, entropy = core.log_probs_from_hidden(hidden, weight, bias, labels, 0.6, chunk, True)
+    logits = torch.nn.functional.linear(hidden, weight, bias) / 0.6
+    close(log_probs, log_probs_from_logits(logits, labels).tolist(), atol=1e-12)
+    close(entropy, entropy_from_logits(logits).tolist(), atol=1e-12)
+    torch.autograd.gradcheck(lambda h, w, b: core.log_probs_from_hidden(h, w, b, labels, 0.6, chunk, True),
+                             (hidden, weight, bias))
+    torch.autograd.gradcheck(lambda h, w: core.log_probs_from_hidden(h, w, None, labels, 1.0, chunk, False)[0],
+                             (hidden, weight))
+
+
 def test_log_probs_hand_values():
     ln2 = math.log(2.0)
     logits = torch.tensor([[[0.0, ln2, 0.0], [0.0, ln2, 0.0], [1000.0, 0.0, 0.0], [1000.0, 0.0, 0.0]]], dtype=F64)

@@ -51,18 +51,27 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _train(rank: int, world: int, model_dir: str, strategy: str = "auto", gradient_checkpointing: bool = False):
+def _train(rank: int, world: int, model_dir: str, strategy: str = "auto", gradient_checkpointing: bool = False,
+           head_chunk_tokens: int = 0):
     cfg = load_config(None, [f"runtime.num_workers={world}", "data.train_batch_size=4",
                              "actor.ppo_mini_batch_size=4", "algorithm.kl_coef=0.1"])
     batch = _batch(model_dir)
     local = batch.select(list(range(rank, len(batch), world)))
     num_tokens, num_seqs = float(batch["response_mask"].sum()), float(len(batch))
     actor = Actor(load_causal_lm(model_dir), OptimConfig(lr=1e-3, grad_clip=1e9), torch.device("cpu"),
-                  strategy=strategy, gradient_checkpointing=gradient_checkpointing)
+                  strategy=strategy, gradient_checkpointing=gradient_checkpointing, head_chunk_tokens=head_chunk_tokens)
     # two micro-batches per rank: DDP all-reduces once, in the second backward
     sums = actor.train_mini_batch(local, [[i] for i in range(len(local))], make_policy_loss(cfg, num_tokens, num_seqs))
     state = {k: v.clone() for k, v in actor.full_state_dict().items()}
     return _grads(actor.module), sums["grad_norm"], state, actor.strategy
+
+
+def _score_head_chunked(rank: int, world: int, model_dir: str, strategy: str):
+    """A rank's log-probs (no gradients: FSDP2's forward then gathers and frees the
+    weights itself) with the output head chunked and kept whole."""
+    local = _batch(model_dir).select([rank, rank + world])
+    return [Actor(load_causal_lm(model_dir), OptimConfig(lr=1e-3), torch.device("cpu"), strategy=strategy,
+                  head_chunk_tokens=chunk).compute(local, [[0], [1]]) for chunk in (3, 0)]
 
 
 def _train_prompt_once(rank: int, world: int, model_dir: str, prompt_once: bool):
@@ -88,6 +97,8 @@ def _on_two_ranks(rank: int, world: int, model_dir: str) -> dict:
     than the checks)."""
     return {"train": {s: _train(rank, world, model_dir, s) for s in STRATEGIES},
             "checkpointed": {s: _train(rank, world, model_dir, s, gradient_checkpointing=True) for s in EXPLICIT},
+            "head_chunked": {s: _train(rank, world, model_dir, s, head_chunk_tokens=3) for s in EXPLICIT},
+            "head_chunked_scores": {s: _score_head_chunked(rank, world, model_dir, s) for s in EXPLICIT},
             "load": {s: _load_full_state(rank, world, model_dir, s) for s in EXPLICIT},
             "bf16": {s: _train_bf16(rank, world, model_dir, s) for s in EXPLICIT},
             "prompt_once": _train_prompt_once(rank, world, model_dir, True)}
@@ -98,18 +109,22 @@ def two_ranks(random_model_dir) -> list[dict]:
     return run_gloo(_on_two_ranks, 2, random_model_dir, timeout=240.0)
 
 
-@pytest.mark.parametrize("strategy, run", [(s, "train") for s in STRATEGIES] + [(s, "checkpointed") for s in EXPLICIT])
+@pytest.mark.parametrize("strategy, run", [(s, "train") for s in STRATEGIES] +
+                         [(s, run) for s in EXPLICIT for run in ("checkpointed", "head_chunked")])
 def test_two_ranks_match_one_process(random_model_dir, two_ranks, strategy, run):
-    """Also with gradient checkpointing on the two ranks (FSDP2's hooks stay outside the
-    recomputed layers): the update of one process without it."""
+    """Also with gradient checkpointing, or the output head chunked, on the two ranks
+    (FSDP2's hooks stay outside the recomputed layers; the head's weight, read after the
+    forward, is FSDP2's gathered one and its gradient reaches the reduce-scatter): the
+    update of one process without either."""
     ref_grads, ref_norm, ref_state, alone = _train(0, 1, random_model_dir)
     assert alone == "none"
     for grads, norm, state, used in (ranks[run][strategy] for ranks in two_ranks):
         assert used == ("ddp" if strategy == "auto" else strategy)  # auto: a 0.1M-parameter model fits anywhere
         assert abs(norm - ref_norm) < 1e-4 * max(1.0, ref_norm)
         assert ref_norm > 0
-        for name, g in ref_grads.items():
-            assert torch.allclose(grads[name], g, atol=1e-6, rtol=1e-4), name
+        for name, g in ref_grads.items():  # chunked, the head's gradient sums its chunks in another order
+            assert (_same_gradient(grads[name], g) if run == "head_chunked" else
+                    torch.allclose(grads[name], g, atol=1e-6, rtol=1e-4)), name
         for name, w in ref_state.items():
             assert torch.allclose(state[name], w, atol=1e-6), name
 
@@ -125,6 +140,13 @@ def _load_full_state(rank, world, model_dir, strategy):
     original = load_causal_lm(model_dir).state_dict()
     differ = [k for k, v in plain.state_dict().items() if not torch.equal(v, original[k])]
     return differ, sorted(full) == sorted(original), dist.get_world_size()
+
+
+@pytest.mark.parametrize("strategy", EXPLICIT)
+def test_chunked_head_scores_like_the_whole_logits_on_two_ranks(two_ranks, strategy):
+    for chunked, whole in (ranks["head_chunked_scores"][strategy] for ranks in two_ranks):
+        assert whole.abs().sum() > 0
+        torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("strategy", EXPLICIT)
@@ -315,3 +337,50 @@ def test_the_output_head_runs_on_the_scored_positions_only(random_model_dir):
     assert positions == [r.shape[1] + 1, p.shape[1] + r.shape[1]] and p.shape[1] > 1
     torch.testing.assert_close(log_probs[:, :r.shape[1]], want, rtol=0, atol=1e-6)
     assert log_probs.abs().sum() > 0
+
+
+def test_a_chunked_output_head_gives_the_log_probs_entropy_and_gradients_of_the_whole_logits(random_model_dir):
+    """actor.output_head_chunk_tokens: the model stops at its final hidden states and the
+    head runs a few tokens at a time, in the forward and again in the backward; the same
+    log-probs, entropy and gradients as the whole logits, at a temperature, with shared
+    prompt forwards or not, in fp32 and under bf16 autocast; nothing of the logits' size
+    kept for the backward (a saved-tensors hook counts what is)."""
+    from distflow.engines.common import forward_response
+
+    batch = _grouped_batch(random_model_dir)
+    model = load_causal_lm(random_model_dir)
+    vocab = model.config.vocab_size
+    for once, dtype in ((False, torch.float32), (True, torch.float32), (False, torch.bfloat16)):
+        outs = {}
+        for chunk in (0, 7):
+            model.zero_grad()
+            kept = []
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16), \
+                    torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.shape) or t, lambda t: t):
+                lp, ent = forward_response(model, batch["prompts"], batch["prompt_mask"], batch["responses"],
+                                           batch["response_mask"], with_entropy=True, temperature=0.7,
+                                           prompt_once=once, head_chunk_tokens=chunk)
+            ((lp * batch["advantages"]).sum() + 0.3 * (ent * batch["response_mask"]).sum()).backward()
+            logits_like = [t for t in kept if len(t) == 3 and t[-1] == vocab]  # (rows, positions, vocab)
+            outs[chunk] = (lp, ent, {n: q.grad.clone() for n, q in model.named_parameters()}, logits_like)
+        (lp, ent, grads, logits_like), (lp1, ent1, grads1, logits_like1) = outs[0], outs[7]
+        assert lp.abs().sum() > 0 and ent.abs().sum() > 0
+        exact = dtype == torch.float32
+        torch.testing.assert_close(lp1, lp, rtol=0, atol=1e-5 if exact else 1e-2)
+        torch.testing.assert_close(ent1, ent, rtol=0, atol=1e-5 if exact else 1e-2)
+        for name, g in grads.items():
+            gap = (grads1[name] - g).abs().max() / g.abs().max()
+            assert gap <= (1e-5 if exact else 2e-2), (name, once, dtype, gap)
+        assert logits_like and not logits_like1
+
+
+def test_a_chunked_output_head_is_refused_where_the_head_is_not_a_plain_linear_layer(random_model_dir):
+    """A LoRA adapter on the output head (lm_head in lora_target_modules) has no weight to
+    chunk with: a one-line error naming the option, at the actor's construction."""
+    from peft import LoraConfig, get_peft_model
+
+    from distflow.config import ConfigError
+
+    model = get_peft_model(load_causal_lm(random_model_dir), LoraConfig(r=2, target_modules=["lm_head", "q_proj"]))
+    with pytest.raises(ConfigError, match=r"actor.output_head_chunk_tokens: .* use 0"):
+        Actor(model, OptimConfig(lr=1e-3), torch.device("cpu"), head_chunk_tokens=8)

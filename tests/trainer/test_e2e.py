@@ -136,6 +136,8 @@ TWO_WORKER_RUNS = {
                "actor.use_dynamic_bsz=true", "actor.max_tokens_per_micro_batch=160"],
     "checkpointed": ["trainer.total_steps=2", "trainer.save_final=false", "actor.ppo_mini_batch_size=2",
                      "actor.micro_batch_size=2", "actor.gradient_checkpointing=true"],
+    "head_chunked": ["trainer.total_steps=2", "trainer.save_final=false", "actor.ppo_mini_batch_size=2",
+                     "actor.micro_batch_size=2", "actor.output_head_chunk_tokens=16"],
     "tis": ["trainer.total_steps=2", "trainer.save_final=false", "actor.ppo_mini_batch_size=2",
             "algorithm.rollout_correction=token_tis"],
     "bf16": ["model.dtype=bfloat16"],
@@ -205,6 +207,15 @@ def test_gradient_checkpointing_trains_like_keeping_the_activations(two_worker_r
     for name, checkpointed in (("fixed", False), ("checkpointed", True)):
         summary = json.loads((two_worker_runs[name] / "summary.json").read_text())
         assert summary["actor_gradient_checkpointing"] is checkpointed and summary["actor_strategy"] == "ddp"
+
+
+def test_a_chunked_output_head_trains_like_the_whole_logits(two_worker_runs):
+    """actor.output_head_chunk_tokens on 2 workers, for the actor's scoring and update and
+    the reference's scoring: the same run as with the logits kept whole."""
+    _same_training(run_metrics(two_worker_runs["fixed"]), run_metrics(two_worker_runs["head_chunked"]))
+    for name, chunk in (("fixed", 0), ("head_chunked", 16)):
+        summary = json.loads((two_worker_runs[name] / "summary.json").read_text())
+        assert summary["actor_output_head_chunk_tokens"] == chunk
 
 
 def test_rollout_correction_runs_end_to_end_and_measures_the_mismatch(two_worker_runs):
