@@ -621,10 +621,11 @@ class _ChunkedOutputHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, temperature, chunk_tokens, with_entropy):
         dtype = _head_dtype(hidden, weight)
+        head = _cast(weight, dtype), _cast(bias, dtype)  # once, not per chunk
         log_probs = torch.empty(len(hidden), dtype=_at_least_fp32(dtype), device=hidden.device)
         entropy = torch.empty_like(log_probs) if with_entropy else None
         for rows in _chunks(len(hidden), chunk_tokens):
-            logits = _head_logits(hidden[rows], weight, bias, dtype, temperature)
+            logits = _head_logits(hidden[rows], *head, temperature)
             lse = torch.logsumexp(logits, dim=-1)
             log_probs[rows] = logits.gather(-1, labels[rows].long().unsqueeze(-1)).squeeze(-1) - lse
             if with_entropy:
@@ -641,8 +642,9 @@ class _ChunkedOutputHead(torch.autograd.Function):
         accumulate = _at_least_fp32(dtype)  # the weight's gradient is summed over the chunks in fp32 at least
         grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) if need_weight else None
         grad_bias = torch.zeros(bias.shape, dtype=accumulate, device=bias.device) if need_bias else None
+        head = _cast(weight, dtype), _cast(bias, dtype)
         for rows in _chunks(len(hidden), ctx.chunk_tokens):
-            logits = _head_logits(hidden[rows], weight, bias, dtype, ctx.temperature)
+            logits = _head_logits(hidden[rows], *head, ctx.temperature)
             probs = torch.softmax(logits, dim=-1)
             grad_logits = torch.zeros_like(logits)
             if grad_log_probs is not None:
@@ -653,7 +655,7 @@ class _ChunkedOutputHead(torch.autograd.Function):
                 grad_logits += probs * (mean - logits) * grad_entropy[rows].unsqueeze(-1)
             grad_z = (grad_logits / ctx.temperature).to(dtype)
             if need_hidden:
-                grad_hidden[rows] = (grad_z @ weight.to(dtype)).to(hidden.dtype)
+                grad_hidden[rows] = (grad_z @ head[0]).to(hidden.dtype)
             if need_weight:
                 grad_weight += grad_z.T @ hidden[rows].to(dtype)
             if need_bias:
@@ -672,12 +674,16 @@ def _head_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
 
 
-def _head_logits(hidden, weight, bias, dtype, temperature) -> torch.Tensor:
-    """fp32 (or fp64) logits / T of one chunk, the head's product taken in ``dtype``."""
+def _cast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(dtype)
+
+
+def _head_logits(hidden, weight, bias, temperature) -> torch.Tensor:
+    """fp32 (or fp64) logits / T of one chunk, the head's product taken in the (cast)
+    weight's dtype."""
     with torch.autocast(hidden.device.type, enabled=False):
-        logits = torch.nn.functional.linear(hidden.to(dtype), weight.to(dtype),
-                                            None if bias is None else bias.to(dtype))
-    return logits.to(_at_least_fp32(dtype)) / temperature
+        logits = torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias)
+    return logits.to(_at_least_fp32(weight.dtype)) / temperature
 
 
 def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
