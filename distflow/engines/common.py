@@ -204,6 +204,7 @@ def forward_response(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
                     use_cache=False, **vision, **_head_arguments(model, r.shape[1] + 1, hidden))
         # from the last prompt position on, each position predicts the next token of r: (B, R', V or H)
         states = _scoring_states(out, hidden)[:, -(r.shape[1] + 1): -1]
+        del out  # with `hidden`, every layer's hidden states: not kept through the head's chunks
     if hidden:
         head = unwrapped(model).get_output_embeddings()  # after the forward: FSDP2 has gathered it
         log_probs, entropy = log_probs_from_hidden(states.flatten(0, 1), head.weight, head.bias, r.flatten(),
@@ -260,7 +261,7 @@ def cache_arguments(model) -> tuple[str, dict]:
     transformers 5.2x on, `past_key_values` before), and `logits_to_keep=1` (logits of
     the last position only) where it takes that."""
     return ("cache" if "cache" in _forward_parameters(model) else "past_key_values",
-            {"logits_to_keep": 1} if takes_logits_to_keep(model) else {})
+            _head_arguments(model, 1, hidden=False))
 
 
 def distinct_prompts(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
