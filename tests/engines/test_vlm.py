@@ -73,6 +73,26 @@ def test_generation_and_scoring_agree_on_image_prompts(vlm):
     assert not torch.allclose(swapped, log_probs[:1], atol=1e-4)
 
 
+def test_a_chunked_output_head_scores_image_prompts_like_the_whole_logits(vlm):
+    """actor.output_head_chunk_tokens on Qwen2-VL: its final hidden states (images placed
+    by the model) through the head a few tokens at a time, the log-probs and entropy of
+    its whole logits."""
+    from distflow.engines.common import check_head_chunking
+
+    tokenizer, model, prompter = vlm
+    check_head_chunking(model)
+    prompts = _prompts(tokenizer, prompter, dots.generate("test", 2))
+    out = HFRolloutEngine(model, tokenizer, shares_trainer_weights=True).generate(
+        prompts, [sample_seed(5, i) for i in range(2)], SamplingParams(temperature=1.0, max_new_tokens=8))
+    ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+    with torch.no_grad():
+        whole, chunked = (forward_response(model, ids, mask, out["responses"], out["response_mask"], with_entropy=True,
+                                           images=image_fields(prompts), head_chunk_tokens=chunk) for chunk in (0, 3))
+    assert whole[0].abs().sum() > 0
+    for a, b in zip(chunked, whole):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
 def test_the_vlm_build_is_a_loadable_deterministic_hf_folder(tmp_path):
     from distflow.engines.common import load_causal_lm, load_image_prompter, load_tokenizer, takes_images
     import dataclasses
