@@ -6,7 +6,9 @@ without them, on the same model, batch and loss.
     distflow bench checkpointing --quick          # the embedded model, short rows
 
 Model: engines.py's llama-57m (a random Llama: hidden 512, 12 layers, 8 heads, MLP 1536,
-vocab 32,000), fp32 on CPU; `--quick`: the embedded 0.87M-parameter model. Batch: GRPO
+vocab 32,000), fp32 on CPU; `--quick`: the embedded 0.87M-parameter model; `--model` another
+of engines.py's shapes. `--device cuda`: the update on the GPU, its peak the memory torch
+allocated (torch.cuda.max_memory_allocated above what was allocated before it). Batch: GRPO
 groups of `--group-size` rows that share a prompt (random token ids), `--prompt-len` and
 `--response-len` tokens, one micro-batch; the actor's policy loss (no KL term).
 
@@ -81,14 +83,14 @@ def _batch(vocab: int, rows: int, group_size: int, prompt_len: int, response_len
 
 
 def measure_mode(path: str, checkpointing: bool, prompt_once: bool, head_chunked: bool, rows: int, group_size: int,
-                 prompt_len: int, response_len: int, repeats: int, head_chunk_tokens: int) -> dict:
+                 prompt_len: int, response_len: int, repeats: int, head_chunk_tokens: int, device: str) -> dict:
     """One mode in this process (see the module docstring)."""
     from distflow.config import load_config
     from distflow.engines.actor import Actor, OptimConfig
     from distflow.engines.common import load_causal_lm
     from distflow.trainer.nodes import make_policy_loss
 
-    actor = Actor(load_causal_lm(path), OptimConfig(lr=1e-6), torch.device("cpu"), prompt_once=prompt_once,
+    actor = Actor(load_causal_lm(path), OptimConfig(lr=1e-6), torch.device(device), prompt_once=prompt_once,
                   gradient_checkpointing=checkpointing, head_chunk_tokens=head_chunk_tokens if head_chunked else 0)
     batch = _batch(actor.module.config.vocab_size, rows, group_size, prompt_len, response_len)
     cfg = load_config(None, ["algorithm.use_kl_loss=false"])
@@ -105,23 +107,33 @@ def measure_mode(path: str, checkpointing: bool, prompt_once: bool, head_chunked
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         actor.train_mini_batch(batch, micro, loss)
+    cuda = device.startswith("cuda")
     seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
         actor.train_mini_batch(batch, micro, loss)
+        if cuda:
+            torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
-    _settle()
-    before = _status_kb("VmRSS")
-    actor.train_mini_batch(batch, micro, loss)
-    peak = _status_kb("VmHWM") - before
-    return {"kept_mb": sum(kept.values()) / 2**20, "peak_step_mb": peak / 1024, "seconds": statistics.median(seconds),
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        actor.train_mini_batch(batch, micro, loss)
+        peak_mb = (torch.cuda.max_memory_allocated() - before) / 2**20
+    else:
+        _settle()
+        before = _status_kb("VmRSS")
+        actor.train_mini_batch(batch, micro, loss)
+        peak_mb = (_status_kb("VmHWM") - before) / 1024
+    return {"kept_mb": sum(kept.values()) / 2**20, "peak_step_mb": peak_mb, "seconds": statistics.median(seconds),
             "parameters_millions": round(sum(p.numel() for p in actor.module.parameters()) / 1e6, 2)}
 
 
 def markdown(records: list[dict], command: str, seconds: float) -> str:
     r0 = records[0]
     lines = [f"Measured with `{command}` ({seconds / 60:.1f} min, {platform.machine()}, {os.cpu_count()} cores): "
-             f"{r0['model']} ({r0['parameters_millions']}M parameters), {r0['rows']} rows in groups of "
+             f"{r0['model']} ({r0['parameters_millions']}M parameters) on {r0['device']}, {r0['rows']} rows in "
+             f"groups of "
              f"{r0['group_size']}, {r0['prompt_len']} + {r0['response_len']} tokens, one micro-batch, "
              f"median of {r0['repeats']} updates; head-chunked: {r0['head_chunk_tokens']} tokens a chunk.", "",
              "| mode | kept MB | peak step MB | seconds | kept / kept's | peak / kept's | seconds / kept's |",
@@ -144,13 +156,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--response-len", type=int, default=192)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--head-chunk-tokens", type=int, default=256, help="the head-chunked modes' chunk")
+    parser.add_argument("--model", choices=[m for m in MODELS if m != "embedded"], default="llama-57m")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: the update on the GPU")
     parser.add_argument("--json", help="write one record per mode (JSON lines)")
     parser.add_argument("--results-md", help="write the table as markdown")
     parser.add_argument("--child", nargs=2, metavar=("MODE", "MODEL_DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.prompt_len, args.response_len = 16, 48
-    shape = (args.rows, args.group_size, args.prompt_len, args.response_len, args.repeats, args.head_chunk_tokens)
+    shape = (args.rows, args.group_size, args.prompt_len, args.response_len, args.repeats, args.head_chunk_tokens,
+             args.device)
     if args.rows % args.group_size:
         parser.error(f"--rows={args.rows}: must be a multiple of --group-size={args.group_size}")
     if args.child:  # one mode, in this fresh process: its record on the last line
@@ -160,21 +175,22 @@ def main(argv: list[str] | None = None) -> int:
     from distflow.engines.common import resolve_model_path
 
     start, records = time.time(), []
-    name = "embedded" if args.quick else "llama-57m"
+    name = "embedded" if args.quick else args.model
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     with tempfile.TemporaryDirectory(prefix="distflow-bench-checkpointing-") as tmp:
         path = resolve_model_path(BUILTIN_MODEL) if args.quick else build_random_llama(Path(tmp) / name, MODELS[name])
         for mode in MODES:
             child = [sys.executable, "-m", "distflow.benchmarks.checkpointing", "--child", mode, path,
                      *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                       if k in ("rows", "group_size", "prompt_len", "response_len", "repeats", "head_chunk_tokens"))]
+                       if k in ("rows", "group_size", "prompt_len", "response_len", "repeats", "head_chunk_tokens",
+                                "device"))]
             proc = subprocess.run(child, capture_output=True, text=True, env=env, timeout=1800)
             if proc.returncode:
                 print(proc.stderr[-3000:], file=sys.stderr)
                 return proc.returncode
             record = {"model": name, "mode": mode, "rows": args.rows, "group_size": args.group_size,
                       "prompt_len": args.prompt_len, "response_len": args.response_len, "repeats": args.repeats,
-                      "head_chunk_tokens": args.head_chunk_tokens,
+                      "head_chunk_tokens": args.head_chunk_tokens, "device": args.device,
                       **json.loads(proc.stdout.strip().splitlines()[-1])}
             records.append(record)
             print(f"{mode:>25}: kept {record['kept_mb']:,.1f} MB, peak step {record['peak_step_mb']:,.1f} MB, "

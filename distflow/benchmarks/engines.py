@@ -38,7 +38,10 @@ import torch
 
 MODELS = {"embedded": None,
           "llama-57m": {"hidden_size": 512, "num_hidden_layers": 12, "num_attention_heads": 8,
-                        "num_key_value_heads": 8, "intermediate_size": 1536, "vocab_size": 32000}}
+                        "num_key_value_heads": 8, "intermediate_size": 1536, "vocab_size": 32000},
+          # Qwen2.5-0.5B's shape (its vocabulary of 151,936 too) as a Llama: for a GPU
+          "qwen-0.5b-shape": {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
+                              "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936}}
 
 
 def build_random_llama(folder: Path, shape: dict) -> str:
