@@ -10,6 +10,9 @@
 # sync per 100 MB); a worker SIGKILLed mid-step under NCCL (Ray and torchrun), which must
 # be reported within 30 s. Per run: held-out accuracy before/after, tokens/s, mean
 # weight-sync seconds and the peak GPU memory torch allocated in a step (metrics perf/gpu_peak_allocated_gb).
+# Where the install cannot reach a package registry, it runs instead what needs only the
+# machine's own torch and transformers: `distflow bench checkpointing --device cuda` on a
+# Qwen2.5-0.5B-shaped model (about 2 minutes), and exits 1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,12 +29,6 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
 
 note "gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 note "gpu: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1)"
-start=$(date +%s)
-if ! pip install -e ".[vllm,test]" > "$OUT/install.log" 2>&1; then  # vLLM's CUDA wheel brings torch 2.14.0
-    note "install: FAILED ($OUT/install.log)"; tail -20 "$OUT/install.log"; exit 1
-fi
-note "install: $(( $(date +%s) - start )) s; $(python -c 'import torch, vllm; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "vllm", vllm.__version__)' 2>&1 | tail -1)"
-
 step() {  # step NAME SECONDS COMMAND...: run it, log it, one summary line
     local name=$1 limit=$2 t0 rc
     shift 2
@@ -40,6 +37,20 @@ step() {  # step NAME SECONDS COMMAND...: run it, log it, one summary line
     rc=$?
     note "$name: exit $rc in $(( $(date +%s) - t0 )) s$([ $rc -ne 0 ] && echo " -- $(grep -m1 'error' "$OUT/$name.log" | cut -c1-200)")"
 }
+
+start=$(date +%s)
+if ! pip install -e ".[vllm,test]" > "$OUT/install.log" 2>&1; then  # vLLM's CUDA wheel brings torch 2.14.0
+    note "install: FAILED ($OUT/install.log): $(grep -m1 'ERROR' "$OUT/install.log" | cut -c1-200)"
+    # a machine with no package registry (the lent H200s): what runs on its own torch and
+    # transformers alone, the actor's update on the GPU (docs/TOOLS.md, "Memory per billion parameters")
+    note "without the install: $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' 2>&1 | tail -1)"
+    step checkpointing-cuda 400 env PYTHONPATH="$PWD" python3 -m distflow.benchmarks.checkpointing --device cuda \
+        --model qwen-0.5b-shape --rows 8 --prompt-len 256 --response-len 512 --head-chunk-tokens 1024 \
+        --results-md "$OUT/CHECKPOINTING-cuda.md"
+    cat "$OUT/CHECKPOINTING-cuda.md" 2>/dev/null | tee -a "$SUMMARY"
+    exit 1
+fi
+note "install: $(( $(date +%s) - start )) s; $(python -c 'import torch, vllm; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "vllm", vllm.__version__)' 2>&1 | tail -1)"
 
 TRAIN=(trainer.total_steps=10 trainer.eval_every=10 trainer.progress=false trainer.save_final=false
        runtime.device=cuda)
