@@ -629,7 +629,7 @@ class _ChunkedOutputHead(torch.autograd.Function):
             lse = torch.logsumexp(logits, dim=-1)
             log_probs[rows] = logits.gather(-1, labels[rows].long().unsqueeze(-1)).squeeze(-1) - lse
             if with_entropy:
-                entropy[rows] = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+                entropy[rows] = lse - _probs_and_mean(logits)[1].squeeze(-1)
         ctx.save_for_backward(hidden, weight, bias, labels)
         ctx.dtype, ctx.temperature, ctx.chunk_tokens = dtype, temperature, chunk_tokens
         return log_probs, entropy
@@ -645,14 +645,13 @@ class _ChunkedOutputHead(torch.autograd.Function):
         head = _cast(weight, dtype), _cast(bias, dtype)
         for rows in _chunks(len(hidden), ctx.chunk_tokens):
             logits = _head_logits(hidden[rows], *head, ctx.temperature)
-            probs = torch.softmax(logits, dim=-1)
+            probs, mean = _probs_and_mean(logits)
             grad_logits = torch.zeros_like(logits)
             if grad_log_probs is not None:
                 grad_logits -= probs * grad_log_probs[rows].unsqueeze(-1)
                 grad_logits.scatter_add_(-1, labels[rows].long().unsqueeze(-1), grad_log_probs[rows].unsqueeze(-1))
-            if grad_entropy is not None:
-                mean = (probs * logits).sum(-1, keepdim=True)
-                grad_logits += probs * (mean - logits) * grad_entropy[rows].unsqueeze(-1)
+            if grad_entropy is not None:  # the entropy's gradient, as _Entropy's
+                grad_logits += torch.where(probs > 0, probs * (mean - logits), 0.0) * grad_entropy[rows].unsqueeze(-1)
             grad_z = (grad_logits / ctx.temperature).to(dtype)
             if need_hidden:
                 grad_hidden[rows] = (grad_z @ head[0]).to(hidden.dtype)
