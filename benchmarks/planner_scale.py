@@ -4,10 +4,11 @@ Every rank plans every sample of a step (`distflow/coordinator/planner.py`), so 
 planner's time is paid by every rank, every step. This times the data-plane
 benchmark's two planned transitions, DP(N) -> TP pairs and back (Karmarkar-Karp, 2%
 tolerance), in one process for each N with `--per-rank` long-tailed samples per rank,
-each rank holding a contiguous block; the best of `--repeats` after one untimed. It uses only the
-planner's long-standing API, so `--against DIR` (the root of another checkout, e.g.
-`git worktree add /tmp/old <commit>`) times that checkout's planner on the same inputs,
-in a subprocess, and prints the ratio:
+each rank holding a contiguous block; the best of `--repeats` after one untimed. It plans
+as the executor does (`plan_samples` on the all-gathered rows, then on the first plan's
+`after`), or through the planner's dict API in a checkout from before that, so
+`--against DIR` (the root of another checkout, e.g. `git worktree add /tmp/old <commit>`)
+times that checkout's planner on the same inputs, in a subprocess, and prints the ratio:
 
     python benchmarks/planner_scale.py --workers 8 64 256 --per-rank 256 --against /tmp/old
     python benchmarks/planner_scale.py --workers 128 512 --per-rank 32 --against /tmp/old
@@ -23,26 +24,36 @@ from pathlib import Path
 
 
 def measure(workers: list[int], per_rank: int, repeats: int) -> list[dict]:
-    from distflow.benchmarks.dataplane_common import Spec, shard_ids, token_lengths
-    from distflow.coordinator.layout import Layout
-    from distflow.coordinator.planner import plan_reshard, stay_put_plan
+    import numpy as np
 
-    def plan(src, dst, holdings, lengths):
-        found = stay_put_plan(src, dst, holdings, lengths, balance="kk", tolerance=0.02)
-        return found if found is not None else plan_reshard(src, dst, holdings, lengths, balance="kk", tolerance=0.02)
+    from distflow.benchmarks.dataplane_common import Spec, shard_ids, token_lengths
+    from distflow.coordinator import planner
+    from distflow.coordinator.layout import Layout
+
+    options = {"balance": "kk", "tolerance": 0.02}
+
+    def by_dicts(src, dst, holdings, lengths):  # a checkout from before the array path (plan_samples)
+        found = planner.stay_put_plan(src, dst, holdings, lengths, **options)
+        return found if found is not None else planner.plan_reshard(src, dst, holdings, lengths, **options)
 
     rows = []
     for n in workers:
         spec = Spec(n, per_rank * n, 2048, repeats)
         lengths = dict(enumerate(token_lengths(spec).tolist()))
         holdings = {r: shard_ids(r, spec) for r in range(n)}
+        gathered = [np.array([[s, lengths[s]] for s in holdings[r]], dtype=np.int64) for r in range(n)]
         dp, tp = Layout(n), Layout(n, tp_size=2)
         best = [float("inf")] * 2
         for rnd in range(1 + repeats):  # the first untimed
             start = time.perf_counter()
-            to_tp = plan(dp, tp, holdings, lengths)
-            middle = time.perf_counter()
-            plan(tp, dp, {r: to_tp.samples_for(r) for r in range(n)}, lengths)
+            if hasattr(planner, "plan_samples"):  # as the executor: the rows as arrays, then the plan's `after`
+                to_tp = planner.plan_samples(dp, tp, planner.SampleTable.gathered(gathered), **options)
+                middle = time.perf_counter()
+                planner.plan_samples(tp, dp, to_tp.after, **options)
+            else:
+                to_tp = by_dicts(dp, tp, holdings, lengths)
+                middle = time.perf_counter()
+                by_dicts(tp, dp, to_tp.holdings(n), lengths)
             if rnd:
                 best = [min(best[0], middle - start), min(best[1], time.perf_counter() - middle)]
         rows.append({"workers": n, "samples": spec.batch, "dp_to_tp2_s": best[0], "tp2_to_dp_s": best[1]})

@@ -56,7 +56,6 @@ from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
-import torch
 
 from distflow.benchmarks.dataplane_centralized import _centralized_child, run_centralized
 from distflow.benchmarks.dataplane_cluster import main as cluster_main
@@ -67,9 +66,10 @@ from distflow.benchmarks.dataplane_coordinator import TOLERANCE, run_coordinator
 from distflow.benchmarks.dataplane_report import (IMBALANCE_HEADERS, MAIN_HEADERS, PLANNING_HEADERS, _mib,
                                                   floor_lines, imbalance_rows, main_rows, planning_rows,
                                                   results_markdown, text_table, verl_lines)
-from distflow.coordinator.executor import GlobalView, metadata_of, plan_locally
+from distflow.coordinator.executor import GlobalView
 from distflow.coordinator.layout import Layout
 from distflow.coordinator.partition import contiguous_split, imbalance, karmarkar_karp
+from distflow.coordinator.planner import SampleTable, plan_samples
 
 
 # ---------------------------------------------------------------------------------
@@ -97,14 +97,13 @@ def planning_records(workers: list[int], seq_len: int, repeats: int) -> list[dic
     contiguous block: the CPU seconds one rank (rank 0) spends per round on what a
     reshard computes besides moving bytes, in this process, for the three transitions
     of the coordinator mode: decoding the all-gathered (id, length) rows once, each
-    plan (`plan_locally`, as every rank runs it), the `GlobalView` updates, and its
+    plan (`plan_samples`, as every rank runs it), the `GlobalView` updates, and its
     own sends and new rows. The median of `repeats` rounds after one untimed."""
     records = []
     for n in workers:
         batch = PLANNING_ROWS_PER_RANK * n
         lengths = sample_lengths(batch, seq_len)
-        gathered = [torch.from_numpy(np.stack([ids, lengths[ids]], axis=1))
-                    for ids in map(np.asarray, contiguous_split([0] * batch, n))]
+        gathered = [np.stack([ids, lengths[ids]], axis=1) for ids in map(np.asarray, contiguous_split([0] * batch, n))]
         dp, tp = Layout(n), Layout(n, tp_size=2)
         steps = (("DP->DP", dp, dp, "none"), ("DP->TP2", dp, tp, "kk"), ("TP2->DP", tp, dp, "kk"))
         laps: list[list[float]] = []
@@ -112,11 +111,10 @@ def planning_records(workers: list[int], seq_len: int, repeats: int) -> list[dic
             lap, view = [], GlobalView()
             for name, src, dst, balance in steps:
                 start = time.process_time()
-                if not view.lengths:
-                    view.holdings, view.lengths = metadata_of(gathered)
-                plan = plan_locally(src, dst, view.holdings, view.lengths, balance=balance, equal_count=False,
-                                    tolerance=TOLERANCE)
-                view.update(plan, n, view.lengths)
+                if view.samples is None:
+                    view.samples = SampleTable.gathered(gathered)
+                plan = plan_samples(src, dst, view.samples, balance=balance, tolerance=TOLERANCE)
+                view.update(plan)
                 plan.sends_by_peer(0), plan.samples_for(0)
                 lap.append(time.process_time() - start)
             laps.append(lap)

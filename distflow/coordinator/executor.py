@@ -29,14 +29,15 @@ import json
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from distflow.coordinator.host_buffers import BUFFERS, aligned, carve, carved_bytes
 from distflow.coordinator.layout import Layout
-from distflow.coordinator.planner import ReshardPlan, gc_paused, plan_reshard, stay_put_plan
+from distflow.coordinator.planner import ReshardPlan, SampleTable, gc_paused, plan_samples
 from distflow.data.batch import LEFT_PADDED, Batch
 
 _HEADER_LEN_BYTES = 8
@@ -67,23 +68,23 @@ class GlobalView:
     only where every rank knows the rows are unchanged since (the scheduler: no filter
     ran in between)."""
 
-    holdings: dict[int, list[int]] = field(default_factory=dict)
-    lengths: dict[int, int] = field(default_factory=dict)
+    samples: SampleTable | None = None
 
     def known(self, rank: int, sample_ids: Sequence[int], lengths: Sequence[int]) -> bool:
         """True when filled; raises when this rank's rows are not the ones it records."""
-        if not self.lengths:
+        if self.samples is None:
             return False
-        sample_ids = [int(s) for s in sample_ids]
-        if self.holdings.get(rank, []) != sample_ids or \
-                list(map(self.lengths.get, sample_ids)) != [int(n) for n in lengths]:
+        rows = self.samples.held_by(rank)
+        ids = np.asarray(sample_ids, dtype=np.int64)
+        if not (np.array_equal(self.samples.ids[rows], ids) and
+                np.array_equal(self.samples.lens[rows], np.asarray(lengths, dtype=np.int64))):
             raise ValueError(f"rank {rank}: the rows passed to reshard are not those its GlobalView records "
-                             f"({len(sample_ids)} samples against {len(self.holdings.get(rank, []))}); pass a "
-                             "new GlobalView after the rows change")
+                             f"({len(ids)} samples against {len(rows)}); pass a new GlobalView after the rows "
+                             "change")
         return True
 
-    def update(self, plan: ReshardPlan, world: int, lengths: dict[int, int]) -> None:
-        self.holdings, self.lengths = plan.holdings(world), lengths
+    def update(self, plan: ReshardPlan) -> None:
+        self.samples = plan.after
 
 
 class PhaseTimes(dict):
@@ -117,20 +118,10 @@ def _world(group) -> tuple[int, int]:
 
 
 def gather_metadata(sample_ids: Sequence[int], lengths: Sequence[int], group=None,
-                    stats: TransferStats | None = None) -> tuple[dict[int, list[int]], dict[int, int]]:
-    """All ranks' (sample id, length) lists: returns holdings by rank and lengths by id."""
+                    stats: TransferStats | None = None) -> SampleTable:
+    """All ranks' (sample id, length) lists, as the planner reads them."""
     local = _int64([int(v) for pair in zip(sample_ids, lengths) for v in pair])
-    return metadata_of(all_gather_rows(local.reshape(-1, 2), group, stats))
-
-
-def metadata_of(rows_by_rank: list[torch.Tensor]) -> tuple[dict[int, list[int]], dict[int, int]]:
-    """Holdings by rank and lengths by id from every rank's (sample id, length) rows."""
-    holdings, all_lengths = {}, {}
-    for r, rows in enumerate(rows_by_rank):
-        ids, lengths = rows[:, 0].tolist(), rows[:, 1].tolist()
-        holdings[r] = ids
-        all_lengths.update(zip(ids, lengths))
-    return holdings, all_lengths
+    return SampleTable.gathered([rows.numpy() for rows in all_gather_rows(local.reshape(-1, 2), group, stats)])
 
 
 def all_gather_rows(local: torch.Tensor, group=None, stats: TransferStats | None = None) -> list[torch.Tensor]:
@@ -534,33 +525,21 @@ def _pack_sends(plan: ReshardPlan, batch: Batch, row_of: dict[int, int], rank: i
 def plan_collectively(sample_ids: Sequence[int], lengths: Sequence[int], src: Layout, dst: Layout, *,
                       balance: str = "kk", equal_count: bool = False, tolerance: float = 0.0, group=None,
                       stats: TransferStats | None = None, times: PhaseTimes | None = None,
-                      view: GlobalView | None = None) -> tuple[ReshardPlan, dict[int, int]]:
+                      view: GlobalView | None = None) -> ReshardPlan:
     """The metadata all-gather (unless `view` already knows every rank's rows), then the
-    same pure plan on every rank. Returns the plan and every sample's length; fills or
-    updates `view`."""
+    same pure plan on every rank (`plan_samples`); fills or updates `view`."""
     timed = times if times is not None else _untimed
-    rank, world = _world(group)
+    rank, _ = _world(group)
     if view is not None and view.known(rank, sample_ids, lengths):
-        holdings, all_lengths = view.holdings, view.lengths
+        samples = view.samples
     else:
         with gc_paused(), timed("metadata"):
-            holdings, all_lengths = gather_metadata(sample_ids, lengths, group, stats)
-
+            samples = gather_metadata(sample_ids, lengths, group, stats)
     with timed("plan"):  # the same pure plan on every rank: no message
-        plan = plan_locally(src, dst, holdings, all_lengths, balance=balance, equal_count=equal_count,
-                            tolerance=tolerance)
+        plan = plan_samples(src, dst, samples, balance=balance, equal_count=equal_count, tolerance=tolerance)
     if view is not None:
-        view.update(plan, world, all_lengths)
-    return plan, all_lengths
-
-
-def plan_locally(src: Layout, dst: Layout, holdings: dict[int, list[int]], lengths: dict[int, int], *,
-                 balance: str, equal_count: bool, tolerance: float) -> ReshardPlan:
-    """What every rank computes alike once it knows every rank's rows: the stay-put plan
-    where it applies (O(samples)), else the planner's."""
-    options = {"balance": balance, "equal_count": equal_count, "tolerance": tolerance}
-    plan = stay_put_plan(src, dst, holdings, lengths, **options)
-    return plan if plan is not None else plan_reshard(src, dst, holdings, lengths, **options)
+        view.update(plan)
+    return plan
 
 
 def _int64(values: Sequence[int]) -> torch.Tensor:
@@ -578,7 +557,7 @@ def reshard(batch: Batch, sample_ids: Sequence[int], lengths: Sequence[int], src
     plan on every rank, then the payload exchange. transport: "auto" (shared memory
     between ranks on one host, the collective backend across hosts) or "gloo" (the
     collective backend for everything). `times` collects seconds per phase."""
-    plan, _ = plan_collectively(sample_ids, lengths, src, dst, balance=balance, equal_count=equal_count,
-                                tolerance=tolerance, group=group, stats=stats, times=times, view=view)
+    plan = plan_collectively(sample_ids, lengths, src, dst, balance=balance, equal_count=equal_count,
+                             tolerance=tolerance, group=group, stats=stats, times=times, view=view)
     new_batch, new_ids = execute(plan, batch, sample_ids, group, stats, transport, times)
     return new_batch, new_ids, plan

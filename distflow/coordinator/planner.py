@@ -79,11 +79,14 @@ class ReshardPlan:
     (sample, src, dst) each of ``move_table``, sorted by (src, dst, sample): arrays, not
     an object per move, since every rank builds the plan for every sample. ``keep`` has
     one entry per destination member: the sorted samples it already holds and keeps.
+    ``after`` (not compared: it follows from the rest) is every rank's rows once the
+    plan is carried out, as the planner reads them.
     """
 
     assignment: list[list[int]]
     move_table: np.ndarray  # (moves, 3) int64: sample, src, dst
     keep: dict[int, list[int]]
+    after: SampleTable  # who holds what once the plan is carried out: the next reshard's input
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ReshardPlan) and self.assignment == other.assignment and \
@@ -146,7 +149,19 @@ def plan_reshard(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]]
     Raises ``ValueError`` on inconsistent inputs, before anything moves.
     """
     with gc_paused():
-        return _plan(src, dst, holdings, lengths, balance, equal_count, tolerance)
+        return _plan(src, dst, _validate(src, dst, holdings, lengths, balance), balance, equal_count, tolerance)
+
+
+def plan_samples(src: Layout, dst: Layout, samples: SampleTable, *, balance: str = "kk",
+                 equal_count: bool = False, tolerance: float = 0.0) -> ReshardPlan:
+    """`plan_reshard` of the rows ``samples`` records (every rank's, as arrays: from the
+    metadata all-gather, `SampleTable.gathered`, or an earlier plan's ``after``), as
+    every rank runs it before a reshard: the stay-put plan where it applies (`_stay_put`,
+    O(samples)), else the planner's."""
+    with gc_paused():
+        _check(src, dst, samples, balance)
+        plan = _stay_put(dst, samples, balance, equal_count, tolerance)
+        return plan if plan is not None else _plan(src, dst, samples, balance, equal_count, tolerance)
 
 
 @contextmanager
@@ -167,48 +182,76 @@ def gc_paused() -> Iterator[None]:
 def stay_put_plan(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]],
                   lengths: Mapping[int, int], *, balance: str = "kk", equal_count: bool = False,
                   tolerance: float = 0.0) -> ReshardPlan | None:
-    """The plan `plan_reshard` returns, in O(samples), when it is "nothing moves": each
-    destination group's members all hold the same samples, no sample is held outside
-    one group, and (unless ``balance="none"``) that placement is within the tolerance of
-    the balancer's bound. None when that does not hold (plan it in full), found before
-    the inputs are checked: `plan_reshard` checks them then. Where it returns a plan it
-    has raised what `plan_reshard` raises."""
+    """The plan `plan_reshard` returns when it is "nothing moves", found without
+    balancing (`_stay_put`); None where that does not hold. Raises what `plan_reshard`
+    raises."""
     with gc_paused():
-        if equal_count:
-            return None
-        bins = []
-        for ranks in dst.dp_groups():
-            held = [holdings.get(r, ()) for r in ranks]
-            if any(len(h) != len(held[0]) or set(h) != set(held[0]) for h in held[1:]):
-                return None
-            bins.append(sorted(held[0]))
-        if sum(map(len, bins)) != len(lengths) or \
-                sum(map(len, holdings.values())) != dst.tp_size * sum(map(len, bins)):
-            return None  # a sample held by two groups, or by a rank outside the layout
-        _validate(src, dst, holdings, lengths, balance)
-        largest = max(sum(lengths[s] for s in b) for b in bins)
-        if balance != "none" and largest > _bound(dst, lengths) * (1.0 + tolerance):
-            return None
-        keep = {r: list(bins[g]) for g, ranks in enumerate(dst.dp_groups()) for r in ranks}
-        return ReshardPlan(bins, _NO_MOVES, keep)
+        return _stay_put(dst, _validate(src, dst, holdings, lengths, balance), balance, equal_count, tolerance)
 
 
-def _bound(dst: Layout, lengths: Mapping[int, int]) -> int:
+def _stay_put(dst: Layout, samples: SampleTable, balance: str, equal_count: bool,
+              tolerance: float) -> ReshardPlan | None:
+    """The plan when nothing moves, in O(samples): each sample is held by every member
+    of one destination group and by no other rank, and (unless ``balance="none"``) that
+    placement is within the tolerance of the balancer's bound. None where that does not
+    hold (plan it in full)."""
+    if equal_count:
+        return None
+    group = _group_index(dst)[samples.holder_rank]
+    if (group < 0).any() or not np.array_equal(np.bincount(samples.holder_row, minlength=len(samples.ids)),
+                                               np.full(len(samples.ids), dst.tp_size)):
+        return None  # a rank off the layout holds a sample, or a sample lacks a member or has an extra one
+    group_of = group[np.searchsorted(samples.holder_row, np.arange(len(samples.ids)))]
+    if not np.array_equal(group, group_of[samples.holder_row]):
+        return None  # a sample held in two groups
+    if balance != "none" and _largest_bin(group_of, samples.lens, dst.dp_size) > \
+            _bound(dst, samples.lens) * (1.0 + tolerance):
+        return None
+    bins = [samples.ids[rows].tolist() for rows in _rows_by_label(group_of, dst.dp_size)]
+    keep = {r: list(bins[g]) for g, ranks in enumerate(dst.dp_groups()) for r in ranks}
+    return ReshardPlan(bins, _NO_MOVES, keep, samples)
+
+
+def _bound(dst: Layout, lens: np.ndarray) -> int:
     """No partition's largest bin is below this: when staying put is within the
     tolerance of it, the balancer cannot win and need not run."""
-    return max(max(lengths.values()), -(-sum(lengths.values()) // dst.dp_size))
+    return max(int(lens.max()), -(-int(lens.sum()) // dst.dp_size))
 
 
-class _Samples(NamedTuple):
-    """The planner's inputs as arrays, one row per sample in ascending id order (so a
-    tie broken by row is broken by sample id), and who holds what as (row, rank) pairs
-    sorted by row, then rank: a sample has one holder or a TP group's few, so pairs
-    keep memory and time at O(samples) where a [sample, rank] matrix grew with both."""
+class SampleTable(NamedTuple):
+    """Every rank's rows as the planner reads them: one row per sample in ascending id
+    order (so a tie broken by row is broken by sample id), and who holds what as
+    (row, rank) pairs sorted by row, then rank: a sample has one holder or a TP group's
+    few, so pairs keep memory and time at O(samples) where a [sample, rank] matrix grew
+    with both."""
 
     ids: np.ndarray
     lens: np.ndarray
     holder_row: np.ndarray
     holder_rank: np.ndarray
+
+    @classmethod
+    def gathered(cls, rows_by_rank: Sequence[np.ndarray]) -> SampleTable:
+        """From every rank's (sample id, length) rows (n x 2), indexed by rank; a sample
+        a TP group holds is on each member's list. Raises where two holders of one
+        sample give it different lengths."""
+        world = len(rows_by_rank)
+        rows = np.concatenate([np.asarray(r, dtype=np.int64).reshape(-1, 2) for r in rows_by_rank])
+        ranks = np.repeat(np.arange(world), [len(r) for r in rows_by_rank])
+        ids, first, inverse = _distinct(rows[:, 0])
+        lens = rows[first, 1]
+        differ = np.flatnonzero(rows[:, 1] != lens[inverse])
+        if len(differ):
+            i = differ[0]
+            raise ValueError(f"sample {ids[inverse[i]]} has length {lens[inverse[i]]} on rank "
+                             f"{ranks[first[inverse[i]]]} and {rows[i, 1]} on rank {ranks[i]}; "
+                             "every holder must give a sample the same length")
+        holder_row, holder_rank = np.divmod(_distinct(inverse * world + ranks)[0], world)
+        return cls(ids, lens, holder_row, holder_rank)
+
+    def held_by(self, rank: int) -> np.ndarray:
+        """The rows ``rank`` holds, ascending."""
+        return self.holder_row[self.holder_rank == rank]
 
 
 class _Votes(NamedTuple):
@@ -221,12 +264,11 @@ class _Votes(NamedTuple):
     groups: int
 
 
-def _plan(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]], lengths: Mapping[int, int],
-          balance: str, equal_count: bool, tolerance: float) -> ReshardPlan:
-    samples = _validate(src, dst, holdings, lengths, balance)
+def _plan(src: Layout, dst: Layout, samples: SampleTable, balance: str, equal_count: bool,
+          tolerance: float) -> ReshardPlan:
     votes = _votes(samples, dst)
     lens = samples.lens.tolist()
-    bound = _bound(dst, lengths)
+    bound = _bound(dst, samples.lens)
     stay = _locality_bins(votes, samples.lens, equal_count, limit=bound * (1.0 + tolerance))
     group_of, stay_largest = stay, _largest_bin(stay, samples.lens, dst.dp_size)
     if balance != "none" and stay_largest > bound * (1.0 + tolerance):
@@ -278,30 +320,19 @@ def _repaired(bin_of: np.ndarray, lens: list[int], k: int, target: float) -> np.
 
 
 def _validate(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]],
-              lengths: Mapping[int, int], balance: str) -> _Samples:
-    """Check the inputs; return them as arrays."""
-    if balance not in BALANCE_MODES:
-        raise ValueError(f"balance={balance!r} is not one of {', '.join(map(repr, BALANCE_MODES))}")
-    if src.world_size != dst.world_size:
-        raise ValueError(f"src world_size={src.world_size} differs from dst world_size="
-                         f"{dst.world_size}; a reshard moves data within one set of workers")
+              lengths: Mapping[int, int], balance: str) -> SampleTable:
+    """Check the inputs (and `_check` them); return them as a SampleTable."""
+    _check_options(src, dst, balance)
     ids = np.fromiter(lengths.keys(), dtype=np.int64, count=len(lengths))
     by_id = np.argsort(ids, kind="stable")
     ids, lens = ids[by_id], np.fromiter(lengths.values(), dtype=np.int64, count=len(lengths))[by_id]
-    if len(lens) and lens.min() < 0:
-        s, n = next((s, n) for s, n in lengths.items() if n < 0)
-        raise ValueError(f"sample {s} has negative length {n}; lengths must be >= 0")
-    if len(lengths) < dst.dp_size:
-        raise ValueError(f"{len(lengths)} samples cannot fill the {dst.dp_size} destination "
-                         f"DP ranks; each DP rank needs at least one sample")
     members = set(src.members)
     pairs = [np.empty(0, dtype=np.int64)]  # row * world + rank of every holding
     for rank, samples in holdings.items():
         if not len(samples):
             continue
         if rank not in members:
-            raise ValueError(f"rank {rank} holds sample {samples[0]} but is not in the source "
-                             f"layout's ranks {src.members}")
+            _outside(rank, samples[0], src)
         wanted = np.asarray(samples, dtype=np.int64)
         rows = np.searchsorted(ids, wanted).clip(max=max(len(ids) - 1, 0))
         found = ids[rows] == wanted if len(ids) else np.zeros(len(wanted), dtype=bool)
@@ -314,7 +345,38 @@ def _validate(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]],
     if len(unheld):
         raise ValueError(f"sample {int(unheld[0])} has no holder ({len(unheld)} unheld in all); "
                          f"every sample in lengths must be held by a source rank")
-    return _Samples(ids, lens, holder_row, holder_rank)
+    samples = SampleTable(ids, lens, holder_row, holder_rank)
+    _check(src, dst, samples, balance)
+    return samples
+
+
+def _check_options(src: Layout, dst: Layout, balance: str) -> None:
+    if balance not in BALANCE_MODES:
+        raise ValueError(f"balance={balance!r} is not one of {', '.join(map(repr, BALANCE_MODES))}")
+    if src.world_size != dst.world_size:
+        raise ValueError(f"src world_size={src.world_size} differs from dst world_size="
+                         f"{dst.world_size}; a reshard moves data within one set of workers")
+
+
+def _check(src: Layout, dst: Layout, samples: SampleTable, balance: str) -> None:
+    """Raise where the samples cannot be planned from ``src`` to ``dst``."""
+    _check_options(src, dst, balance)
+    ids, lens, holder_row, holder_rank = samples
+    if len(lens) and lens.min() < 0:
+        i = int(np.argmax(lens < 0))
+        raise ValueError(f"sample {ids[i]} has negative length {lens[i]}; lengths must be >= 0")
+    if len(ids) < dst.dp_size:
+        raise ValueError(f"{len(ids)} samples cannot fill the {dst.dp_size} destination "
+                         f"DP ranks; each DP rank needs at least one sample")
+    outside = ~np.isin(holder_rank, src.members)
+    if outside.any():
+        i = int(np.argmax(outside))
+        _outside(int(holder_rank[i]), int(ids[holder_row[i]]), src)
+
+
+def _outside(rank: int, sample: int, src: Layout) -> None:
+    raise ValueError(f"rank {rank} holds sample {sample} but is not in the source "
+                     f"layout's ranks {src.members}")
 
 
 def _distinct(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -344,7 +406,7 @@ def _group_index(dst: Layout) -> np.ndarray:
     return group
 
 
-def _votes(samples: _Samples, dst: Layout) -> _Votes:
+def _votes(samples: SampleTable, dst: Layout) -> _Votes:
     """How many of each destination group's members hold each sample: the holdings'
     (row, group) pairs counted."""
     group = _group_index(dst)[samples.holder_rank]
@@ -588,7 +650,7 @@ def _greedy_matching(score: list[list[int]]) -> tuple[int, ...]:
     return tuple(of_bin[b] if b in of_bin else next(free) for b in range(k))
 
 
-def _route(group_of: np.ndarray, dst: Layout, samples: _Samples) -> ReshardPlan:
+def _route(group_of: np.ndarray, dst: Layout, samples: SampleTable) -> ReshardPlan:
     """Keep what is already in place; fetch the rest from the least-loaded holder."""
     ids, lens, holder_row, holder_rank = samples
     assignment = [ids[rows].tolist() for rows in _rows_by_label(group_of, dst.dp_size)]
@@ -621,4 +683,7 @@ def _route(group_of: np.ndarray, dst: Layout, samples: _Samples) -> ReshardPlan:
                 source[i] = src
             sent[src] += int(lens[row])
     order = np.lexsort((ids[rows], to, source))
-    return ReshardPlan(assignment, np.stack([ids[rows[order]], source[order], to[order]], axis=1), keep)
+    # afterwards each sample is held by every member of its group, and only there
+    holders = np.sort(np.repeat(np.arange(len(ids)) * dst.world_size, dst.tp_size) + members[group_of].ravel())
+    after = SampleTable(ids, lens, *np.divmod(holders, dst.world_size))
+    return ReshardPlan(assignment, np.stack([ids[rows[order]], source[order], to[order]], axis=1), keep, after)

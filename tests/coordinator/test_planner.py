@@ -21,10 +21,13 @@ from distflow.coordinator.partition import contiguous_split, greedy_lpt, imbalan
 from distflow.coordinator.planner import (
     Move,
     ReshardPlan,
+    SampleTable,
     _distinct_rows,
     _key_weights,
+    _validate,
     _Votes,
     plan_reshard,
+    plan_samples,
     stay_put_plan,
 )
 
@@ -198,13 +201,24 @@ def check_plan(plan: ReshardPlan, src: Layout, dst: Layout, holdings, lengths) -
     assert plan.moved_tokens(lengths) == sum(lengths[m.sample] for m in plan.moves)
     assert [m for r in range(src.world_size) for m in plan.sends(r)] == plan.moves
     assert sorted((m for r in dst.members for m in plan.receives(r)), key=_order) == plan.moves
-    # the executor's array views of the same plan
+    # the executor's array views of the same plan, and the rows it leaves as the next plan reads them
     assert plan.holdings(src.world_size) == {r: plan.samples_for(r) for r in range(src.world_size)}
+    assert tables_equal(plan.after, gathered(plan.holdings(src.world_size), lengths, src.world_size))
     for r in range(src.world_size):
         by_peer = defaultdict(list)
         for m in plan.sends(r):
             by_peer[m.dst].append(m.sample)
         assert plan.sends_by_peer(r) == dict(by_peer)
+
+
+def gathered(holdings, lengths, world: int) -> SampleTable:
+    """The SampleTable the metadata all-gather gives for these holdings."""
+    return SampleTable.gathered([np.array([[s, lengths[s]] for s in holdings.get(r, ())], dtype=np.int64)
+                                 for r in range(world)])
+
+
+def tables_equal(a: SampleTable, b: SampleTable) -> bool:
+    return all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
 def moved_cost(assignment, dst: Layout, holdings, lengths) -> int:
@@ -338,8 +352,17 @@ def test_plan_errors(change, message):
                 lengths={0: 3, 1: 1, 2: 1, 3: 1}, balance="kk")
     args.update(change)
     with pytest.raises(ValueError, match=message):
-        plan_reshard(args.pop("src"), args.pop("dst"), args.pop("holdings"), args.pop("lengths"),
-                     **args)
+        plan_reshard(args["src"], args["dst"], args["holdings"], args["lengths"], balance=args["balance"])
+    if "no holder" not in message and "no entry" not in message:  # the all-gathered rows cannot say these
+        with pytest.raises(ValueError, match=message):
+            plan_samples(args["src"], args["dst"], gathered(args["holdings"], args["lengths"], 4),
+                         balance=args["balance"])
+
+
+def test_gathered_rows_that_give_one_sample_two_lengths_are_refused():
+    rows = [np.array([[5, 3], [6, 1]]), np.array([[5, 4]])]
+    with pytest.raises(ValueError, match=r"^sample 5 has length 3 on rank 0 and 4 on rank 1; every holder"):
+        SampleTable.gathered(rows)
 
 
 # ---------------------------------------------------------------------------------
@@ -398,7 +421,12 @@ def test_plan_invariants(scenario, balance, equal_count):
     assert again == plan
     # the O(n) shortcut the executor tries first agrees whenever it applies
     stay = stay_put_plan(src, dst, holdings, lengths, balance=balance, equal_count=equal_count)
-    assert stay is None or stay == plan
+    assert stay is None or (stay == plan and tables_equal(stay.after, plan.after))
+    # and what every rank runs, on the all-gathered rows as arrays (the shortcut, else the planner)
+    table = gathered(holdings, lengths, src.world_size)
+    assert tables_equal(table, _validate(src, dst, holdings, lengths, balance))
+    got = plan_samples(src, dst, table, balance=balance, equal_count=equal_count)
+    assert got == plan and tables_equal(got.after, plan.after)
 
 
 @PROPERTY
@@ -436,7 +464,8 @@ def test_same_layout_none_moves_nothing(scenario):
     plan = plan_reshard(lay, lay, holdings, lengths, balance="none")
     assert plan.moves == []
     check_plan(plan, lay, lay, holdings, lengths)
-    assert stay_put_plan(lay, lay, holdings, lengths, balance="none") == plan
+    stay = stay_put_plan(lay, lay, holdings, lengths, balance="none")
+    assert stay == plan and tables_equal(stay.after, plan.after)
 
 
 @PROPERTY
