@@ -321,8 +321,7 @@ def _repaired(bin_of: np.ndarray, lens: list[int], k: int, target: float) -> np.
 
 def _validate(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]],
               lengths: Mapping[int, int], balance: str) -> SampleTable:
-    """Check the inputs (and `_check` them); return them as a SampleTable."""
-    _check_options(src, dst, balance)
+    """Check the inputs (`_check` last); return them as a SampleTable."""
     ids = np.fromiter(lengths.keys(), dtype=np.int64, count=len(lengths))
     by_id = np.argsort(ids, kind="stable")
     ids, lens = ids[by_id], np.fromiter(lengths.values(), dtype=np.int64, count=len(lengths))[by_id]
@@ -350,17 +349,13 @@ def _validate(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]],
     return samples
 
 
-def _check_options(src: Layout, dst: Layout, balance: str) -> None:
+def _check(src: Layout, dst: Layout, samples: SampleTable, balance: str) -> None:
+    """Raise where the samples cannot be planned from ``src`` to ``dst``."""
     if balance not in BALANCE_MODES:
         raise ValueError(f"balance={balance!r} is not one of {', '.join(map(repr, BALANCE_MODES))}")
     if src.world_size != dst.world_size:
         raise ValueError(f"src world_size={src.world_size} differs from dst world_size="
                          f"{dst.world_size}; a reshard moves data within one set of workers")
-
-
-def _check(src: Layout, dst: Layout, samples: SampleTable, balance: str) -> None:
-    """Raise where the samples cannot be planned from ``src`` to ``dst``."""
-    _check_options(src, dst, balance)
     ids, lens, holder_row, holder_rank = samples
     if len(lens) and lens.min() < 0:
         i = int(np.argmax(lens < 0))
