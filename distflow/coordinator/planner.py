@@ -602,8 +602,8 @@ def _match_bins(bin_of: np.ndarray, votes: _Votes, lens: np.ndarray) -> np.ndarr
     # below 2**53.
     score = np.bincount(bin_of[votes.row] * k + votes.group, weights=votes.count * lens[votes.row], minlength=k * k)
     score = score.astype(np.int64).reshape(k, k)
-    match = _exact_matching if k <= _EXACT_MATCH_MAX else _greedy_matching
-    return np.asarray(match(score.tolist()), dtype=np.int64)[bin_of]
+    match = _exact_matching(score.tolist()) if k <= _EXACT_MATCH_MAX else _greedy_matching(score)
+    return np.asarray(match, dtype=np.int64)[bin_of]
 
 
 def _exact_matching(score: list[list[int]]) -> tuple[int, ...]:
@@ -627,14 +627,13 @@ def _exact_matching(score: list[list[int]]) -> tuple[int, ...]:
     return best[(1 << k) - 1][1]
 
 
-def _greedy_matching(score: list[list[int]]) -> tuple[int, ...]:
+def _greedy_matching(score: np.ndarray) -> tuple[int, ...]:
     """Best remaining (bin, group) pair first; ties by bin, then group. Scores are never
     negative, so once the positive pairs are spent the free bins take the free groups
     in order (which is what the zero-score pairs in (bin, group) order give)."""
     k = len(score)
-    table = np.asarray(score, dtype=np.int64)
-    b_pos, g_pos = np.nonzero(table > 0)
-    order = np.lexsort((g_pos, b_pos, -table[b_pos, g_pos]))
+    b_pos, g_pos = np.nonzero(score > 0)
+    order = np.lexsort((g_pos, b_pos, -score[b_pos, g_pos]))
     of_bin: dict[int, int] = {}
     taken: set[int] = set()
     for b, g in zip(b_pos[order].tolist(), g_pos[order].tolist()):
