@@ -1,10 +1,14 @@
 """Reshard planning: which samples go to which rank when a stage's layout changes.
 
 A reshard runs in three steps. Workers first exchange only per-sample token lengths
-(metadata, a few bytes per sample); then every worker runs ``plan_reshard`` on the
-same metadata and so reaches the same plan without further talk (the planner is pure
-and deterministic); then an executor moves the payloads with collectives. When nothing
-needs to move, ``stay_put_plan`` finds that plan in one pass, without balancing.
+(metadata, a few bytes per sample, decoded once into a ``SampleTable``); then every
+worker runs ``plan_samples`` on the same table and so reaches the same plan without
+further talk (the planner is pure and deterministic); then an executor moves the
+payloads with collectives. When nothing needs to move, ``_stay_put`` finds that plan in
+one pass, without balancing. Each plan carries the table it leaves (``after``), which
+the next reshard of the same rows plans from instead of gathering the metadata again.
+``plan_reshard`` and ``stay_put_plan`` take the same inputs as dicts (holdings by rank,
+lengths by id).
 
 Balancing
     ``karmarkar_karp`` and ``greedy_lpt`` (``partition.py``) split the samples into one
