@@ -22,7 +22,9 @@ memory. Per mode:
 - `peak step MB`: the process's peak resident memory during the last update above its
   resident memory just before it (free heap returned first, the peak reset through
   /proc/self/clear_refs);
-- `seconds`: the median timed update.
+- `seconds`: the median timed update;
+- `peak score MB`: the same for scoring the batch without gradients
+  (`compute_log_probs`: the old and reference log-probs' pass), after the updates.
 Modes: `kept`, the default (activations kept, actor.forward_prompt_once on: a group's
 prompt runs once); `kept-per-row`, with forward_prompt_once off (every row runs its
 prompt, as the checkpointed update does); `checkpointed`, gradient checkpointing on;
@@ -115,17 +117,22 @@ def measure_mode(path: str, checkpointing: bool, prompt_once: bool, head_chunked
         if cuda:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        actor.train_mini_batch(batch, micro, loss)
-        peak_mb = (torch.cuda.max_memory_allocated() - before) / 2**20
-    else:
+
+    def peak_mb(run) -> float:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            run()
+            return (torch.cuda.max_memory_allocated() - before) / 2**20
         _settle()
         before = _status_kb("VmRSS")
-        actor.train_mini_batch(batch, micro, loss)
-        peak_mb = (_status_kb("VmHWM") - before) / 1024
-    return {"kept_mb": sum(kept.values()) / 2**20, "peak_step_mb": peak_mb, "seconds": statistics.median(seconds),
+        run()
+        return (_status_kb("VmHWM") - before) / 1024
+
+    return {"kept_mb": sum(kept.values()) / 2**20,
+            "peak_step_mb": peak_mb(lambda: actor.train_mini_batch(batch, micro, loss)),
+            "peak_score_mb": peak_mb(lambda: actor.compute_log_probs(batch, micro)),
+            "seconds": statistics.median(seconds),
             "parameters_millions": round(sum(p.numel() for p in actor.module.parameters()) / 1e6, 2)}
 
 
@@ -136,13 +143,15 @@ def markdown(records: list[dict], command: str, seconds: float) -> str:
              f"groups of "
              f"{r0['group_size']}, {r0['prompt_len']} + {r0['response_len']} tokens, one micro-batch, "
              f"median of {r0['repeats']} updates; head-chunked: {r0['head_chunk_tokens']} tokens a chunk.", "",
-             "| mode | kept MB | peak step MB | seconds | kept / kept's | peak / kept's | seconds / kept's |",
-             "|---|---|---|---|---|---|---|"]
+             "| mode | kept MB | peak step MB | seconds | peak score MB | kept / kept's | peak / kept's "
+             "| seconds / kept's | peak score / kept's |",
+             "|---|---|---|---|---|---|---|---|---|"]
     base = next(r for r in records if r["mode"] == "kept")
     for r in records:
         lines.append(f"| {r['mode']} | {r['kept_mb']:,.1f} | {r['peak_step_mb']:,.1f} | {r['seconds']:.2f} "
-                     f"| {r['kept_mb'] / base['kept_mb']:.2f} | {r['peak_step_mb'] / base['peak_step_mb']:.2f} "
-                     f"| {r['seconds'] / base['seconds']:.2f} |")
+                     f"| {r['peak_score_mb']:,.1f} | {r['kept_mb'] / base['kept_mb']:.2f} "
+                     f"| {r['peak_step_mb'] / base['peak_step_mb']:.2f} | {r['seconds'] / base['seconds']:.2f} "
+                     f"| {r['peak_score_mb'] / base['peak_score_mb']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -194,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                       **json.loads(proc.stdout.strip().splitlines()[-1])}
             records.append(record)
             print(f"{mode:>25}: kept {record['kept_mb']:,.1f} MB, peak step {record['peak_step_mb']:,.1f} MB, "
-                  f"{record['seconds']:.2f} s per update", flush=True)
+                  f"{record['seconds']:.2f} s per update, peak score {record['peak_score_mb']:,.1f} MB", flush=True)
     if args.json:
         Path(args.json).write_text("".join(json.dumps(r) + "\n" for r in records))
     if args.results_md:

@@ -4,6 +4,7 @@ tokenizer and image processor from a local folder, and the one forward pass that
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 from collections.abc import Iterable, Iterator
@@ -194,17 +195,17 @@ def forward_response(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
     seen = response_mask if observation_mask is None else response_mask + observation_mask  # (B, R)
     p, pm, r, rm = trim_padding(prompts, prompt_mask, responses, seen)
     hidden = head_chunk_tokens > 0
-    states = _states_prompt_once(model, p, pm, r, rm, hidden) if prompt_once and not images else None
-    if states is None:
-        input_ids = torch.cat([p, r], dim=1)  # (B, P + R')
-        attention = torch.cat([pm, rm], dim=1).long()
-        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-        vision = model_inputs(images, input_ids, unwrapped(model).config.image_token_id) if images else {}
-        out = model(input_ids=input_ids, attention_mask=attention, position_ids=None if vision else position_ids,
-                    use_cache=False, **vision, **_head_arguments(model, r.shape[1] + 1, hidden))
-        # from the last prompt position on, each position predicts the next token of r: (B, R', V or H)
-        states = _scoring_states(out, hidden)[:, -(r.shape[1] + 1): -1]
-        del out  # with `hidden`, every layer's hidden states: not kept through the head's chunks
+    with _head_inputs(model, hidden) as head_inputs:
+        states = _states_prompt_once(model, p, pm, r, rm, head_inputs) if prompt_once and not images else None
+        if states is None:
+            input_ids = torch.cat([p, r], dim=1)  # (B, P + R')
+            attention = torch.cat([pm, rm], dim=1).long()
+            position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+            vision = model_inputs(images, input_ids, unwrapped(model).config.image_token_id) if images else {}
+            out = model(input_ids=input_ids, attention_mask=attention, position_ids=None if vision else position_ids,
+                        use_cache=False, **vision, **_head_arguments(model, r.shape[1] + 1))
+            # from the last prompt position on, each position predicts the next token of r: (B, R', V or H)
+            states = _scoring_states(out, head_inputs)[:, -(r.shape[1] + 1): -1]
     if hidden:
         head = unwrapped(model).get_output_embeddings()  # after the forward: FSDP2 has gathered it
         log_probs, entropy = log_probs_from_hidden(states.flatten(0, 1), head.weight, head.bias, r.flatten(),
@@ -221,18 +222,41 @@ def forward_response(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
     return log_probs, entropy
 
 
-def _head_arguments(model, positions: int, hidden: bool) -> dict:
+def _head_arguments(model, positions: int) -> dict:
     """What the forward asks of the output head: its logits on the last `positions` only
-    (TRL's logits_to_keep: the prompt's other positions predict nothing that is scored),
-    or, for `hidden`, none at all and the final hidden states instead."""
-    if hidden:
-        return {"logits_to_keep": torch.empty(0, dtype=torch.long), "output_hidden_states": True}
+    (TRL's logits_to_keep: the prompt's other positions predict nothing that is scored)."""
     return {"logits_to_keep": positions} if takes_logits_to_keep(unwrapped(model)) else {}
 
 
-def _scoring_states(out, hidden: bool) -> torch.Tensor:
-    """The forward's logits, or its final (normed) hidden states: the output head's input."""
-    return out.hidden_states[-1] if hidden else out.logits
+@contextlib.contextmanager
+def _head_inputs(model, hidden: bool) -> Iterator[list[torch.Tensor] | None]:
+    """For a chunked output head (`hidden`): a list to which each forward of `model`
+    inside appends its output head's input (the final hidden states of the positions the
+    forward keeps), while the head itself is handed none of them and computes no logits.
+    Unlike `output_hidden_states`, which keeps every layer's states until the forward
+    returns, only the final ones are kept. Without `hidden`: None (the logits are used)."""
+    if not hidden:
+        yield None
+        return
+    taken: list[torch.Tensor] = []
+
+    def take(head, args):
+        states = args[0]
+        taken.append(states)
+        # a new empty tensor, not a view: what the head saves for its backward must not hold the states
+        return (states.new_empty((*states.shape[:-2], 0, states.shape[-1])), *args[1:])
+
+    handle = unwrapped(model).get_output_embeddings().register_forward_pre_hook(take)
+    try:
+        yield taken
+    finally:
+        handle.remove()
+
+
+def _scoring_states(out, head_inputs: list[torch.Tensor] | None) -> torch.Tensor:
+    """The forward's logits, or with `head_inputs` (`_head_inputs`) the final hidden
+    states it handed its output head."""
+    return out.logits if head_inputs is None else head_inputs.pop()
 
 
 def check_head_chunking(model) -> None:
@@ -261,7 +285,7 @@ def cache_arguments(model) -> tuple[str, dict]:
     transformers 5.2x on, `past_key_values` before), and `logits_to_keep=1` (logits of
     the last position only) where it takes that."""
     return ("cache" if "cache" in _forward_parameters(model) else "past_key_values",
-            _head_arguments(model, 1, hidden=False))
+            _head_arguments(model, 1))
 
 
 def distinct_prompts(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -271,11 +295,11 @@ def distinct_prompts(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tenso
 
 
 def _states_prompt_once(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
-                        seen: torch.Tensor, hidden: bool = False) -> torch.Tensor | None:
-    """The logits that predict `responses` (B, R', V), or for `hidden` the final hidden
-    states that do (B, R', H), with each distinct prompt of the batch run once: its keys
-    and values are then handed to every row that has it, and those rows run only their
-    response tokens on them. Causal attention makes this the
+                        seen: torch.Tensor, head_inputs: list[torch.Tensor] | None) -> torch.Tensor | None:
+    """The logits that predict `responses` (B, R', V), or with `head_inputs`
+    (`_head_inputs`) the final hidden states that do (B, R', H), with each distinct prompt
+    of the batch run once: its keys and values are then handed to every row that has it,
+    and those rows run only their response tokens on them. Causal attention makes this the
     same function as one forward per row (a prompt's states never see what follows it),
     and autograd sums each shared prompt's gradient over its rows. With GRPO's groups of
     G samples a prompt of P tokens costs P once instead of G times. None where no two
@@ -291,14 +315,15 @@ def _states_prompt_once(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
     cache_arg, _ = cache_arguments(lm)
     # the prompts alone, outside a DDP wrapper: DDP takes one forward per backward, and
     # their parameters' gradients reach its hooks through the response forward's backward
-    head = lm(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-              use_cache=True, **_head_arguments(lm, 1, hidden))
-    cache = head.past_key_values
+    prompt_out = lm(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                    use_cache=True, **_head_arguments(lm, 1))
+    # the prompt's last position predicts the first response token
+    first = _scoring_states(prompt_out, head_inputs)[:, -1:][row_prompt]
+    cache = prompt_out.past_key_values
     cache.batch_select_indices(row_prompt)  # each row's prompt's keys and values
     attention = torch.cat([prompt_mask, seen], dim=1).long()
     positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, width:]
     rest = model(input_ids=responses, attention_mask=attention, position_ids=positions, use_cache=True,
-                 **{cache_arg: cache}, **_head_arguments(model, responses.shape[1], hidden))
-    # the prompt's last position predicts the first response token; each response token the next
-    return torch.cat([_scoring_states(head, hidden)[:, -1:][row_prompt], _scoring_states(rest, hidden)[:, :-1]],
-                     dim=1)
+                 **{cache_arg: cache}, **_head_arguments(model, responses.shape[1]))
+    # and each response token the next
+    return torch.cat([first, _scoring_states(rest, head_inputs)[:, :-1]], dim=1)

@@ -18,7 +18,8 @@ def test_quick_run_writes_every_modes_record_and_the_table(tmp_path):
     records = {r["mode"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert list(records) == ["kept", "kept-per-row", "checkpointed", "head-chunked", "checkpointed-head-chunked"]
     for r in records.values():
-        assert r["kept_mb"] > 0 and r["peak_step_mb"] > 0 and r["seconds"] > 0 and r["model"] == "embedded"
+        assert r["kept_mb"] > 0 and r["peak_step_mb"] > 0 and r["peak_score_mb"] > 0 and r["seconds"] > 0
+        assert r["model"] == "embedded"
     # the checkpointed layers keep none of their activations for the backward
     assert records["checkpointed"]["kept_mb"] < 0.5 * records["kept"]["kept_mb"]
     # every row runs its prompt: more kept than with the groups' prompts run once

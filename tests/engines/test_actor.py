@@ -2,6 +2,7 @@
 process (the loss normalisation and the gradient averaging cancel exactly)."""
 
 import math
+import weakref
 
 import pytest
 import torch
@@ -372,6 +373,31 @@ def test_a_chunked_output_head_gives_the_log_probs_entropy_and_gradients_of_the_
             gap = (grads1[name] - g).abs().max() / g.abs().max()
             assert gap <= (1e-5 if exact else 2e-2), (name, once, dtype, gap)
         assert logits_like and not logits_like1
+
+
+def test_scoring_with_a_chunked_output_head_keeps_no_earlier_layer_s_hidden_states(random_model_dir):
+    """Scoring (no gradients) with a chunked output head holds one layer's hidden states
+    at a time, as a forward for the logits does: when the final norm runs, no earlier
+    decoder layer's output is alive, with shared prompt forwards or not. The probe itself:
+    a forward with `output_hidden_states` keeps them, and it counts them."""
+    from distflow.engines.common import forward_response
+
+    batch = _grouped_batch(random_model_dir)
+    model = load_causal_lm(random_model_dir)
+    outputs, alive = [], []
+    for layer in model.model.layers:
+        layer.register_forward_hook(lambda m, i, o: outputs.append(weakref.ref(o[0] if isinstance(o, tuple) else o)))
+    # at the final norm, every layer has run; its input is the last layer's output
+    model.model.norm.register_forward_pre_hook(
+        lambda m, i: alive.append(sum(ref() is not None for ref in outputs[:-1])) or outputs.clear())
+    with torch.no_grad():
+        model(input_ids=batch["prompts"], attention_mask=batch["prompt_mask"], output_hidden_states=True)
+        assert alive == [len(model.model.layers) - 1] and alive[0] > 0
+        for once in (False, True):
+            alive.clear()
+            forward_response(model, batch["prompts"], batch["prompt_mask"], batch["responses"],
+                             batch["response_mask"], with_entropy=True, prompt_once=once, head_chunk_tokens=7)
+            assert alive == [0] * (2 if once else 1), once
 
 
 def test_a_chunked_output_head_is_refused_where_the_head_is_not_a_plain_linear_layer(random_model_dir):
