@@ -256,7 +256,12 @@ def _head_inputs(model, hidden: bool) -> Iterator[list[torch.Tensor] | None]:
 def _scoring_states(out, head_inputs: list[torch.Tensor] | None) -> torch.Tensor:
     """The forward's logits, or with `head_inputs` (`_head_inputs`) the final hidden
     states it handed its output head."""
-    return out.logits if head_inputs is None else head_inputs.pop()
+    if head_inputs is None:
+        return out.logits
+    if not head_inputs:
+        raise RuntimeError("actor.output_head_chunk_tokens: the model's forward did not run its output head "
+                           "(get_output_embeddings()), so its final hidden states are unknown; use 0")
+    return head_inputs.pop()
 
 
 def check_head_chunking(model) -> None:

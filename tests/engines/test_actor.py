@@ -400,6 +400,20 @@ def test_scoring_with_a_chunked_output_head_keeps_no_earlier_layer_s_hidden_stat
             assert alive == [0] * (2 if once else 1), once
 
 
+def test_a_chunked_output_head_says_so_where_the_forward_does_not_run_the_head_module(random_model_dir):
+    """The final hidden states come from the head module's input: a model whose forward
+    computes its logits some other way gets a one-line error naming the option."""
+    from distflow.engines.common import forward_response
+
+    batch = _batch(random_model_dir)
+    model = load_causal_lm(random_model_dir)
+    stray = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+    model.get_output_embeddings = lambda: stray  # a plain linear head the forward never calls
+    with pytest.raises(RuntimeError, match=r"actor.output_head_chunk_tokens: .* did not run its output head"):
+        forward_response(model, batch["prompts"], batch["prompt_mask"], batch["responses"], batch["response_mask"],
+                         head_chunk_tokens=7)
+
+
 def test_a_chunked_output_head_is_refused_where_the_head_is_not_a_plain_linear_layer(random_model_dir):
     """A LoRA adapter on the output head (lm_head in lora_target_modules) has no weight to
     chunk with: a one-line error naming the option, at the actor's construction."""
