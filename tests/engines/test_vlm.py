@@ -73,10 +73,10 @@ def test_generation_and_scoring_agree_on_image_prompts(vlm):
     assert not torch.allclose(swapped, log_probs[:1], atol=1e-4)
 
 
-def test_a_chunked_output_head_scores_image_prompts_like_the_whole_logits(vlm):
+def test_a_chunked_output_head_scores_and_trains_on_image_prompts_like_the_whole_logits(vlm):
     """actor.output_head_chunk_tokens on Qwen2-VL: its final hidden states (images placed
     by the model) through the head a few tokens at a time, the log-probs and entropy of
-    its whole logits."""
+    its whole logits, and the same gradients for every parameter, the vision tower's too."""
     from distflow.engines.common import check_head_chunking
 
     tokenizer, model, prompter = vlm
@@ -85,12 +85,22 @@ def test_a_chunked_output_head_scores_image_prompts_like_the_whole_logits(vlm):
     out = HFRolloutEngine(model, tokenizer, shares_trainer_weights=True).generate(
         prompts, [sample_seed(5, i) for i in range(2)], SamplingParams(temperature=1.0, max_new_tokens=8))
     ids, mask = left_pad(prompts, tokenizer.pad_token_id)
-    with torch.no_grad():
-        whole, chunked = (forward_response(model, ids, mask, out["responses"], out["response_mask"], with_entropy=True,
-                                           images=image_fields(prompts), head_chunk_tokens=chunk) for chunk in (0, 3))
-    assert whole[0].abs().sum() > 0
-    for a, b in zip(chunked, whole):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    advantages = torch.tensor([[1.5], [-0.5]]) * out["response_mask"]
+    runs = {}
+    for chunk in (0, 3):
+        model.zero_grad()
+        lp, ent = forward_response(model, ids, mask, out["responses"], out["response_mask"], with_entropy=True,
+                                   images=image_fields(prompts), head_chunk_tokens=chunk)
+        ((lp * advantages).sum() + 0.3 * (ent * out["response_mask"]).sum()).backward()
+        runs[chunk] = (lp.detach(), ent.detach(), {n: q.grad.clone() for n, q in model.named_parameters()})
+    model.zero_grad()
+    (whole_lp, whole_ent, whole_grads), (lp, ent, grads) = runs[0], runs[3]
+    assert whole_lp.abs().sum() > 0
+    torch.testing.assert_close(lp, whole_lp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent, whole_ent, rtol=0, atol=1e-5)
+    assert any(g.abs().sum() > 0 for n, g in whole_grads.items() if n.startswith("model.visual."))
+    for name, g in whole_grads.items():
+        assert (grads[name] - g).abs().max() <= 1e-5 * max(g.abs().max(), 1e-12), name
 
 
 def test_the_vlm_build_is_a_loadable_deterministic_hf_folder(tmp_path):
