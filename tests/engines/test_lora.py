@@ -102,6 +102,29 @@ def test_gradient_checkpointing_under_the_adapter_gives_the_adapters_gradients(r
         assert g.abs().sum() > 0 and torch.allclose(grads[True][name], g, atol=1e-6, rtol=1e-5), name
 
 
+def test_a_chunked_output_head_under_the_adapter_gives_the_whole_logits_results(random_model_dir):
+    """actor.output_head_chunk_tokens with LoRA (all-linear leaves the output head out):
+    the adapter's gradients, the actor's log-probs and the adapter-off reference's are
+    those of the whole logits."""
+    runs = {}
+    for chunk in (0, 4):
+        actor = Actor(_adapted(random_model_dir), OptimConfig(lr=1e-2), torch.device("cpu"), head_chunk_tokens=chunk)
+        batch = _batch(actor.module.config.vocab_size)
+        actor.model.train()
+        log_probs, _ = actor.forward(actor.model, batch, True)
+        (log_probs * batch["response_mask"]).sum().backward()
+        runs[chunk] = ({n: p.grad for n, p in actor.module.named_parameters() if p.requires_grad},
+                       actor.compute_log_probs(batch, [[0, 1, 2]]),
+                       AdapterDisabledReference(actor).compute_log_probs(batch, [[0, 1, 2]]))
+    (grads, scored, ref), (grads1, scored1, ref1) = runs[0], runs[4]
+    assert grads and grads.keys() == grads1.keys()
+    for name, g in grads.items():
+        assert g.abs().sum() > 0 and torch.allclose(grads1[name], g, atol=1e-6, rtol=1e-5), name
+    torch.testing.assert_close(scored1, scored, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ref1, ref, rtol=0, atol=1e-5)
+    assert (scored - ref).abs().max() > 1e-3
+
+
 def _cli(args, cwd):
     return subprocess.run([sys.executable, "-m", "distflow.cli", *args], cwd=cwd, capture_output=True, text=True,
                           env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=400)
