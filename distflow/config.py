@@ -181,13 +181,14 @@ class ActorConfig:
                                                     "more forward of compute; the update then runs each row's "
                                                     "prompt itself (forward_prompt_once: scoring forwards only)")
     output_head_chunk_tokens: int = _spec(0, min=0, doc="0: the output head's logits of a micro-batch are kept "
-                                                        "whole for the log-probs and the backward; N: the model "
-                                                        "stops at its final hidden states and the head runs N "
+                                                        "whole for the log-probs and the backward; N: the model's "
+                                                        "final hidden states go through the head N "
                                                         "tokens at a time, its logits recomputed per chunk in the "
                                                         "backward and never kept (verl's fused-kernel log-probs): "
                                                         "memory of N x vocab instead of tokens x vocab; the actor "
                                                         "and the reference; the same log-probs and gradients, to "
-                                                        "rounding")
+                                                        "rounding; refused for a model whose logits are capped or "
+                                                        "scaled after its head (Gemma 2, Cohere, Granite)")
     use_dynamic_bsz: bool = _spec(False, doc="form micro-batches by token budget instead of count")
     max_tokens_per_micro_batch: int = _spec(4096, min=1, doc="token budget with use_dynamic_bsz")
     strategy: str = _spec("auto", choices=("auto", "fsdp2", "ddp"),

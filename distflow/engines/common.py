@@ -187,9 +187,10 @@ def forward_response(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
     `pixel_values` and `image_grid_thw` (data/images.py); the model then places the
     image tokens itself (Qwen2-VL's M-RoPE), as its generation does. `prompt_once`: rows
     with the same prompt share one forward of it (`_states_prompt_once`); not with images.
-    `head_chunk_tokens` > 0: the model stops at its final hidden states and the output
-    head runs that many tokens at a time (`log_probs_from_hidden`), its logits never kept
-    whole; the model must pass `check_head_chunking`.
+    `head_chunk_tokens` > 0: the model's forward runs its output head on nothing, and the
+    head's input, the final hidden states (`_head_inputs`), goes through the head that many
+    tokens at a time (`log_probs_from_hidden`), its logits never kept whole; the model
+    must pass `check_head_chunking`.
     """
     full_width = responses.shape[1]
     seen = response_mask if observation_mask is None else response_mask + observation_mask  # (B, R)
@@ -266,12 +267,32 @@ def _scoring_states(out, head_inputs: list[torch.Tensor] | None) -> torch.Tensor
 
 def check_head_chunking(model) -> None:
     """A chunked output head (actor.output_head_chunk_tokens) needs a HF causal LM whose
-    forward can skip its head (`logits_to_keep`) and whose head is a plain linear layer."""
+    forward can skip its head (`logits_to_keep`), whose head is a plain linear layer, and
+    whose logits are that head's output unchanged: not capped or scaled after it (Gemma
+    2's soft-capping, Cohere's and Granite's scales), which the chunks would leave out.
+    Checked with one forward of two tokens whose head output is replaced by known values."""
     lm = unwrapped(model)
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     if not takes_logits_to_keep(lm) or type(head) is not torch.nn.Linear:
         raise ConfigError(f"actor.output_head_chunk_tokens: {type(lm).__name__}'s output head "
                           f"({type(head).__name__}) is not a plain linear layer its forward can skip; use 0")
+    known: list[torch.Tensor] = []
+
+    def replace(module, args, output):  # small integers: exact in every float dtype
+        known.append(torch.arange(output.numel(), device=output.device).remainder(101).sub(50)
+                     .view(output.shape).to(output.dtype))
+        return known[-1]
+
+    handle = head.register_forward_hook(replace)
+    try:
+        with torch.no_grad():
+            logits = lm(input_ids=torch.tensor([[0, 1]], device=head.weight.device)).logits
+    finally:
+        handle.remove()
+    if len(known) != 1 or not torch.equal(logits.to(known[0].dtype), known[0]):
+        raise ConfigError(f"actor.output_head_chunk_tokens: {type(lm).__name__}'s forward changes its output "
+                          f"head's logits (or does not run that head), which chunks of the head would leave "
+                          f"out; use 0")
 
 
 def _forward_parameters(model):

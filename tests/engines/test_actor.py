@@ -341,8 +341,8 @@ def test_the_output_head_runs_on_the_scored_positions_only(random_model_dir):
 
 
 def test_a_chunked_output_head_gives_the_log_probs_entropy_and_gradients_of_the_whole_logits(random_model_dir):
-    """actor.output_head_chunk_tokens: the model stops at its final hidden states and the
-    head runs a few tokens at a time, in the forward and again in the backward; the same
+    """actor.output_head_chunk_tokens: the model's final hidden states go through the
+    head a few tokens at a time, in the forward and again in the backward; the same
     log-probs, entropy and gradients as the whole logits, at a temperature, with shared
     prompt forwards or not, in fp32 and under bf16 autocast; nothing of the logits' size
     kept for the backward (a saved-tensors hook counts what is)."""
@@ -423,4 +423,34 @@ def test_a_chunked_output_head_is_refused_where_the_head_is_not_a_plain_linear_l
 
     model = get_peft_model(load_causal_lm(random_model_dir), LoraConfig(r=2, target_modules=["lm_head", "q_proj"]))
     with pytest.raises(ConfigError, match=r"actor.output_head_chunk_tokens: .* use 0"):
+        Actor(model, OptimConfig(lr=1e-3), torch.device("cpu"), head_chunk_tokens=8)
+
+
+_TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+             num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("architecture, settings, changes_logits", [
+    ("Gemma2", {"final_logit_softcapping": 30.0, "head_dim": 8}, True),  # tanh soft-capping after the head
+    ("Gemma2", {"final_logit_softcapping": None, "head_dim": 8}, False),
+    ("Granite", {"logits_scaling": 8.0}, True),  # logits divided after the head
+    ("Cohere", {"logit_scale": 0.0625}, True),  # logits multiplied after the head
+    ("Llama", {}, False),
+])
+def test_a_chunked_output_head_is_refused_where_the_forward_changes_the_head_s_logits(architecture, settings,
+                                                                                     changes_logits):
+    """The chunked head's logits are the head's output: a model whose forward caps or
+    scales them afterwards would be scored and trained on other logits than its own, so
+    the actor refuses it at construction with a one-line error naming the option."""
+    import transformers
+
+    from distflow.config import ConfigError
+
+    config = getattr(transformers, f"{architecture}Config")(**_TINY, **settings)
+    model = getattr(transformers, f"{architecture}ForCausalLM")(config)
+    if changes_logits:
+        with pytest.raises(ConfigError, match=rf"actor.output_head_chunk_tokens: {architecture}ForCausalLM's "
+                                              r"forward changes its output head's logits .* use 0"):
+            Actor(model, OptimConfig(lr=1e-3), torch.device("cpu"), head_chunk_tokens=8)
+    else:
         Actor(model, OptimConfig(lr=1e-3), torch.device("cpu"), head_chunk_tokens=8)
