@@ -7,8 +7,7 @@ without them, on the same model, batch and loss.
 
 Model: engines.py's llama-57m (a random Llama: hidden 512, 12 layers, 8 heads, MLP 1536,
 vocab 32,000), fp32 on CPU; `--quick`: the embedded 0.87M-parameter model; `--model` another
-of engines.py's shapes. `--device cuda`: the update on the GPU, its peak the memory torch
-allocated (torch.cuda.max_memory_allocated above what was allocated before it). Batch: GRPO
+of engines.py's shapes. `--device cuda`: the update on the GPU. Batch: GRPO
 groups of `--group-size` rows that share a prompt (random token ids), `--prompt-len` and
 `--response-len` tokens, one micro-batch; the actor's policy loss (no KL term).
 
@@ -19,9 +18,11 @@ memory. Per mode:
   by a saved-tensors hook on the first update (distinct storages, the weights excluded;
   not the checkpointed layers' inputs, which the recompute holds outside that hook: the
   peak below includes them);
-- `peak step MB`: the process's peak resident memory during the last update above its
-  resident memory just before it (free heap returned first, the peak reset through
-  /proc/self/clear_refs);
+- `peak step MB`: the most memory tensors held at once during the last update, above
+  what they held just before it: on CPU the running total of torch's allocator as the
+  profiler records each allocation and free, on a GPU torch.cuda.max_memory_allocated;
+  the same bytes in every run (not the process's resident memory, which moves by tens of
+  MB from run to run with the C heap and the thread pools' buffers);
 - `seconds`: the median timed update;
 - `peak score MB`: the same for scoring the batch without gradients
   (`compute_log_probs`: the old and reference log-probs' pass), after the updates.
@@ -35,12 +36,9 @@ prompt, as the checkpointed update does); `checkpointed`, gradient checkpointing
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -57,20 +55,25 @@ MODES = {  # (gradient checkpointing, prompt once, the output head chunked)
     "head-chunked": (False, True, True), "checkpointed-head-chunked": (True, True, True)}
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1))
+def _peak_tensor_mb(run, cuda: bool) -> float:
+    """The most memory tensors held at once during `run()`, above what they held before
+    it: torch's CUDA allocator statistics, or on CPU the running total of torch's CPU
+    allocator as the profiler records each allocation and free."""
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        run()
+        return (torch.cuda.max_memory_allocated() - before) / 2**20
+    from torch.profiler import ProfilerActivity, profile
 
-
-def _settle() -> None:
-    """Free memory back to the system, and the peak resident size reset to the current."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:  # not glibc
-        pass
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    with tempfile.TemporaryDirectory(prefix="distflow-bench-checkpointing-trace-") as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = [e["args"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "[memory]"]
+    first = min(events, key=lambda a: a["Ev Idx"])
+    return (max(a["Total Allocated"] for a in events) - (first["Total Allocated"] - first["Bytes"])) / 2**20
 
 
 def _batch(vocab: int, rows: int, group_size: int, prompt_len: int, response_len: int):
@@ -117,21 +120,9 @@ def measure_mode(path: str, checkpointing: bool, prompt_once: bool, head_chunked
         if cuda:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
-
-    def peak_mb(run) -> float:
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-            run()
-            return (torch.cuda.max_memory_allocated() - before) / 2**20
-        _settle()
-        before = _status_kb("VmRSS")
-        run()
-        return (_status_kb("VmHWM") - before) / 1024
-
     return {"kept_mb": sum(kept.values()) / 2**20,
-            "peak_step_mb": peak_mb(lambda: actor.train_mini_batch(batch, micro, loss)),
-            "peak_score_mb": peak_mb(lambda: actor.compute_log_probs(batch, micro)),
+            "peak_step_mb": _peak_tensor_mb(lambda: actor.train_mini_batch(batch, micro, loss), cuda),
+            "peak_score_mb": _peak_tensor_mb(lambda: actor.compute_log_probs(batch, micro), cuda),
             "seconds": statistics.median(seconds),
             "parameters_millions": round(sum(p.numel() for p in actor.module.parameters()) / 1e6, 2)}
 

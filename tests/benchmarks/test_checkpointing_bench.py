@@ -27,4 +27,28 @@ def test_quick_run_writes_every_modes_record_and_the_table(tmp_path):
     # the output head's logits are not kept whole: less kept, with checkpointing or without
     assert records["head-chunked"]["kept_mb"] < records["kept"]["kept_mb"]
     assert records["checkpointed-head-chunked"]["kept_mb"] < records["checkpointed"]["kept_mb"]
+    # tensors' peak during an update holds at least what the forward kept for the backward
+    for mode in ("kept", "kept-per-row", "head-chunked"):
+        assert records[mode]["peak_step_mb"] >= records[mode]["kept_mb"], mode
+    assert records["checkpointed"]["peak_step_mb"] < records["kept"]["peak_step_mb"]
     assert "| checkpointed |" in table.read_text() and "| head-chunked |" in table.read_text()
+
+
+def test_the_peak_is_the_most_tensor_memory_held_at_once_during_the_run():
+    """On CPU, from the profiler's record of torch's allocations and frees: two 4 MiB
+    tensors alive together, then a third after one is freed, peak at 8 MiB, whatever
+    was held before."""
+    import torch
+
+    from distflow.benchmarks.checkpointing import _peak_tensor_mb
+
+    held_before = torch.ones(2**22)  # 16 MiB the run does not count
+
+    def run():
+        a, b = torch.empty(2**20), torch.empty(2**20)
+        del a
+        c = b + 1
+        del b, c
+
+    assert abs(_peak_tensor_mb(run, cuda=False) - 8.0) < 0.01
+    assert held_before.sum() == 2**22
