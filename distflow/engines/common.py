@@ -5,6 +5,7 @@ tokenizer and image processor from a local folder, and the one forward pass that
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 from collections.abc import Iterable, Iterator
@@ -320,6 +321,28 @@ def distinct_prompts(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tenso
     return unique[:, :ids.shape[1]], unique[:, ids.shape[1]:], row_prompt
 
 
+def _rows_of_prompts(cache, row_prompt: torch.Tensor):
+    """The distinct prompts' cache, made to give each row its prompt's keys and values
+    (`row_prompt`: each row's prompt). A layer of HF's plain `DynamicLayer` does it in its
+    update, joined to the new tokens' and stored by no one, so a forward without
+    gradients frees each layer's as it moves on, where HF's cache would keep every
+    layer's, the responses' included, until the forward returns. Other layers are
+    indexed up front (HF's `batch_select_indices`)."""
+    from transformers.cache_utils import DynamicLayer
+
+    for layer in cache.layers:
+        if type(layer) is DynamicLayer and layer.get_seq_length() > 0:
+            layer.update = functools.partial(_joined_to_prompt, layer.keys, layer.values, row_prompt)
+        else:
+            layer.batch_select_indices(row_prompt)
+    return cache
+
+
+def _joined_to_prompt(keys: torch.Tensor, values: torch.Tensor, row_prompt: torch.Tensor,
+                      new_keys: torch.Tensor, new_values: torch.Tensor, *args, **kwargs):
+    return torch.cat([keys[row_prompt], new_keys], dim=-2), torch.cat([values[row_prompt], new_values], dim=-2)
+
+
 def _states_prompt_once(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
                         seen: torch.Tensor, head_inputs: list[torch.Tensor] | None) -> torch.Tensor | None:
     """The logits that predict `responses` (B, R', V), or with `head_inputs`
@@ -345,8 +368,7 @@ def _states_prompt_once(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
                     use_cache=True, **_head_arguments(lm, 1))
     # the prompt's last position predicts the first response token
     first = _scoring_states(prompt_out, head_inputs)[:, -1:][row_prompt]
-    cache = prompt_out.past_key_values
-    cache.batch_select_indices(row_prompt)  # each row's prompt's keys and values
+    cache = _rows_of_prompts(prompt_out.past_key_values, row_prompt)
     attention = torch.cat([prompt_mask, seen], dim=1).long()
     positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, width:]
     rest = model(input_ids=responses, attention_mask=attention, position_ids=positions, use_cache=True,

@@ -400,6 +400,39 @@ def test_scoring_with_a_chunked_output_head_keeps_no_earlier_layer_s_hidden_stat
             assert alive == [0] * (2 if once else 1), once
 
 
+def test_scoring_with_shared_prompt_forwards_keeps_no_earlier_layer_s_keys_and_values(random_model_dir):
+    """Scoring (no gradients) with a group's prompt run once: the prompt's forward keeps
+    its keys and values for the responses, and the responses' forward hands each layer
+    its rows' prompt keys and values joined to theirs, then lets them go: when the final
+    norm runs, no earlier layer's are alive (HF's cache would keep every layer's), with
+    the whole logits and with a chunked head. The probe: an attention function that
+    records each layer's keys (transformers' AttentionInterface)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from distflow.engines.common import forward_response
+
+    keys, alive = [], []
+
+    def recording(module, query, key, *args, **kwargs):
+        keys.append(weakref.ref(key))
+        return sdpa_attention_forward(module, query, key, *args, **kwargs)
+
+    AttentionInterface.register("distflow_test_recording", recording)
+    batch = _grouped_batch(random_model_dir)
+    model = load_causal_lm(random_model_dir)
+    model.set_attn_implementation("distflow_test_recording")
+    model.model.norm.register_forward_pre_hook(
+        lambda m, i: alive.append(sum(ref() is not None for ref in keys[:-1])) or keys.clear())
+    layers = len(model.model.layers)
+    with torch.no_grad():
+        for chunk in (0, 7):
+            alive.clear()
+            forward_response(model, batch["prompts"], batch["prompt_mask"], batch["responses"],
+                             batch["response_mask"], prompt_once=True, head_chunk_tokens=chunk)
+            assert alive == [layers - 1, 0], chunk  # the prompt's forward, then the responses'
+
+
 def test_a_chunked_output_head_says_so_where_the_forward_does_not_run_the_head_module(random_model_dir):
     """The final hidden states come from the head module's input: a model whose forward
     computes its logits some other way gets a one-line error naming the option."""
