@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import faulthandler
 import importlib
 import os
 import socket
@@ -62,8 +63,11 @@ def keep_freed_memory() -> bool:
 def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int,
                        device: str, timeout_s: int, threads: int) -> torch.device:
     """Join the job's process group (gloo on CPU; gloo and NCCL on GPU, see group_backend);
-    returns this rank's device. Freed host memory is kept for reuse (keep_freed_memory)."""
+    returns this rank's device. Freed host memory is kept for reuse (keep_freed_memory).
+    A worker killed by a fatal signal (an abort in a C++ library, a segfault) prints every
+    thread's Python stack to stderr first (faulthandler)."""
     os.environ.update(WORKER_ENV)
+    faulthandler.enable()
     keep_freed_memory()
     os.environ["MASTER_ADDR"] = master_addr  # rank 0's host: later groups (runtime/roles.py) meet there too
     use_cuda = device != "cpu" and torch.cuda.is_available()

@@ -39,3 +39,27 @@ def test_freed_tensors_stay_in_the_heap_for_the_next_allocation():
     # tensor of that size faults in fresh pages; a worker keeps it for reuse instead
     assert _released_kib("default") > 12 << 10
     assert _released_kib("keep") < 1 << 10
+
+
+# A one-rank group, then a thread that waits while the main thread aborts (as a C++
+# library's std::terminate would).
+ABORT_IN_A_WORKER = """
+import os, threading, time
+from distflow.runtime.process_group import free_port, init_process_group
+
+init_process_group(0, 1, "127.0.0.1", free_port(), "cpu", 60, 1)
+
+def waiting_for_a_peer():
+    time.sleep(60)
+
+threading.Thread(target=waiting_for_a_peer, name="peer", daemon=True).start()
+time.sleep(0.2)
+os.abort()
+"""
+
+
+def test_a_worker_killed_by_a_fatal_signal_prints_every_thread_s_python_stack():
+    proc = subprocess.run([sys.executable, "-c", ABORT_IN_A_WORKER], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "Fatal Python error: Aborted" in proc.stderr, proc.stderr[-2000:]
+    assert "in waiting_for_a_peer" in proc.stderr and "<module>" in proc.stderr, proc.stderr[-2000:]
