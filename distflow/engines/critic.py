@@ -34,7 +34,9 @@ class ValueModel(torch.nn.Module):
     def forward(self, input_ids, attention_mask, position_ids, **vision):
         hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                            use_cache=False, **vision).last_hidden_state
-        return self.value_head(hidden).squeeze(-1).float()  # (B, T)
+        # (B, T), a tensor of its own rather than a view of the head's output: FSDP2 hooks
+        # its backward on the module's output and warns of views
+        return self.value_head(hidden).float().sum(-1)
 
 
 def value_forward(model, micro: Batch, train: bool):

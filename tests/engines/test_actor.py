@@ -487,3 +487,18 @@ def test_a_chunked_output_head_is_refused_where_the_forward_changes_the_head_s_l
             Actor(model, OptimConfig(lr=1e-3), torch.device("cpu"), head_chunk_tokens=8)
     else:
         Actor(model, OptimConfig(lr=1e-3), torch.device("cpu"), head_chunk_tokens=8)
+
+
+def test_the_value_model_returns_a_tensor_of_its_own_one_value_per_token(random_model_dir):
+    """Not a view of the value head's output: FSDP2 hooks the backward on a module's output
+    and warns that an in-place op on a view would skip it."""
+    from distflow.engines.critic import ValueModel
+
+    model = ValueModel(load_causal_lm(random_model_dir))
+    torch.nn.init.normal_(model.value_head.weight, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 50, (2, 5), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    values = model(ids, mask, mask.cumsum(-1) - 1)
+    hidden = model.body(input_ids=ids, attention_mask=mask, position_ids=mask.cumsum(-1) - 1).last_hidden_state
+    assert values.shape == (2, 5) and values.dtype == torch.float32 and not values._is_view()
+    torch.testing.assert_close(values, model.value_head(hidden)[..., 0].float())
