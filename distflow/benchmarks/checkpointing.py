@@ -58,22 +58,32 @@ MODES = {  # (gradient checkpointing, prompt once, the output head chunked)
 def _peak_tensor_mb(run, cuda: bool) -> float:
     """The most memory tensors held at once during `run()`, above what they held before
     it: torch's CUDA allocator statistics, or on CPU the running total of torch's CPU
-    allocator as the profiler records each allocation and free."""
+    allocator as the profiler records each allocation and free. The profiler records no
+    free of a block allocated before it started, so on CPU `run()` is called twice under
+    one profiler and the second call measured: what it frees, the first call (or the
+    measured call itself) allocated."""
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         run()
         return (torch.cuda.max_memory_allocated() - before) / 2**20
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
+        with record_function("distflow-measured-run"):
+            run()
     with tempfile.TemporaryDirectory(prefix="distflow-bench-checkpointing-trace-") as tmp:
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
-        events = [e["args"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "[memory]"]
-    first = min(events, key=lambda a: a["Ev Idx"])
-    return (max(a["Total Allocated"] for a in events) - (first["Total Allocated"] - first["Bytes"])) / 2**20
+        events = json.loads(trace.read_text())["traceEvents"]
+    span = next(e for e in events if e.get("name") == "distflow-measured-run" and e.get("ph") == "X")
+    memory = [e["args"] for e in events
+              if e.get("name") == "[memory]" and span["ts"] <= e["ts"] <= span["ts"] + span["dur"]]
+    if not memory:
+        return 0.0
+    first = min(memory, key=lambda a: a["Ev Idx"])
+    return (max(a["Total Allocated"] for a in memory) - (first["Total Allocated"] - first["Bytes"])) / 2**20
 
 
 def _batch(vocab: int, rows: int, group_size: int, prompt_len: int, response_len: int):
