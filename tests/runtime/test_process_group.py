@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import subprocess
 import sys
 
@@ -58,8 +59,13 @@ os.abort()
 """
 
 
-def test_a_worker_killed_by_a_fatal_signal_prints_every_thread_s_python_stack():
-    proc = subprocess.run([sys.executable, "-c", ABORT_IN_A_WORKER], capture_output=True, text=True, timeout=120)
+def _no_core_file() -> None:
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def test_a_worker_killed_by_a_fatal_signal_prints_every_thread_s_python_stack(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", ABORT_IN_A_WORKER], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, preexec_fn=_no_core_file)
     assert proc.returncode != 0
     assert "Fatal Python error: Aborted" in proc.stderr, proc.stderr[-2000:]
     assert "in waiting_for_a_peer" in proc.stderr and "<module>" in proc.stderr, proc.stderr[-2000:]
