@@ -38,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from distflow.benchmarks.records import command_line, save_results
+
 SETTINGS = {"default": [], "heavy": ["rollout.max_new_tokens=96", "rollout.temperature=1.2"],
             "generation-bound": ["rollout.micro_batch_size=8"]}
 CONFIGS = {
@@ -168,10 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                 records.append(accuracy(config, seed, Path(tmp)))
                 print(json.dumps({k: v for k, v in records[-1].items() if k != "heldout_by_step"}), flush=True)
     add_ratios(records)
-    command = "python benchmarks/async.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    if args.json:
-        Path(args.json).write_text("".join(json.dumps(r) + "\n" for r in records))
-    if args.results_md:
-        Path(args.results_md).write_text(markdown(records, command))
-    print(markdown(records, command))
+    page = markdown(records, command_line("python benchmarks/async.py", argv))
+    save_results(args, records, page)
+    print(page)
     return 0

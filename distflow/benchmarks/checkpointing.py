@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from distflow.benchmarks.engines import MODELS, build_random_llama
+from distflow.benchmarks.records import command_line, save_results
 
 MODES = {  # (gradient checkpointing, prompt once, the output head chunked)
     "kept": (False, True, False), "kept-per-row": (False, False, False), "checkpointed": (True, True, False),
@@ -205,11 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             records.append(record)
             print(f"{mode:>25}: kept {record['kept_mb']:,.1f} MB, peak step {record['peak_step_mb']:,.1f} MB, "
                   f"{record['seconds']:.2f} s per update, peak score {record['peak_score_mb']:,.1f} MB", flush=True)
-    if args.json:
-        Path(args.json).write_text("".join(json.dumps(r) + "\n" for r in records))
-    if args.results_md:
-        command = "distflow bench checkpointing " + " ".join(argv if argv is not None else sys.argv[1:])
-        Path(args.results_md).write_text(markdown(records, command.strip(), time.time() - start))
+    command = command_line("distflow bench checkpointing", argv)
+    save_results(args, records, markdown(records, command, time.time() - start))
     return 0
 
 

@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -66,6 +65,7 @@ from distflow.benchmarks.dataplane_coordinator import TOLERANCE, run_coordinator
 from distflow.benchmarks.dataplane_report import (IMBALANCE_HEADERS, MAIN_HEADERS, PLANNING_HEADERS, _mib,
                                                   floor_lines, imbalance_rows, main_rows, planning_rows,
                                                   results_markdown, text_table, verl_lines)
+from distflow.benchmarks.records import command_line
 from distflow.coordinator.executor import GlobalView
 from distflow.coordinator.layout import Layout
 from distflow.coordinator.partition import contiguous_split, imbalance, karmarkar_karp
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.workers, args.batch, args.seq_len, args.repeats, args.plan_workers = [2], 64, 128, 1, [8]
     _check_args(parser, args)
-    command = "python -m distflow.benchmarks.dataplane " + shlex.join(argv)
+    command = command_line("python -m distflow.benchmarks.dataplane", argv)
     started, load_start = time.monotonic(), os.getloadavg()[0]
     imbalance_recs = imbalance_records(args.seq_len)
     planning_recs = planning_records(args.plan_workers, args.seq_len, args.repeats)

@@ -20,15 +20,13 @@ the report gives the largest batch each mode ran within it.
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import sys
-from pathlib import Path
 from typing import Any
 
 from distflow.benchmarks.dataplane_centralized import run_centralized
 from distflow.benchmarks.dataplane_common import MODES, Spec, image_patches_of
 from distflow.benchmarks.dataplane_coordinator import run_coordinator
+from distflow.benchmarks.records import command_line, save_results
 
 GIB = 1 << 30
 
@@ -101,14 +99,10 @@ def main(argv: list[str] | None = None) -> int:
                       int(args.memory_budget_gib * GIB), log=lambda s: print(s, file=sys.stderr, flush=True))
     text = table(records) + "\n\n" + "\n".join(summary_lines(records))
     print(text)
-    if args.json:
-        Path(args.json).write_text("".join(json.dumps(r) + "\n" for r in records))
-    if args.results_md:
-        command = "python -m distflow.benchmarks.dataplane_vlm " + shlex.join(argv)
-        Path(args.results_md).write_text(
-            f"# The data plane with images\n\n`{command}`\n\n{image_patches_of(args.megapixels)} patches "
-            f"per sample ({args.megapixels:g} MP), N={args.workers}, L={args.seq_len}, median of {args.repeats}.\n\n"
-            f"{text}\n")
+    command = command_line("python -m distflow.benchmarks.dataplane_vlm", argv)
+    save_results(args, records, f"# The data plane with images\n\n`{command}`\n\n{image_patches_of(args.megapixels)} "
+                 f"patches per sample ({args.megapixels:g} MP), N={args.workers}, L={args.seq_len}, median of "
+                 f"{args.repeats}.\n\n{text}\n")
     return 0
 
 

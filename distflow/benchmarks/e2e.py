@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from distflow.benchmarks.dataplane_common import VERL_MODES, refuse_verl_modes_without_verl
+from distflow.benchmarks.records import command_line, save_results
 from distflow.benchmarks.soak import descendants, rss_bytes
 
 SETTINGS = {
@@ -266,12 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cluster_hosts:
             records += on_cluster(args.settings, modes, args.cluster_hosts, args.steps, args.rate_mbit, Path(tmp), keep)
     add_ratios_and_efficiency(records)
-    command = "python benchmarks/e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    if args.json:
-        Path(args.json).write_text("".join(json.dumps(r) + "\n" for r in records))
-    if args.results_md:
-        Path(args.results_md).write_text(markdown(records, command))
+    page = markdown(records, command_line("python benchmarks/e2e.py", argv))
+    save_results(args, records, page)
     if args.plot:
         plot(records, args.plot)
-    print(markdown(records, command))
+    print(page)
     return 0

@@ -25,7 +25,6 @@ while the other does.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -35,6 +34,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from distflow.benchmarks.records import command_line, save_results
 
 MODELS = {"embedded": None,
           "llama-57m": {"hidden_size": 512, "num_hidden_layers": 12, "num_attention_heads": 8,
@@ -162,11 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{r['model']:>10} batch {r['batch']:>3}: HF {r['hf_tokens_per_s']:,.0f} tokens/s, "
                       f"vLLM {r['vllm_tokens_per_s']:,.0f} tokens/s ({r['speedup']:.2f}x); weight sync "
                       f"{r['hf_sync_s_per_100mb']:.3f} / {r['vllm_sync_s_per_100mb']:.3f} s per 100 MB", flush=True)
-    if args.json:
-        Path(args.json).write_text("".join(json.dumps(r) + "\n" for r in records))
-    if args.results_md:
-        command = "distflow bench engines " + " ".join(argv if argv is not None else sys.argv[1:])
-        Path(args.results_md).write_text(markdown(records, command.strip(), time.time() - start))
+    command = command_line("distflow bench engines", argv)
+    save_results(args, records, markdown(records, command, time.time() - start))
     return 0
 
 

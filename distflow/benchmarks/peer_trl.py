@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from distflow.benchmarks.records import command_line, save_results
+
 TRAIN_ROWS, HELDOUT_ROWS = 20000, 256
 PROMPTS_PER_STEP, GROUP, MAX_NEW_TOKENS, LR, KL = 8, 8, 32, 1e-4, 0.001
 
@@ -170,11 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['framework']:>8}: {r['steps']} steps in {r['train_seconds']:.1f} s, {r['tokens_per_s']:,.0f} "
               f"tokens/s, held-out {r['heldout_initial']:.1%} -> {r['heldout_final']:.1%}")
     print(f"distflow's own evaluation: {ours['own_heldout_initial']:.1%} -> {ours['own_heldout_final']:.1%}")
-    if args.json:
-        Path(args.json).write_text("".join(json.dumps(r) + "\n" for r in (ours, theirs)))
-    if args.results_md:
-        command = "distflow bench trl " + " ".join(argv if argv is not None else sys.argv[1:])
-        Path(args.results_md).write_text(markdown([ours, theirs], command.strip(), time.time() - start))
+    command = command_line("distflow bench trl", argv)
+    save_results(args, [ours, theirs], markdown([ours, theirs], command, time.time() - start))
     return 0
 
 

@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from distflow.benchmarks.records import command_line, save_results
+
 COMMON = ["trainer.eval_every=0", "trainer.progress=false", "trainer.save_final=false", "data.val_max_samples=8"]
 SETTINGS: dict[str, dict[str, Any]] = {
     "default": {"workers": 2, "overrides": []},
@@ -143,11 +145,8 @@ def main(argv: list[str] | None = None) -> int:
               f"off {s['overlap_off_seconds']:.3f} s/step, ratio {s['ratio']:.3f}; before the update: "
               f"{s['before_update_on_seconds']:.3f} vs {s['before_update_off_seconds']:.3f} s, "
               f"ratio {s['before_update_ratio']:.3f}")
-    if args.json:
-        Path(args.json).write_text("".join(json.dumps(r) + "\n" for r in records))
-    if args.results_md:
-        command = "python benchmarks/scheduler.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        Path(args.results_md).write_text(markdown(summary, command, time.time() - start))
+    command = command_line("python benchmarks/scheduler.py", argv)
+    save_results(args, records, markdown(summary, command, time.time() - start))
     return 0
 
 
