@@ -243,6 +243,17 @@ def _too_few(rank, world):
     return None
 
 
+def _leftover_files(world, *dirs) -> list[str]:
+    """This group's shared-memory files still named in `dirs` (other tests' groups, running
+    beside this one, have files of their own)."""
+    import os
+
+    from distflow.coordinator import executor
+
+    prefix = f"distflow-{executor._group_state(None, world).token}-"
+    return [f for d in dirs if d and os.path.isdir(d) for f in os.listdir(d) if f.startswith(prefix)]
+
+
 def _both_transports(rank, world, separate_hosts):
     import os
 
@@ -256,22 +267,19 @@ def _both_transports(rank, world, separate_hosts):
                                   stats=stats, transport=transport)
         _check_rows(out, out_ids)
         results[transport] = (out_ids, out["prompts"].tolist(), stats.shm_sent, stats.payload_sent)
-    return results
+    return results, _leftover_files(world, "/dev/shm")
 
 
 def test_every_rank_its_own_host_means_no_shared_memory():
-    for r in run_gloo(_both_transports, WORLD, True):
+    for r, leftovers in run_gloo(_both_transports, WORLD, True):
         assert r["auto"][2] == 0 and r["gloo"][:2] == r["auto"][:2]
-    import os
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("distflow-")], "shm files are cleaned up"
+        assert not leftovers, leftovers
 
 
 def _rounds(rank, world, small_shm):
     """Several reshards in a row, growing, through reused shared-memory slots; then
     messages over the size that keeps a slot; then with a /dev/shm too small for the
     payload."""
-    import os
-
     from distflow.coordinator import executor
 
     state = executor._group_state(None, world)
@@ -301,8 +309,7 @@ def _rounds(rank, world, small_shm):
         # over the size: files of their own, which neither side keeps
         out.append({"shm_sent": got["auto"][3], "payload": got["auto"][4],
                     "slots_unchanged": (dict(state.send), dict(state.recv)) == kept})
-    names = [f for d in ("/dev/shm", small_shm) if d and os.path.isdir(d) for f in os.listdir(d)]
-    return out, [n for n in names if n.startswith("distflow-")], _too_few(rank, world)
+    return out, _leftover_files(world, "/dev/shm", small_shm), _too_few(rank, world)
 
 
 def test_reused_slots_a_full_shm_and_an_unsatisfiable_plan(tmp_path):
