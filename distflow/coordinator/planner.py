@@ -75,26 +75,25 @@ class Move(NamedTuple):
 
 @dataclass(eq=False)
 class ReshardPlan:
-    """What every rank keeps, sends and receives in one reshard.
+    """What every rank holds, sends and receives in one reshard.
 
     ``assignment[d]`` is the sorted sample ids of destination DP replica ``d``; every
     member of that replica's TP group ends up holding exactly them. The moves are only
     real transfers (a rank already holding a sample it keeps gets no move), one row
     (sample, src, dst) each of ``move_table``, sorted by (src, dst, sample): arrays, not
-    an object per move, since every rank builds the plan for every sample. ``keep`` has
-    one entry per destination member: the sorted samples it already holds and keeps.
-    ``after`` (not compared: it follows from the rest) is every rank's rows once the
-    plan is carried out, as the planner reads them.
+    an object per move, since every rank builds the plan for every sample. ``after`` is
+    every rank's rows once the plan is carried out, as the planner reads them: the next
+    reshard's input, and what `samples_for` and `holdings` read.
     """
 
     assignment: list[list[int]]
     move_table: np.ndarray  # (moves, 3) int64: sample, src, dst
-    keep: dict[int, list[int]]
-    after: SampleTable  # who holds what once the plan is carried out: the next reshard's input
+    after: SampleTable
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ReshardPlan) and self.assignment == other.assignment and \
-            self.keep == other.keep and np.array_equal(self.move_table, other.move_table)
+            np.array_equal(self.move_table, other.move_table) and \
+            all(np.array_equal(a, b) for a, b in zip(self.after, other.after))
 
     @property
     def num_moves(self) -> int:
@@ -118,16 +117,16 @@ class ReshardPlan:
 
     def samples_for(self, rank: int) -> list[int]:
         """Sorted sample ids ``rank`` holds after the reshard; [] off the layout."""
-        received = self.move_table[self.move_table[:, 2] == rank, 0]
-        return sorted(self.keep.get(rank, []) + received.tolist())
+        ids, _, holder_row, holder_rank = self.after
+        return ids[holder_row[holder_rank == rank]].tolist()
 
     def holdings(self, world: int) -> dict[int, list[int]]:
-        """`samples_for` of every rank in 0..world-1, in one pass over the moves."""
-        by_dst = np.lexsort((self.move_table[:, 0], self.move_table[:, 2]))
-        received = self.move_table[by_dst]
-        bounds = np.searchsorted(received[:, 2], np.arange(world + 1)).tolist()
-        return {r: sorted(self.keep.get(r, []) + received[bounds[r]:bounds[r + 1], 0].tolist())
-                for r in range(world)}
+        """`samples_for` of every rank in 0..world-1, in one pass over ``after``."""
+        ids, _, holder_row, holder_rank = self.after
+        by_rank = np.argsort(holder_rank, kind="stable")  # rows, and so ids, stay ascending within a rank
+        held = ids[holder_row[by_rank]]
+        bounds = np.searchsorted(holder_rank[by_rank], np.arange(world + 1)).tolist()
+        return {r: held[bounds[r]:bounds[r + 1]].tolist() for r in range(world)}
 
     def moved_tokens(self, lengths: Mapping[int, int]) -> int:
         return sum(lengths[s] for s in self.move_table[:, 0].tolist())
@@ -212,8 +211,7 @@ def _stay_put(dst: Layout, samples: SampleTable, balance: str, equal_count: bool
             _bound(dst, samples.lens) * (1.0 + tolerance):
         return None
     bins = [samples.ids[rows].tolist() for rows in _rows_by_label(group_of, dst.dp_size)]
-    keep = {r: list(bins[g]) for g, ranks in enumerate(dst.dp_groups()) for r in ranks}
-    return ReshardPlan(bins, _NO_MOVES, keep, samples)
+    return ReshardPlan(bins, _NO_MOVES, samples)
 
 
 def _bound(dst: Layout, lens: np.ndarray) -> int:
@@ -653,16 +651,12 @@ def _route(group_of: np.ndarray, dst: Layout, samples: SampleTable) -> ReshardPl
     ids, lens, holder_row, holder_rank = samples
     assignment = [ids[rows].tolist() for rows in _rows_by_label(group_of, dst.dp_size)]
     members = np.asarray(dst.dp_groups(), dtype=np.int64).reshape(dst.dp_size, dst.tp_size)
-    ranks = members.ravel()  # DP-then-TP order
     # the holdings that stay: their holder is a member of the sample's destination group
     stays = _group_index(dst)[holder_rank] == group_of[holder_row]
-    by_rank = np.argsort(holder_rank[stays], kind="stable")  # rows stay ascending within a rank
-    kept_row, kept_rank = holder_row[stays][by_rank], holder_rank[stays][by_rank]
-    bounds, kept_ids = np.searchsorted(kept_rank, np.arange(dst.world_size + 1)).tolist(), ids[kept_row]
-    keep = {r: kept_ids[bounds[r]:bounds[r + 1]].tolist() for r in ranks.tolist()}
+    kept_row, kept_rank = holder_row[stays], holder_rank[stays]
     # every (row, member of its group) pair not kept is needed: slot row * tp + the member's place
     place = np.zeros(dst.world_size, dtype=np.int64)
-    place[ranks] = np.tile(np.arange(dst.tp_size), dst.dp_size)
+    place[members.ravel()] = np.tile(np.arange(dst.tp_size), dst.dp_size)  # members in DP-then-TP order
     have = np.zeros(len(ids) * dst.tp_size, dtype=bool)
     have[kept_row * dst.tp_size + place[kept_rank]] = True
     need = np.flatnonzero(~have)
@@ -684,4 +678,4 @@ def _route(group_of: np.ndarray, dst: Layout, samples: SampleTable) -> ReshardPl
     # afterwards each sample is held by every member of its group, and only there
     holders = np.sort(np.repeat(np.arange(len(ids)) * dst.world_size, dst.tp_size) + members[group_of].ravel())
     after = SampleTable(ids, lens, *np.divmod(holders, dst.world_size))
-    return ReshardPlan(assignment, np.stack([ids[rows[order]], source[order], to[order]], axis=1), keep, after)
+    return ReshardPlan(assignment, np.stack([ids[rows[order]], source[order], to[order]], axis=1), after)
