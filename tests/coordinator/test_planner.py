@@ -426,7 +426,7 @@ def test_plan_invariants(scenario, balance, equal_count):
     assert again == plan
     # the O(n) shortcut the executor tries first agrees whenever it applies
     stay = stay_put_plan(src, dst, holdings, lengths, balance=balance, equal_count=equal_count)
-    assert stay is None or (stay == plan)
+    assert stay is None or stay == plan
     # and what every rank runs, on the all-gathered rows as arrays (the shortcut, else the planner)
     table = gathered(holdings, lengths, src.world_size)
     assert tables_equal(table, _validate(src, dst, holdings, lengths, balance))
