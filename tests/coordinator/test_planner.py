@@ -189,6 +189,7 @@ def check_plan(plan: ReshardPlan, src: Layout, dst: Layout, holdings, lengths) -
     for g, ranks in enumerate(dst.dp_groups()):
         for r in ranks:
             assert plan.samples_for(r) == plan.assignment[g]
+            assert {m.sample for m in plan.receives(r)} <= set(plan.assignment[g])  # nothing arrives off its bin
             assert set(kept(plan, r)) <= held[r]
         assert len({tuple(plan.samples_for(r)) for r in ranks}) == 1
     for r in set(range(src.world_size)) - set(dst.members):
