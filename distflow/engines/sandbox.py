@@ -214,6 +214,14 @@ def _binds() -> list[str]:
     return paths
 
 
+def sandbox_uids(pid: int) -> range:
+    """The uids the sandboxes that process `pid` starts run under: eight unused ones of
+    its own (200000 and up), one drawn per sandbox, so that a program's process cap
+    (RLIMIT_NPROC counts the uid's processes) is its alone."""
+    first = 200_000 + pid % 100_000 * 8
+    return range(first, first + 8)
+
+
 def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> Result:
     """Run `code` as a Python program in the sandbox with `stdin`; never raises for
     anything the program does."""
@@ -232,8 +240,7 @@ def _run(code: str, stdin: str, limits: Limits, isolate: bool) -> Result:
             files["stdin"].seek(0)
             spec = {"program": os.path.join(tmp, "main.py"), "root": os.path.join(tmp, "root"), "python": python,
                     "isolate": isolate, "binds": _binds(), "status_fd": files["status"].fileno(),
-                    # an unused uid per sandbox, so the process cap is this program's alone
-                    "uid": 200_000 + os.getpid() % 100_000 * 8 + int(time.monotonic_ns()) % 8,
+                    "uid": sandbox_uids(os.getpid())[int(time.monotonic_ns()) % 8],
                     "cpu_s": int(limits.time_s) + 1, "guard": _GUARD} | asdict(limits)
             start = time.perf_counter()
             proc = subprocess.Popen([python, "-I", "-S", "-B", "-c", _LAUNCHER, json.dumps(spec)],

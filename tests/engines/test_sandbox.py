@@ -22,8 +22,10 @@ ECHO_CASES = json.dumps({"inputs": ["2 3\n", "10 -4\n"], "outputs": ["5\n", "6\n
 GOOD = "a, b = map(int, input().split())\nprint(a + b)\n"
 
 
-def _sandbox_processes() -> list[int]:
-    """Processes running under a sandbox uid (200000 and up)."""
+def _sandbox_processes(spawners: set[int]) -> list[int]:
+    """Processes running under the uids of the sandboxes that the `spawners` (pids)
+    started: not those of tests running beside this one."""
+    uids = {uid for pid in spawners for uid in sandbox.sandbox_uids(pid)}
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -31,16 +33,29 @@ def _sandbox_processes() -> list[int]:
                 uid = int(next(line.split()[1] for line in f if line.startswith("Uid:")))
         except (OSError, StopIteration):
             continue
-        if uid >= 200_000:
+        if uid in uids:
             found.append(int(pid))
     return found
 
 
-def _no_sandbox_processes_left(deadline_s: float = 5.0) -> bool:
+def _children() -> set[int]:
+    """This process's child processes."""
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                if int(next(line.split()[1] for line in f if line.startswith("PPid:"))) == os.getpid():
+                    found.add(int(pid))
+        except (OSError, StopIteration):
+            continue
+    return found
+
+
+def _no_sandbox_processes_left(spawners: set[int], deadline_s: float = 5.0) -> bool:
     end = time.monotonic() + deadline_s
-    while _sandbox_processes() and time.monotonic() < end:
+    while _sandbox_processes(spawners) and time.monotonic() < end:
         time.sleep(0.05)
-    return not _sandbox_processes()
+    return not _sandbox_processes(spawners)
 
 
 def test_a_correct_program_passes_every_case_and_a_wrong_one_scores_its_fraction():
@@ -56,7 +71,7 @@ def test_a_fork_bomb_is_contained_and_leaves_no_process_behind():
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     result = run_python(bomb, limits=LIMITS)
     assert result.status == TIMEOUT and result.seconds < LIMITS.time_s + 3
-    assert _no_sandbox_processes_left()
+    assert _no_sandbox_processes_left({os.getpid()})
     assert run_python(GOOD, "1 1\n").stdout == "2\n"  # the machine is still usable
 
 
@@ -169,10 +184,12 @@ def test_hostile_programs_score_zero_through_the_reward_runner_and_scoring_goes_
     cases = json.dumps({"inputs": ["2 3\n"], "outputs": ["5\n"], "time_limit": 0.5, "memory_limit_mb": 256})
     runner = RewardRunner(None, timeout_s=30)
     try:
+        # status 0 each time: the reward process never hung or died, so one process ran every program
         for name, program in hostile.items():
             assert runner("codecontests", f"```python\n{program}```", cases) == (0.0, 0), name
         assert runner("codecontests", f"```python\n{GOOD}```", cases) == (1.0, 0)
+        spawners = {os.getpid(), *_children()}  # the reward process among them
     finally:
         runner.close()
     assert not (tmp_path / "escaped.txt").exists()
-    assert _no_sandbox_processes_left()
+    assert _no_sandbox_processes_left(spawners)
