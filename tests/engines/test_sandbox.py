@@ -22,33 +22,28 @@ ECHO_CASES = json.dumps({"inputs": ["2 3\n", "10 -4\n"], "outputs": ["5\n", "6\n
 GOOD = "a, b = map(int, input().split())\nprint(a + b)\n"
 
 
+def _processes(field: str) -> dict[int, int]:
+    """Every process's pid -> the number in its /proc status line `field` (Uid: the real uid)."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                found[int(pid)] = int(next(line.split()[1] for line in f if line.startswith(f"{field}:")))
+        except (OSError, StopIteration):
+            continue
+    return found
+
+
 def _sandbox_processes(spawners: set[int]) -> list[int]:
     """Processes running under the uids of the sandboxes that the `spawners` (pids)
     started: not those of tests running beside this one."""
     uids = {uid for pid in spawners for uid in sandbox.sandbox_uids(pid)}
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                uid = int(next(line.split()[1] for line in f if line.startswith("Uid:")))
-        except (OSError, StopIteration):
-            continue
-        if uid in uids:
-            found.append(int(pid))
-    return found
+    return [pid for pid, uid in _processes("Uid").items() if uid in uids]
 
 
 def _children() -> set[int]:
     """This process's child processes."""
-    found = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                if int(next(line.split()[1] for line in f if line.startswith("PPid:"))) == os.getpid():
-                    found.add(int(pid))
-        except (OSError, StopIteration):
-            continue
-    return found
+    return {pid for pid, parent in _processes("PPid").items() if parent == os.getpid()}
 
 
 def _no_sandbox_processes_left(spawners: set[int], deadline_s: float = 5.0) -> bool:
