@@ -21,7 +21,8 @@
     distflow runs [ROOT]
     distflow plot RUN [RUN ...] [--out FILE]
 
-A config or input error prints one line and exits with code 2; a failed worker exits 1.
+A config or input error found before launch prints one line and exits with code 2; a
+failed worker (a bad data row or a user's function among the causes) exits 1.
 """
 
 from __future__ import annotations
@@ -59,20 +60,52 @@ def new_run_dir(cfg: Config) -> Path:
     return path.resolve()
 
 
-def check_inputs(cfg: Config) -> None:
-    """Cheap existence checks before anything starts (contents are read by the workers)."""
-    for key in ("train_files", "val_files"):
-        for source in getattr(cfg.data, key).split(","):
-            source = source.strip()
-            if source and not source.startswith("builtin:") and not os.path.isfile(os.path.expanduser(source)):
-                raise ConfigError(f"data.{key}={source!r}: no such file")
-            if source.endswith(".parquet"):  # its footer only: a file that is not parquet stops here
-                from distflow.data.dataset import DatasetError, open_source
+def record_config(run_dir: Path, cfg: Config) -> None:
+    """The launch's config as config.json. Where the folder holds an earlier launch's that
+    differs (a run resumed with other settings), that one is kept as config-<n>.json,
+    n = 1 for the oldest."""
+    path, text = run_dir / "config.json", json.dumps(cfg.to_dict(), indent=1)
+    if path.is_file() and path.read_text() != text:
+        path.rename(run_dir / f"config-{1 + len(list(run_dir.glob('config-*.json')))}.json")
+    path.write_text(text)
 
+
+def check_inputs(cfg: Config) -> None:
+    """Cheap checks of what the config names, before anything starts: files and their
+    types, parquet footers, the run folder, the reward function's file or module, a
+    checkpoint to resume from (contents are read by the workers)."""
+    from distflow.data.dataset import DatasetError, open_source
+    from distflow.plugins import check_callable
+
+    for key in ("train_files", "val_files"):
+        spec, rows = getattr(cfg.data, key), 0
+        sources = [s.strip() for s in spec.split(",") if s.strip()]
+        for source in sources:
+            if source.startswith("builtin:"):
+                continue
+            if not os.path.isfile(os.path.expanduser(source)):
+                raise ConfigError(f"data.{key}={source!r}: no such file")
+            if not source.endswith((".parquet", ".jsonl", ".json")):
+                raise ConfigError(f"data.{key}={source!r}: unknown file type; expected .parquet or .jsonl")
+            if source.endswith(".parquet"):  # its footer only: a file that is not parquet stops here
                 try:
-                    open_source(source)
+                    rows += open_source(source).num_rows
                 except DatasetError as e:
                     raise ConfigError(f"data.{key}: {e}") from None
+        if sources and all(s.endswith(".parquet") for s in sources) and not rows:
+            raise ConfigError(f"data.{key}={spec!r}: no rows in the dataset")
+    if cfg.trainer.output_dir and os.path.exists(os.path.expanduser(cfg.trainer.output_dir)) and \
+            not os.path.isdir(os.path.expanduser(cfg.trainer.output_dir)):
+        raise ConfigError(f"trainer.output_dir={cfg.trainer.output_dir!r}: exists and is not a folder")
+    if cfg.reward.custom_fn is not None:
+        check_callable(cfg.reward.custom_fn, "reward.custom_fn")
+    if cfg.trainer.resume not in ("auto", "off"):
+        from distflow.trainer.checkpoint import CheckpointError, resolve
+
+        try:
+            resolve(cfg.trainer.resume, Path("."))
+        except CheckpointError as e:
+            raise ConfigError(str(e)) from None
     if cfg.runtime.device == "cuda":
         import torch
 
@@ -178,7 +211,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _fail(str(e))
     run_dir = new_run_dir(cfg)
     cfg.trainer.output_dir = str(run_dir)
-    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    record_config(run_dir, cfg)
     print(f"distflow: run folder {run_dir}", file=sys.stderr)
     if cfg.runtime.launcher == "torchrun":
         return _exec_torchrun(cfg, _config_argv(args))
@@ -317,7 +350,11 @@ def cmd_build_tiny_model(args: argparse.Namespace) -> int:
 
 
 def cmd_make_data(args: argparse.Namespace) -> int:
-    print(write_builtin_parquet(args.out, args.task, args.split, args.num, args.seed))
+    out = Path(args.out).expanduser()
+    if out.is_dir():
+        return _fail(f"--out={args.out!r}: is a folder; name the .parquet file to write")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(write_builtin_parquet(str(out), args.task, args.split, args.num, args.seed))
     return 0
 
 
@@ -437,6 +474,12 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _at_least_one(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer >= 1")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="distflow", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -457,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--task", choices=tuple(BUILTIN_TASKS), default="arith",
                       help="arith-tools: the tool task (a fourth level, two-digit products)")
     data.add_argument("--split", choices=("train", "test"), default="train")
-    data.add_argument("--num", type=int, default=1000)
+    data.add_argument("--num", type=_at_least_one, default=1000)
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--out", required=True)
     data.set_defaults(fn=cmd_make_data)

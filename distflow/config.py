@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -166,7 +167,7 @@ class ActorConfig:
     lr_warmup_steps: int = _spec(3, min=0, doc="steps of linear warm-up from lr / (warm-up + 1) to lr")
     min_lr_ratio: float = _spec(0.1, min=0.0, max=1.0, doc="the decayed learning rate at the last step, over lr")
     weight_decay: float = _spec(0.0, min=0.0)
-    grad_clip: float = _spec(1.0, min=0.0)
+    grad_clip: float = _spec(1.0, min=0.0, doc="the largest gradient norm; 0 = no clipping")
     ppo_epochs: int = _spec(1, min=1)
     ppo_mini_batch_size: int = _spec(16, min=1, doc="prompts per optimizer step, over all workers")
     micro_batch_size: int = _spec(64, min=1, doc="sequences per forward/backward on one worker")
@@ -207,7 +208,7 @@ class ActorConfig:
 class CriticConfig:
     lr: float = _spec(1e-4, min=0.0, doc="PPO's critic (value head on a copy of the policy)")
     value_clip: float = _spec(0.5, min=0.0, doc="clip range of the value loss")
-    grad_clip: float = _spec(1.0, min=0.0)
+    grad_clip: float = _spec(1.0, min=0.0, doc="the largest gradient norm; 0 = no clipping")
     strategy: str = _spec("auto", choices=("auto", "fsdp2", "ddp"), doc="as actor.strategy")
     gradient_checkpointing: bool = _spec(False, doc="as actor.gradient_checkpointing")
 
@@ -401,6 +402,8 @@ def _check_field(cfg: Config, key: str) -> None:
     value, meta = getattr(getattr(cfg, section), name), _section_fields(section)[name].metadata
     if value is None:
         return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}={value!r}: must be a finite number")
     if meta.get("choices") and value not in meta["choices"]:
         raise ConfigError(f"{key}={value!r}: allowed values are {', '.join(map(str, meta['choices']))}")
     if meta.get("min") is not None and value < meta["min"]:
@@ -559,6 +562,19 @@ def _validate_cross(cfg: Config) -> None:
                           f"{cfg.rollout.max_new_tokens}")
     if cfg.reward.custom_fn is not None and ":" not in cfg.reward.custom_fn:
         raise ConfigError(f"reward.custom_fn={cfg.reward.custom_fn!r}: expected module:function or path.py:function")
+    traced_steps(cfg)
+
+
+def traced_steps(cfg: Config) -> set[int]:
+    """trainer.trace_steps as a set of steps; a ConfigError names a part that is not one."""
+    steps = set()
+    for part in str(cfg.trainer.trace_steps).replace(" ", "").split(","):
+        if part and not (part.isdigit() and int(part) >= 1):
+            raise ConfigError(f"trainer.trace_steps={cfg.trainer.trace_steps!r}: {part!r} is not a step "
+                              "(comma-separated integers >= 1)")
+        if part:
+            steps.add(int(part))
+    return steps
 
 
 # ---------------------------------------------------------------------------- loading

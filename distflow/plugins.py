@@ -19,13 +19,8 @@ class PluginError(ValueError):
 
 def load_callable(spec: str, what: str) -> Callable:
     """`what` names the config key in errors, e.g. "reward.custom_fn"."""
-    target, _, name = str(spec).rpartition(":")
-    if not target or not name:
-        raise PluginError(f"{what}={spec!r}: expected module:function or path.py:function")
-    if target.endswith(".py"):
-        path = os.path.abspath(os.path.expanduser(target))
-        if not os.path.isfile(path):
-            raise PluginError(f"{what}={spec!r}: no such file {path}")
+    target, name, path = _located(spec, what)
+    if path is not None:
         module = _load_file(path, spec, what)
     else:
         try:
@@ -36,6 +31,32 @@ def load_callable(spec: str, what: str) -> Callable:
     if not callable(fn):
         raise PluginError(f"{what}={spec!r}: {target} has no function {name}")
     return fn
+
+
+def check_callable(spec: str, what: str) -> None:
+    """What `load_callable` checks before it runs any of the user's code: the form, and
+    that the file or module is there (a launcher checks this; the workers import it)."""
+    target, _, path = _located(spec, what)
+    if path is None:
+        try:
+            found = importlib.util.find_spec(target) is not None
+        except ImportError:  # a parent package is missing
+            found = False
+        if not found:
+            raise PluginError(f"{what}={spec!r}: cannot import {target} (no such module)")
+
+
+def _located(spec: str, what: str) -> tuple[str, str, str | None]:
+    """(module or file, function name, the file's absolute path or None for a module)."""
+    target, _, name = str(spec).rpartition(":")
+    if not target or not name:
+        raise PluginError(f"{what}={spec!r}: expected module:function or path.py:function")
+    if not target.endswith(".py"):
+        return target, name, None
+    path = os.path.abspath(os.path.expanduser(target))
+    if not os.path.isfile(path):
+        raise PluginError(f"{what}={spec!r}: no such file {path}")
+    return target, name, path
 
 
 def _load_file(path: str, spec: str, what: str):

@@ -1,10 +1,11 @@
 import importlib.util
+import json
 import subprocess
 import sys
 
 import pytest
 
-from distflow.config import ConfigError, load_config
+from distflow.config import ConfigError, load_config, traced_steps
 
 
 def test_defaults_are_valid():
@@ -44,6 +45,10 @@ def test_yaml_file_then_overrides(tmp_path):
     ("runtime.ray_address=1.2.3.4:6379 runtime.launcher=torchrun", "needs runtime.launcher=ray"),
     ("algorithm.name=dapo algorithm.group_size=1", "algorithm.group_size=1: dynamic sampling keeps only groups "
                                                    "whose rewards differ"),
+    ("actor.lr=nan", "actor.lr=nan: must be a finite number"),
+    ("critic.grad_clip=inf", "critic.grad_clip=inf: must be a finite number"),
+    ("trainer.trace_steps=2,abc", "trainer.trace_steps='2,abc': 'abc' is not a step"),
+    ("trainer.trace_steps=0", "trainer.trace_steps='0': '0' is not a step"),
 ])
 def test_bad_values_name_key_and_value(override, fragment):
     with pytest.raises(ConfigError) as err:
@@ -117,3 +122,76 @@ def test_off_is_a_word_for_a_text_key():
     assert load_config(None, ["algorithm.rollout_correction=off"]).algorithm.rollout_correction == "off"
     with pytest.raises(ConfigError, match=r"^algorithm.rollout_correction='on': allowed values are auto, off"):
         load_config(None, ["algorithm.rollout_correction=on"])
+
+
+def test_trace_steps_are_read_as_a_set_of_steps():
+    assert traced_steps(load_config(None, ["trainer.trace_steps= 3, 1,3"])) == {1, 3}
+    assert traced_steps(load_config(None, [])) == set()
+
+
+def _parquet(path, rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows, schema=pa.schema([("prompt", pa.string())])), path)
+    return path
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("data.train_files={tmp}/rows.csv", "data.train_files='{tmp}/rows.csv': unknown file type; expected .parquet or .jsonl"),
+    ("data.val_files={tmp}/empty.parquet", "data.val_files='{tmp}/empty.parquet': no rows in the dataset"),
+    ("data.train_files={tmp}/empty.parquet,{tmp}/empty.parquet", "no rows in the dataset"),
+    ("trainer.output_dir={tmp}/rows.csv", "trainer.output_dir='{tmp}/rows.csv': exists and is not a folder"),
+    ("reward.custom_fn=no_such_module_here:score", "reward.custom_fn='no_such_module_here:score': cannot import "
+                                                   "no_such_module_here (no such module)"),
+    ("reward.custom_fn=no_such_package.sub:score", "cannot import no_such_package.sub (no such module)"),
+    ("reward.custom_fn={tmp}/missing.py:score", "reward.custom_fn='{tmp}/missing.py:score': no such file"),
+    ("trainer.resume={tmp}", "trainer.resume='{tmp}': no complete checkpoint there"),
+])
+def test_inputs_the_launcher_can_check_fail_before_anything_starts(override, fragment, tmp_path):
+    """What `check_inputs` finds from the files' names, footers and folders alone."""
+    from distflow.cli import check_inputs
+
+    (tmp_path / "rows.csv").write_text("prompt\nhello\n")
+    _parquet(tmp_path / "empty.parquet", [])
+    cfg = load_config(None, [override.format(tmp=tmp_path)])
+    with pytest.raises(ValueError) as err:
+        check_inputs(cfg)
+    assert fragment.format(tmp=tmp_path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_what_the_launcher_checks_passes_where_the_inputs_are_there(tmp_path):
+    from distflow.cli import check_inputs
+
+    (tmp_path / "score.py").write_text("raise SystemExit('imported by the launcher')\n")  # found, never run
+    one = _parquet(tmp_path / "one.parquet", [{"prompt": "hi"}])
+    check_inputs(load_config(None, [f"data.train_files={_parquet(tmp_path / 'empty.parquet', [])},{one}",
+                                    f"reward.custom_fn={tmp_path}/score.py:score",
+                                    f"trainer.output_dir={tmp_path}/new", "trainer.resume=off"]))
+    check_inputs(load_config(None, ["reward.custom_fn=json:loads"]))
+
+
+def test_a_relaunch_with_other_settings_keeps_the_earlier_config(tmp_path):
+    from distflow.cli import record_config
+
+    first, second = load_config(None, ["trainer.total_steps=5"]), load_config(None, ["trainer.total_steps=9"])
+    record_config(tmp_path, first)
+    record_config(tmp_path, first)  # the same settings again (a resume): nothing to keep
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+    record_config(tmp_path, second)
+    record_config(tmp_path, first)
+    steps = {p.name: json.loads(p.read_text())["trainer"]["total_steps"] for p in tmp_path.iterdir()}
+    assert steps == {"config-1.json": 5, "config-2.json": 9, "config.json": 5}
+
+
+def test_make_data_refuses_a_count_below_one_and_makes_the_output_folder(tmp_path):
+    bad = subprocess.run([sys.executable, "-m", "distflow.cli", "make-data", "--num", "0", "--out", "x.parquet"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert bad.returncode == 2 and "argument --num: '0': must be an integer >= 1" in bad.stderr
+    assert not (tmp_path / "x.parquet").exists()
+    good = subprocess.run([sys.executable, "-m", "distflow.cli", "make-data", "--num", "3", "--out", "a/b/x.parquet"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert good.returncode == 0, good.stderr
+    from distflow.data.dataset import load_rows
+
+    assert len(load_rows(str(tmp_path / "a/b/x.parquet"))) == 3

@@ -215,7 +215,8 @@ class DataParallelTrainable:
                 (loss * self.dp_size).backward()
             for k, v in metrics.items():  # sums over micro-batches; a "*_max" metric keeps the largest
                 totals[k] = max(totals.get(k, v), v) if k.endswith("_max") else totals.get(k, 0.0) + v
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip)
+        # the global norm either way; 0 = no clipping (as in HF's Trainer), never a zero update
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip or math.inf)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         grad_norm = float(grad_norm)

@@ -46,9 +46,16 @@ def with_lora(model, settings: LoraSettings, adapter_path: str | Path | None = N
     if adapter_path is not None:
         return PeftModel.from_pretrained(model, str(adapter_path), is_trainable=True)
     targets = settings.target_modules
+    names = targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
+    if names != "all-linear":  # peft says so only where none is found, and without the config key
+        modules = dict(model.named_modules())
+        missing = [t for t in names if not any(n == t or n.endswith("." + t) for n in modules)]
+        if missing:
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items() if isinstance(m, torch.nn.Linear)})
+            raise ValueError(f"actor.lora_target_modules={targets!r}: the model has no module named "
+                             f"{', '.join(missing)}; its linear layers are named {', '.join(linear)}")
     config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-                        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
-                        bias="none", task_type="CAUSAL_LM")
+                        target_modules=names, bias="none", task_type="CAUSAL_LM")
     return get_peft_model(model, config)
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from distflow.algos.kl import make_kl_controller
-from distflow.config import Config, from_dict
+from distflow.config import Config, from_dict, traced_steps
 from distflow.coordinator.double_buffer import DoubleBuffer
 from distflow.coordinator.executor import TransferStats
 from distflow.coordinator.layout import Layout
@@ -286,7 +286,7 @@ class Trainer:
                                    refill=RefillPrompts(self.prompts, self.tokenizer, self.ctx)
                                    if any(n.refill for n in self.graph.nodes) else None,
                                    on_node=lambda name: self._status(self.ctx.step, name))
-        self.trace_steps = {int(s) for s in str(cfg.trainer.trace_steps).replace(" ", "").split(",") if s}
+        self.trace_steps = traced_steps(cfg)
         self.store = LocalStore()
         self.writer = MetricsWriter(run_dir / "metrics.jsonl") if self.rank == 0 else None
         self.trackers = Trackers(cfg, run_dir, self.rank)  # TensorBoard, W&B, MLflow (trainer.logger)

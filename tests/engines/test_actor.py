@@ -502,3 +502,18 @@ def test_the_value_model_returns_a_tensor_of_its_own_one_value_per_token(random_
     hidden = model.body(input_ids=ids, attention_mask=mask, position_ids=mask.cumsum(-1) - 1).last_hidden_state
     assert values.shape == (2, 5) and values.dtype == torch.float32 and not values._is_view()
     torch.testing.assert_close(values, model.value_head(hidden)[..., 0].float())
+
+
+def test_grad_clip_zero_means_no_clipping_not_a_zero_update(random_model_dir):
+    cfg = load_config(None, ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4"])
+    batch = _batch(random_model_dir)
+    loss = make_policy_loss(cfg, float(batch["response_mask"].sum()), float(len(batch)))
+    updated = {}
+    for clip in (0.0, 1e9):
+        actor = Actor(load_causal_lm(random_model_dir), OptimConfig(lr=1e-2, grad_clip=clip), torch.device("cpu"))
+        norm = actor.train_mini_batch(batch, [[0, 1], [2, 3]], loss)["grad_norm"]
+        updated[clip] = norm, {k: v.clone() for k, v in actor.model.state_dict().items()}
+    assert updated[0.0][0] == updated[1e9][0] > 0
+    assert all(torch.equal(v, updated[1e9][1][k]) for k, v in updated[0.0][1].items())
+    before = load_causal_lm(random_model_dir).state_dict()
+    assert any(not torch.equal(v, before[k]) for k, v in updated[0.0][1].items())

@@ -179,3 +179,15 @@ def test_lora_refuses_fsdp2_and_forced_overlap_in_one_line():
     with pytest.raises(ConfigError, match=r"^actor.lora_rank=8: the reference is the actor with its adapter switched "
                                           r"off, which must not run beside the rollout; use scheduler.overlap=auto or false$"):
         load_config(None, ["actor.lora_rank=8", "scheduler.overlap=true"])
+
+
+def test_a_target_module_the_model_lacks_is_named_with_the_config_key(random_model_dir):
+    model = load_causal_lm(random_model_dir)
+    some = LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules="q_proj, v_proj")
+    adapted = {n.removesuffix(".lora_A").rsplit(".", 1)[-1] for n, _ in with_lora(model, some).named_modules()
+               if n.endswith(".lora_A")}
+    assert adapted == {"q_proj", "v_proj"}
+    wrong = LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules="q_proj,nonsense_proj")
+    with pytest.raises(ValueError, match=r"actor.lora_target_modules='q_proj,nonsense_proj': the model has no "
+                                         r"module named nonsense_proj; its linear layers are named .*q_proj"):
+        with_lora(load_causal_lm(random_model_dir), wrong)
