@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -72,10 +72,24 @@ class DoubleBuffer(Generic[T]):
     def __iter__(self) -> Iterator[tuple[int, T]]:
         if self.count == 0:
             return
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="distflow-prefetch") as pool:
-            pending: Future = pool.submit(self._run, 0)
-            for index in range(self.count):
-                item = pending.result()
-                if index + 1 < self.count:  # start the next one before handing this one out
-                    pending = pool.submit(self._run, index + 1)
-                yield index, item
+        pending = self._start(0)
+        for index in range(self.count):
+            item = pending.result()
+            if index + 1 < self.count:  # start the next one before handing this one out
+                pending = self._start(index + 1)
+            yield index, item
+
+    def _start(self, index: int) -> Future:
+        """Produce item `index` on a daemon thread of its own: a caller that fails or stops
+        early neither waits for it (the next step's trajectories may never come once a
+        step has failed) nor keeps its process alive for it."""
+        future: Future = Future()
+
+        def produce() -> None:
+            try:
+                future.set_result(self._run(index))
+            except BaseException as e:  # handed to the caller, raised where it takes the item
+                future.set_exception(e)
+
+        threading.Thread(target=produce, name=f"distflow-prefetch-{index}", daemon=True).start()
+        return future

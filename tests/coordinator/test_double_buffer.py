@@ -1,6 +1,7 @@
 """Overlap shown from recorded events: producing item i+1 (the trainer's prefetch of
 the next step's prompts) finishes before the compute of item i ends."""
 
+import threading
 import time
 
 import pytest
@@ -57,3 +58,25 @@ def test_items_come_in_order_and_producer_errors_surface():
         for _, item in DoubleBuffer(boom, 4):
             got.append(item)
     assert got == [0, 1]
+
+
+def test_a_failing_step_reaches_its_caller_without_waiting_for_the_next_item():
+    """In a disaggregated run the next item is the next step's trajectories, which never
+    come once the trainer's step has failed: the failure must not wait for them."""
+    started, release, finished = threading.Event(), threading.Event(), threading.Event()
+
+    def produce(i: int) -> int:
+        if i == 1:
+            started.set()
+            release.wait(30)  # stands for trajectories that never come
+            finished.set()
+        return i
+
+    try:
+        with pytest.raises(RuntimeError, match="step 0 failed"):
+            for _, item in DoubleBuffer(produce, 3):
+                assert started.wait(30)
+                raise RuntimeError("step 0 failed")
+        assert not finished.is_set()  # the caller got its error while item 1 was still being produced
+    finally:
+        release.set()
