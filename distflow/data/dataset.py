@@ -71,9 +71,20 @@ def _row(raw: Any, index: int, where: str) -> PromptRow:
         messages=[{"role": str(m["role"]), "content": m["content"]} for m in messages],
         ground_truth=str(reward_model["ground_truth"]),
         data_source=str(raw.get("data_source") or "unknown"),
-        extra_info=dict(extra) if isinstance(extra, dict) else {},
+        extra_info=_json_values(extra, where) if isinstance(extra, dict) else {},
         images=list(images or []),
     )
+
+
+def _json_values(extra: dict, where: str) -> dict[str, Any]:
+    """`extra_info` as JSON gives it back (tuples as lists, keys as strings): rows that move
+    between workers travel as JSON, so every row, moved or kept, reaches the reward
+    function alike. A value JSON cannot hold is a bad row."""
+    try:
+        return json.loads(json.dumps(extra))
+    except (TypeError, ValueError) as e:
+        raise DatasetError(f"{where}: 'extra_info' must hold JSON values (strings, numbers, booleans, lists, "
+                           f"mappings): {e}") from None
 
 
 def _builtin(spec: str) -> Sequence[Any]:

@@ -161,3 +161,20 @@ def test_a_dataset_of_only_bad_rows_stops_with_a_clear_error_under_skip(tmp_path
     path.write_text("\n".join(json.dumps(_verl_row(i, reward_model={})) for i in range(5)) + "\n")
     with pytest.raises(DatasetError, match="replacement rows in a row were bad as well"):
         PromptReader(ShardedDataset(str(path)), max_len=8, on_bad_row="skip").take([0], _words)
+
+
+def test_extra_info_reaches_every_worker_as_json_gives_it_back_and_other_values_are_bad_rows(tmp_path):
+    """Rows that move between workers travel as JSON: a kept row must not differ from a
+    moved one (tuples become lists, keys strings), and what JSON cannot hold is a bad row."""
+    import datetime
+
+    mapped = tmp_path / "map.parquet"
+    pairs = pa.array([[(1, "a"), (2, "b")]], type=pa.map_(pa.int64(), pa.string()))
+    pq.write_table(pa.Table.from_pylist([_verl_row(0)]).drop(["extra_info"]).append_column(
+        "extra_info", pa.StructArray.from_arrays([pairs], names=["labels"])), mapped)
+    (row,) = load_rows(str(mapped))
+    assert row.extra_info == {"labels": [[1, "a"], [2, "b"]]}
+    dated = tmp_path / "dated.parquet"
+    pq.write_table(pa.Table.from_pylist([_verl_row(0, extra_info={"when": datetime.date(2026, 12, 6)})]), dated)
+    with pytest.raises(DatasetError, match=r"dated.parquet: row 0: 'extra_info' must hold JSON values .*date"):
+        load_rows(str(dated))
