@@ -171,7 +171,12 @@ class Packing:
                   "tensors": [[k, str(dtype).removeprefix("torch."), list(shape)]
                               for k, (dtype, shape) in zip(batch.tensors, self.shapes)],
                   "meta": {k: [m[i] for i in self.index.tolist()] for k, m in batch.meta.items()}}
-        self.head = json.dumps(header).encode()
+        try:
+            self.head = json.dumps(header).encode()
+        except (TypeError, ValueError) as e:
+            bad = [k for k, values in header["meta"].items() if not _is_json(values)]
+            raise TypeError(f"meta field(s) {', '.join(bad)} of the rows to send hold a value JSON cannot ("
+                            f"{e}); meta travels between workers as JSON") from None
         self.start = aligned(_HEADER_LEN_BYTES + len(self.head), _ALIGN)
         self.nbytes = self.start + carved_bytes(self.shapes, _ALIGN)
 
@@ -183,6 +188,14 @@ class Packing:
         for v, out in zip(self.sources, carve(buffer[self.start:], self.shapes, _ALIGN)):
             torch.index_select(v, 0, self.index, out=out)
         return buffer
+
+
+def _is_json(value) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def pack(batch: Batch, rows: Sequence[int], sample_ids: Sequence[int]) -> torch.Tensor:
@@ -271,9 +284,18 @@ class _Assembler:
         self.placed: set[int] = set()  # positions filled so far
         self.tensors: dict[str, torch.Tensor] = {}
         self.meta: dict[str, list] = {}
+        self.fields: tuple[list[str], list[str]] | None = None  # every piece's tensor and meta field names
 
     def add(self, piece: Batch, piece_ids: list[int], rows: list[int] | None = None) -> None:
-        """Place `piece`'s rows (`rows` of it, default all), labelled `piece_ids`."""
+        """Place `piece`'s rows (`rows` of it, default all), labelled `piece_ids`. Every
+        piece has the fields of the first (as `Batch.concat` requires): a field missing
+        from one would leave its rows with the bytes of an earlier batch."""
+        fields = (sorted(piece.tensors), sorted(piece.meta))
+        if self.fields is None:
+            self.fields = fields
+        elif fields != self.fields:
+            raise ValueError(f"the pieces of one batch differ in their fields: {fields} against {self.fields} "
+                             "(tensors, meta)")
         spots = [self.position[s] for s in piece_ids]
         index = None if _contiguous(spots) else torch.tensor(spots, dtype=torch.long)
         if rows is not None and _contiguous(rows):  # one block: views, copied once below
@@ -284,10 +306,8 @@ class _Assembler:
             shapes = [(part.dtype, (n, *part.shape[1:])) for part in piece.tensors.values()]
             self.tensors = dict(zip(piece.tensors, carve(BUFFERS.take(carved_bytes(shapes)), shapes)))
         for name, part in piece.tensors.items():
-            out = self.tensors.get(name)
-            if out is None:
-                out = self.tensors[name] = torch.empty((n, *part.shape[1:]), dtype=part.dtype)
-            elif part.dim() >= 2 and part.shape[1] > out.shape[1]:
+            out = self.tensors[name]
+            if part.dim() >= 2 and part.shape[1] > out.shape[1]:
                 wider = torch.zeros((n, *part.shape[1:]), dtype=out.dtype)
                 self._columns(wider, out.shape[1], name).copy_(out)
                 out = self.tensors[name] = wider

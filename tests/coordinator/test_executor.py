@@ -4,6 +4,7 @@ DP -> TP-group layout and back, byte accounting, zero bytes for the same layout.
 import os
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -138,6 +139,9 @@ def test_pack_roundtrip_keeps_dtypes_shapes_and_strings():
     for k, v in batch.tensors.items():
         assert out[k].dtype == v.dtype and torch.equal(out[k], v[[0, 2]])
     assert out["ground_truth"] == ["answer-1", "answer-9"]
+    batch.meta["score"] = [np.int64(i) for i in range(len(batch))]  # a node's numpy scalars
+    with pytest.raises(TypeError, match="meta field.s. score of the rows to send hold a value JSON cannot"):
+        pack(batch, [0, 2], [ids[0], ids[2]])
 
 
 def test_assembler_places_pieces_in_any_order_and_pads_like_concat():
@@ -171,6 +175,10 @@ def test_assembler_places_pieces_in_any_order_and_pads_like_concat():
     partial.add(Batch({"scores": torch.ones(2)}, {}), [3, 1])
     with pytest.raises(AssertionError, match="assembled 2 of the 3 samples"):
         partial.result(0)
+    for other in (Batch({"scores": torch.ones(1), "extra": torch.ones(1)}, {}), Batch({}, {}),
+                  Batch({"scores": torch.ones(1)}, {"ground_truth": ["x"]})):
+        with pytest.raises(ValueError, match="the pieces of one batch differ in their fields"):
+            partial.add(other, [2])  # a field missing from one piece, or one more: never stale rows
 
 
 def test_assembler_gathers_chosen_rows_of_a_piece_like_placing_their_selection():
