@@ -162,17 +162,20 @@ def batch_whiten(
 ) -> torch.Tensor:
     """Whiten ``x`` over the valid tokens of the whole batch; 0 on masked positions.
 
-    The batch may be spread over processes: ``sum_fn`` reduces (sum x, sum x^2,
-    count) over all of them (an all-reduce in a distributed run, injected by the
-    caller so that this module stays free of collectives). One pass of moments,
-    so every process computes the same mean and unbiased variance from three
-    numbers; a batch with one valid token has variance 0 and whitens to 0.
+    The batch may be spread over processes: ``sum_fn`` sums numbers over all of them
+    (an all-reduce in a distributed run, injected by the caller so that this module
+    stays free of collectives), called twice on every process: (sum x, count), then
+    the sum of squared deviations from the mean. Two passes in float64, as
+    ``masked_var``: the one-pass sum of squares cancels where the mean is large
+    against the spread (a reward model's offset). A batch with one valid token has
+    variance 0 and whitens to 0.
     """
-    m = mask.float()
-    total, total_sq, count = sum_fn(float((x * m).sum()), float((x * x * m).sum()), float(m.sum()))
+    m, wide = mask.to(torch.float64), x.to(torch.float64)
+    total, count = sum_fn(float((wide * m).sum()), float(m.sum()))
     mean = total / max(count, 1.0)
-    var = (total_sq - count * mean * mean) / max(count - 1.0, 1.0)
-    return (x - mean) * torch.rsqrt(torch.tensor(max(var, 0.0) + _WHITEN_EPS)) * m
+    (squared_deviations,) = sum_fn(float(((wide - mean) ** 2 * m).sum()))
+    var = squared_deviations / max(count - 1.0, 1.0)
+    return ((wide - mean) * (var + _WHITEN_EPS) ** -0.5 * m).to(x.dtype)
 
 
 # --------------------------------------------------------------------------
