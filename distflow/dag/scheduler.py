@@ -42,10 +42,14 @@ class NodeFailed(RuntimeError):
 
 class NodeContext:
     """What a node's callable sees: the worker's context (engines, config, step, metrics)
-    plus this node's `params` and `node`."""
+    plus this node's `params` and `node`, and `counts_rows`: whether this worker's rows
+    count in a sum over workers. In the `groups` layout every member of a rollout
+    replica holds all of the replica's rows, so only its first member counts them; a
+    node that sums numbers about its rows over workers (a count, a mean's parts) adds
+    zeros where this is False."""
 
-    def __init__(self, base: Any, node: Node):
-        self._base, self.node, self.params = base, node, node.params
+    def __init__(self, base: Any, node: Node, counts_rows: bool = True):
+        self._base, self.node, self.params, self.counts_rows = base, node, node.params, counts_rows
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._base, name)
@@ -154,13 +158,20 @@ class Scheduler:
             self.on_node(node.name)
         start = time.perf_counter()
         try:
-            return self.fns[node.name](NodeContext(ctx, node), batch)
+            return self.fns[node.name](self._context(ctx, node), batch)
         except NodeFailed:
             raise
         except Exception as e:
             raise self._failed(node, e) from e
         finally:
             self._span(node.name, start, chunk)
+
+    def _context(self, ctx: Any, node: Node) -> NodeContext:
+        return NodeContext(ctx, node, self._counts_rows(node))
+
+    def _counts_rows(self, node: Node) -> bool:
+        """See `NodeContext.counts_rows`."""
+        return node.layout != "groups" or self.placement.rollout.tp_rank(self.rank) == 0
 
     def _failed(self, node: Node, error: Exception) -> NodeFailed:
         """One line; the original exception (and its traceback) is chained as the cause."""
@@ -235,7 +246,7 @@ class Scheduler:
                 if chunks is None:
                     if self.on_node is not None:
                         self.on_node(node.name)
-                    chunks = iter(self.fns[node.name](NodeContext(ctx, node), self._inputs(store, node)))
+                    chunks = iter(self.fns[node.name](self._context(ctx, node), self._inputs(store, node)))
                 rows, chunk = next(chunks)
             except StopIteration:
                 break
@@ -314,11 +325,12 @@ class Scheduler:
         so the choice is the same for any number of workers."""
         src, flag, rounds = self.refill, node.outputs[0], 0
         batches = [store.all()]
+        counted = self._counts_rows(node)  # a replica's groups are counted and offered once, by its first member
 
         def passed(batch: Batch) -> set[int]:
             return {k for k, ok in zip(src.group_keys(batch), batch[flag].tolist()) if ok}
 
-        while (all_reduce_int(sum(len(passed(b)) for b in batches)) < src.target_groups
+        while (all_reduce_int(sum(len(passed(b)) for b in batches) if counted else 0) < src.target_groups
                and rounds < src.max_rounds):
             rounds += 1
             more, state = LocalStore(), self.state
@@ -329,12 +341,12 @@ class Scheduler:
             batches.append(more.all())
         batch = Batch.concat(batches) if len(batches) > 1 else batches[0]
         keys, good = src.group_keys(batch), passed(batch)
-        mine = sorted({(k not in good, k) for k in keys})
+        mine = sorted({(k not in good, k) for k in keys}) if counted else []
         chosen = sorted(k for _, k in sorted(x for part in all_gather_objects(mine) for x in part)[:src.target_groups])
         chosen_set = set(chosen)
         store.replace(src.renumber(batch.select([i for i, k in enumerate(keys) if k in chosen_set]), chosen))
         self.counters[f"{node.name}/refill_rounds"] = float(rounds)
-        self.counters[f"{node.name}/passed_groups"] = float(all_reduce_int(len(good)))
+        self.counters[f"{node.name}/passed_groups"] = float(all_reduce_int(len(good) if counted else 0))
 
 
 def chrome_trace(spans: list[Span], rank: int, t0: float | None = None) -> dict:

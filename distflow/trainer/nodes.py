@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -246,6 +246,13 @@ def critic_values(ctx: WorkerContext, batch: Batch) -> Batch:
 # ---------------------------------------------------------------------------- advantage
 
 
+def _summed_over_workers(ctx) -> Callable[..., list[float]]:
+    """`all_reduce_sum` of numbers about this worker's rows, each row counted once: a
+    worker whose rows another member of its replica counts adds zeros
+    (`NodeContext.counts_rows`)."""
+    return lambda *values: all_reduce_sum(*(values if ctx.counts_rows else [0.0] * len(values)))
+
+
 def kl_in_reward(ctx: WorkerContext, batch: Batch) -> Batch:
     """algorithm.use_kl_in_reward: token rewards = the score on the last token minus
     beta * KL(sampler || reference) on every token, with beta from the controller; the
@@ -256,7 +263,7 @@ def kl_in_reward(ctx: WorkerContext, batch: Batch) -> Batch:
     rewards, per_token = kl.kl_penalized_rewards(scores, batch["rollout_log_probs"], batch["ref_log_probs"], mask,
                                                  beta, a.reward_kl_type)
     seq_kl = kl.sequence_mean_kl(per_token, mask)  # (B,)
-    total, count = all_reduce_sum(float(seq_kl.sum()), float(len(seq_kl)))
+    total, count = _summed_over_workers(ctx)(float(seq_kl.sum()), float(len(seq_kl)))
     current_kl = total / max(count, 1.0)
     ctx.reward_kl.update(current_kl, int(count))
     ctx.acc.add("reward_kl/penalty", float(seq_kl.sum()), len(seq_kl))
@@ -284,7 +291,8 @@ def advantage(ctx: WorkerContext, batch: Batch) -> Batch:
     inputs = AdvantageInputs(token_rewards=token_rewards, mask=mask, group_ids=batch["group"],
                              values=batch["values"] if "values" in info.needs else None,
                              baseline=batch["baseline_scores"] if "baseline" in info.needs else None,
-                             gamma=a.gamma, lam=a.lam, whiten=partial(core.batch_whiten, sum_fn=all_reduce_sum))
+                             gamma=a.gamma, lam=a.lam,
+                             whiten=partial(core.batch_whiten, sum_fn=_summed_over_workers(ctx)))
     advantages, returns = estimator(inputs)
     return Batch({"advantages": advantages, "returns": returns} if "values" in info.needs
                  else {"advantages": advantages})

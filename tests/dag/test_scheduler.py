@@ -13,6 +13,7 @@ from distflow.coordinator.store import LocalStore
 from distflow.dag.graph import Graph, Node
 from distflow.dag.scheduler import NodeFailed, Placement, Scheduler, chrome_trace, node_seconds
 from distflow.data.batch import Batch
+from helpers import run_gloo
 
 WAIT = 10.0  # seconds a node waits for an event that overlap should produce
 
@@ -204,3 +205,50 @@ def test_refill_tops_up_with_rejected_groups_when_rounds_run_out():
     _, store, _, _ = run(g, False, refill=refill)
     # passed: 1, 11; then the lowest rejected keys: 0, 2
     assert sorted(set(store.get("group")["group"].tolist())) == [0, 1, 2, 11]
+
+
+class RankRefill(Refill):
+    """Rank r's rows: groups 2r and 2r+1 of the step, 10r+10+2r and +1 in round r: each
+    group's two rows on one rank (distinct sample ids), odd groups pass."""
+
+    target_groups, max_rounds = 4, 3
+
+    def __init__(self, rank):
+        super().__init__()
+        self.rank = rank
+
+    def prompts(self, round_):
+        self.rounds = round_
+        return _rank_rows([10 * round_ + 2 * self.rank + g for g in range(2)])
+
+
+def _rank_rows(groups):
+    keys = torch.tensor([g for g in groups for _ in range(2)])
+    return Batch({"x": keys.float(), "group": keys, "prompt_mask": torch.ones(len(keys), 2, dtype=torch.long),
+                  "sample_id": keys * 2 + torch.arange(len(keys)) % 2})
+
+
+def _refill_on_replicas(rank, world, replica_size):
+    g = Graph([Node(name="f", role="filter", fn=keep_odd_groups, inputs=("group",), outputs=("keep",),
+                    refill=True)], ["x", "group", "prompt_mask", "sample_id"])
+    store, ctx = LocalStore(), Ctx()
+    store.put(_rank_rows([2 * rank, 2 * rank + 1]))
+    sched = Scheduler(g, placement=Placement(Layout(world, tp_size=replica_size), Layout.data_parallel(world)),
+                      overlap=False, refill=RankRefill(rank))
+    try:
+        sched.run(ctx, store, step=1)
+    finally:
+        sched.close()
+    return sorted(set(store.get("group")["group"].tolist())), sched.counters
+
+
+def test_a_refill_counts_and_chooses_each_group_once_where_a_replica_s_members_all_hold_it():
+    """With rollout.replica_size=2 both members of the replica hold every group in the
+    filter's layout: the groups passed so far and the ones offered for the choice are
+    each counted once, so the step gets the same groups as with one rank per replica."""
+    alone = run_gloo(_refill_on_replicas, 2, 1)
+    shared = run_gloo(_refill_on_replicas, 2, 2)
+    # passed in the step: 1 and 3 of 4 wanted; round 1 brings 11 and 13
+    assert [groups for groups, _ in alone] == [[1, 11], [3, 13]]
+    assert [groups for groups, _ in shared] == [[1, 3, 11, 13]] * 2
+    assert all(counters == {"f/refill_rounds": 1.0, "f/passed_groups": 4.0} for _, counters in alone + shared)

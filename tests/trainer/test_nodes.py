@@ -13,6 +13,7 @@ from distflow.trainer import nodes
 class Ctx:
     def __init__(self, params, *overrides):
         self.cfg, self.params = load_config(None, list(overrides)), params
+        self.counts_rows = True  # one process: its rows count
 
 
 MASK = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]])
@@ -80,13 +81,14 @@ def test_overlong_penalty_ramps_over_the_buffer():
     assert out["shaped_scores"].tolist() == [1.0, 0.5, 0.0]  # penalties 0, -0.5, -1
 
 
-class StepCtx:
+class StepCtx(Ctx):
     """A node's context with the parts the KL-in-reward and ReMax nodes use."""
 
     def __init__(self, params, *overrides, **parts):
         from distflow.trainer.metrics import MeanAccumulator
 
-        self.cfg, self.params, self.acc = load_config(None, list(overrides)), params, MeanAccumulator()
+        super().__init__(params, *overrides)
+        self.acc = MeanAccumulator()
         self.__dict__.update(parts)
 
 
@@ -105,6 +107,36 @@ def test_kl_in_reward_node_subtracts_beta_kl_and_feeds_the_controller():
     assert ctrl.value == pytest.approx(0.1 * 1.004)
     metrics = ctx.acc.reduce()
     assert metrics["reward_kl/coef"] == pytest.approx(0.1) and metrics["reward_kl/penalty"] == pytest.approx(1 / 6)
+
+
+KL_BATCH = {"scores": torch.tensor([1.0, 45.0]), "response_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
+            "rollout_log_probs": torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -0.2, -9.0]]),
+            "ref_log_probs": torch.tensor([[-1.5, -2.0, -0.25], [-0.6, -0.2, 0.0]])}
+
+
+def _replicated_rows(rank, world):
+    """Both ranks hold the same rows, as the members of one rollout replica do in the
+    groups layout; only the first counts them (what the scheduler tells each node)."""
+    from distflow.algos.kl import make_kl_controller
+
+    ctrl = make_kl_controller("adaptive", 0.1, target=0.05, horizon=100)
+    ctx = StepCtx({"reward_field": "scores"}, "algorithm.reward_kl_type=k1", reward_kl=ctrl)
+    ctx.counts_rows = rank == 0
+    nodes.kl_in_reward(ctx, Batch(dict(KL_BATCH)))
+    ctx.params = {"estimator": "reinforce_plus_plus", "reward_field": "scores"}
+    out = nodes.advantage(ctx, Batch({"scores": REWARDS, "response_mask": MASK, "group": GROUPS}))
+    return ctrl.value, out["advantages"]
+
+
+def test_a_replica_s_members_holding_the_same_rows_count_them_once_over_workers():
+    """The KL controller's step and the batch-wide whitening see each row once: two
+    members of one replica give what one worker holding the rows alone gives."""
+    from helpers import run_gloo
+
+    alone = _replicated_rows(0, 1)
+    for value, advantages in run_gloo(_replicated_rows, 2):
+        assert value == pytest.approx(alone[0], rel=1e-12)  # 0.1 * 1.004, not 1.008: two samples, not four
+        torch.testing.assert_close(advantages, alone[1], rtol=0, atol=1e-12)
 
 
 def test_greedy_baseline_scores_one_greedy_response_per_group():
