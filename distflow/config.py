@@ -525,6 +525,9 @@ def _validate_cross(cfg: Config) -> None:
     if batch % (n_workers // size):
         raise ConfigError(f"data.train_batch_size={batch}: must be divisible by the number of rollout "
                           f"replicas, runtime.{workers} / rollout.replica_size = {n_workers // size}")
+    if cfg.runtime.placement == "disaggregated" and batch % cfg.runtime.train_workers:
+        raise ConfigError(f"data.train_batch_size={batch}: must be divisible by runtime.train_workers="
+                          f"{cfg.runtime.train_workers} (the train side's loader splits each step's prompts evenly)")
     mini = cfg.actor.ppo_mini_batch_size
     if batch % mini:
         raise ConfigError(f"actor.ppo_mini_batch_size={mini}: must divide data.train_batch_size={batch}")

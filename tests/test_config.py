@@ -45,6 +45,8 @@ def test_yaml_file_then_overrides(tmp_path):
     ("runtime.ray_address=1.2.3.4:6379 runtime.launcher=torchrun", "needs runtime.launcher=ray"),
     ("algorithm.name=dapo algorithm.group_size=1", "algorithm.group_size=1: dynamic sampling keeps only groups "
                                                    "whose rewards differ"),
+    ("runtime.placement=disaggregated runtime.train_workers=3 runtime.rollout_workers=1 data.train_batch_size=8 "
+     "actor.ppo_mini_batch_size=8", "data.train_batch_size=8: must be divisible by runtime.train_workers=3"),
     ("actor.lr=nan", "actor.lr=nan: must be a finite number"),
     ("critic.grad_clip=inf", "critic.grad_clip=inf: must be a finite number"),
     ("trainer.trace_steps=2,abc", "trainer.trace_steps='2,abc': 'abc' is not a step"),
