@@ -35,6 +35,7 @@ from distflow.engines.lora import is_lora
 
 STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_ASIDE = ".replaced"  # a checkpoint being replaced by a newer one of the same name (`put_in_place`)
 FORMAT_VERSION = 1
 
 
@@ -105,9 +106,7 @@ def save(path: Path, *, hf_skeleton, tokenizer, actor, critic, step: int, loader
         _fault_point(f"checkpoint:{step}")
         (tmp / STATE_FILE).write_text(json.dumps({"format": FORMAT_VERSION, "step": step, "dataloader": loader_state,
                                                   "world_size": len(rngs), "algorithm": algorithm_state or {}}))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)  # complete: from now on it is the latest checkpoint
+        put_in_place(tmp, path)
         _prune(path.parent, keep_last)
     if dist.is_initialized():
         dist.barrier()  # nobody runs ahead of a checkpoint that is still being written
@@ -119,6 +118,19 @@ def _fault_point(name: str) -> None:
     OOM kill would."""
     if os.environ.get("DISTFLOW_FAULT") == name:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def put_in_place(tmp: Path, path: Path) -> None:
+    """The complete checkpoint `tmp` becomes `path`; an earlier one there (a resumed
+    run's `final`) is renamed aside first and removed last, so a crash at any point
+    leaves a complete checkpoint that `latest` finds."""
+    aside = path.with_name(path.name + _ASIDE)
+    if path.exists():
+        if aside.exists():  # a crash left one aside before: `path` is the newer
+            shutil.rmtree(aside)
+        os.replace(path, aside)
+    os.replace(tmp, path)  # complete: from now on it is the latest checkpoint
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _prune(folder: Path, keep_last: int) -> None:
@@ -135,14 +147,17 @@ def _prune(folder: Path, keep_last: int) -> None:
 
 
 def latest(folder: Path) -> Path | None:
-    """The newest complete checkpoint under `folder` (`step_*` or `final`), or None."""
+    """The newest complete checkpoint under `folder` (`step_*` or `final`; one a crash
+    left renamed aside while a newer was put in its place, where that one is not there),
+    or None."""
     if not folder.is_dir():
         return None
     found = []
     for p in folder.iterdir():
-        if (p / STATE_FILE).is_file() and (_STEP_DIR.match(p.name) or p.name == "final"):
-            found.append((read_state(p)["step"], p.name == "final", p))
-    return max(found)[2] if found else None
+        name = p.name.removesuffix(_ASIDE)
+        if (p / STATE_FILE).is_file() and (_STEP_DIR.match(name) or name == "final"):
+            found.append((read_state(p)["step"], name == "final", name == p.name, p))
+    return max(found)[3] if found else None
 
 
 def read_state(path: Path) -> dict[str, Any]:

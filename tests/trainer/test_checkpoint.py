@@ -129,3 +129,32 @@ def test_ppo_resumes_from_a_path_on_another_worker_count_like_an_uninterrupted_r
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (key, a["step"], a[key], b[key])
     # the controller moved (target far below the KL) and resumed from its saved value
     assert got[4]["reward_kl/coef"] > got[1]["reward_kl/coef"] and "critic/vf_loss" in got[4]
+
+
+def _complete(folder, step):
+    folder.mkdir()
+    (folder / checkpoint.STATE_FILE).write_text(json.dumps({"format": 1, "step": step}))
+    return folder
+
+
+def test_replacing_a_checkpoint_leaves_a_complete_one_whenever_it_is_cut_short(tmp_path, monkeypatch):
+    """A resumed run writes `final` again: its old `final` goes aside first and is removed
+    last, so a crash between any two steps leaves a complete checkpoint to resume from."""
+    _complete(tmp_path / "final", 60)
+    real_replace, calls = os.replace, []
+
+    def crash_at_the_second_rename(src, dst):
+        calls.append((src, dst))
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed between the renames")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "replace", crash_at_the_second_rename)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.put_in_place(_complete(tmp_path / "final.tmp", 100), tmp_path / "final")
+    monkeypatch.undo()
+    found = checkpoint.latest(tmp_path)
+    assert found == tmp_path / "final.replaced" and checkpoint.read_state(found)["step"] == 60
+    checkpoint.put_in_place(tmp_path / "final.tmp", tmp_path / "final")  # the next save completes it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+    assert checkpoint.read_state(checkpoint.latest(tmp_path))["step"] == 100
