@@ -8,6 +8,7 @@ the same scheduler runs each node on the driver's command instead
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -37,7 +38,7 @@ from distflow.engines.common import (causal_lm_skeleton, checkpoints_activations
 from distflow.engines.agent import EpisodeRunner, EpisodeSettings, ToolEnvironment
 from distflow.engines.critic import Critic
 from distflow.engines.openai_endpoint import AgentRunner, AgentSettings
-from distflow.engines.lora import AdapterDisabledReference, LoraSettings, is_adapter_folder, with_lora
+from distflow.engines.lora import AdapterDisabledReference, LoraSettings, adapter_base, is_adapter_folder, with_lora
 from distflow.engines.reward import RewardRunner
 from distflow.engines.rollout import HFRolloutEngine, RolloutEngine
 from distflow.engines.tools import Toolbox
@@ -155,7 +156,8 @@ class RefillPrompts:
 def make_rollout_engine(cfg: Config, policy_path: str, tokenizer, device: torch.device,
                         actor: Actor | None) -> RolloutEngine:
     """rollout.engine: HF generate on the policy (the actor's own weights when every worker
-    holds them whole, else a full copy; `actor` None: evaluation only), or a colocated vLLM engine."""
+    holds them whole, else a full copy; `actor` None: no trainer in this process, as in evaluation
+    and on a disaggregated rollout worker), or a colocated vLLM engine."""
     r = cfg.rollout
     if r.engine == "hf" and actor is not None and actor.holds_full_weights:  # DDP or one worker: nothing to copy
         return HFRolloutEngine(actor.module, tokenizer, r.micro_batch_size, shares_trainer_weights=True)
@@ -163,13 +165,18 @@ def make_rollout_engine(cfg: Config, policy_path: str, tokenizer, device: torch.
         return HFRolloutEngine(load_causal_lm(policy_path, cfg.model.dtype, device), tokenizer, r.micro_batch_size)
     from distflow.engines.vllm_rollout import VLLMRolloutEngine
 
-    if is_adapter_folder(resolve_model_path(policy_path)):  # a LoRA checkpoint: the base; the trainer pushes the merge
-        policy_path = cfg.model.path
-    return VLLMRolloutEngine(resolve_model_path(policy_path), tokenizer, tensor_parallel_size=r.tensor_parallel_size,
-                             dtype=cfg.model.dtype, max_model_len=cfg.data.max_prompt_length + r.max_new_tokens,
-                             seed=cfg.trainer.seed, gpu_memory_utilization=r.gpu_memory_utilization,
-                             kv_cache_memory_gb=r.kv_cache_memory_gb,
-                             release_memory_after_rollout=r.release_memory_after_rollout)
+    path = resolve_model_path(policy_path)
+    adapter = is_adapter_folder(path)  # a LoRA checkpoint: vLLM loads its base, then takes the merged weights
+    engine = VLLMRolloutEngine(resolve_model_path(adapter_base(path)) if adapter else path, tokenizer,
+                               tensor_parallel_size=r.tensor_parallel_size, dtype=cfg.model.dtype,
+                               max_model_len=cfg.data.max_prompt_length + r.max_new_tokens, seed=cfg.trainer.seed,
+                               gpu_memory_utilization=r.gpu_memory_utilization,
+                               kv_cache_memory_gb=r.kv_cache_memory_gb,
+                               release_memory_after_rollout=r.release_memory_after_rollout)
+    if adapter:  # the trainer's weights, or the checkpoint's merge where none is here (evaluation, a rollout worker)
+        engine.update_weights(actor.iter_full_weights() if actor is not None else
+                              load_causal_lm(path, cfg.model.dtype).state_dict().items(), version=0)
+    return engine
 
 
 def make_episode_runner(cfg: Config, engine: RolloutEngine, tokenizer) -> EpisodeRunner | AgentRunner | None:
@@ -258,8 +265,6 @@ class Trainer:
                       device, cfg.rollout.temperature, cfg.actor.strategy, compute_dtype, cfg.actor.forward_prompt_once,
                       cfg.actor.gradient_checkpointing, cfg.actor.output_head_chunk_tokens)
         rollout = make_rollout_engine(cfg, policy_path, self.tokenizer, device, actor)
-        if self.resume_from is not None and cfg.actor.lora_rank:  # an engine of its own starts from the base
-            rollout.update_weights(actor.iter_full_weights(), version=0)
         self.policy_skeleton = causal_lm_skeleton(cfg.model.path)  # what writes the policy into a checkpoint
         ref = None
         if "reference" in roles:  # with LoRA: the actor's own base (its adapter off), no second copy
@@ -452,12 +457,15 @@ class Trainer:
         return summary
 
     def close(self) -> None:
-        self.scheduler.close()
-        if self.ctx.episodes is not None:
-            self.ctx.episodes.close()
-        self.rollout.close()
-        self.trackers.close()
-        close_reward_runners(self.ctx.reward_fn, self.ctx.accuracy_fn)
+        """Every part, in this order, each even where one before it fails to close (that
+        error is raised once all are done)."""
+        with contextlib.ExitStack() as parts:  # its callbacks run last-in first-out
+            parts.callback(close_reward_runners, self.ctx.reward_fn, self.ctx.accuracy_fn)
+            parts.callback(self.trackers.close)
+            parts.callback(self.rollout.close)
+            if self.ctx.episodes is not None:
+                parts.callback(self.ctx.episodes.close)
+            parts.callback(self.scheduler.close)
 
     def _check_bad_steps(self, step: int, metrics: dict[str, float]) -> None:
         """A step where an update met NaN/inf was skipped (counted in */skipped_updates);

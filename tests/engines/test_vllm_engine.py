@@ -157,3 +157,41 @@ def test_a_tensor_parallel_replica_trains_like_one_worker(tmp_path):
             assert a[k] == b[k], (k, a[k], b[k])
         for k in ["actor/pg_loss", "actor/kl", "actor/grad_norm", "rollout_correction/mismatch_kl"]:
             assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-6), (k, a[k], b[k])
+
+
+def _lora_checkpoint(rank: int, world: int, folder: str) -> dict:
+    """A LoRA checkpoint (an adapter folder) whose adapter changes the model, given to
+    the engine with no trainer in the process, as evaluation and a disaggregated rollout
+    worker do: the engine samples from the merge, not from the base."""
+    from distflow.config import BUILTIN_MODEL, load_config
+    from distflow.engines.common import forward_response, load_causal_lm, load_tokenizer
+    from distflow.engines.lora import LoraSettings, with_lora
+    from distflow.engines.rollout import SamplingParams
+    from distflow.trainer.loop import make_rollout_engine
+
+    torch.manual_seed(0)
+    adapted = with_lora(load_causal_lm(BUILTIN_MODEL), LoraSettings(rank=8, alpha=16.0, dropout=0.0,
+                                                                   target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    adapted.save_pretrained(folder)
+    cfg = load_config(None, ["rollout.engine=vllm", f"model.path={folder}", "rollout.kv_cache_memory_gb=0.25"])
+    tok = load_tokenizer(BUILTIN_MODEL)
+    engine = make_rollout_engine(cfg, folder, tok, torch.device("cpu"), actor=None)
+    prompts, seeds = _requests(tok)
+    out = engine.generate(prompts, seeds, SamplingParams(temperature=0.8, max_new_tokens=20))
+    engine.close()
+    mask = out["response_mask"].bool()
+    gaps = {}
+    for which, model in (("merged", load_causal_lm(folder)), ("base", load_causal_lm(BUILTIN_MODEL))):
+        lp, _ = forward_response(model, out["prompts"], out["prompt_mask"], out["responses"], out["response_mask"],
+                                 temperature=0.8)
+        gaps[which] = (lp - out["rollout_log_probs"])[mask].abs().max().item()
+    return gaps
+
+
+def test_a_lora_checkpoint_without_a_trainer_samples_from_its_merge(tmp_path):
+    (gaps,) = run_gloo(_lora_checkpoint, 1, str(tmp_path / "adapter"), timeout=300)
+    assert gaps["merged"] < 2e-4 and gaps["base"] > 1e-2, gaps
