@@ -30,7 +30,7 @@ _LOG_RATIO_CLAMP = 20.0  # exp() of a log-ratio stays finite
 @dataclass
 class CorrectionOutput:
     weights: torch.Tensor  # (B, T), detached; 0 where masked
-    mismatch_kl: torch.Tensor  # masked mean of k3(old || rollout): how far apart the two policies are
+    mismatch_kl: torch.Tensor  # masked mean of k3, an estimate of KL(rollout || old): how far apart they are
     weight_mean: torch.Tensor  # over valid tokens
     weight_max: torch.Tensor
     corrected_fraction: torch.Tensor  # valid tokens truncated (tis) or masked out (mask)
@@ -56,8 +56,10 @@ def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
             inside = (rho >= 1.0 / cap) & (rho <= cap)
             weights, corrected = inside.to(rho.dtype), ~inside
         weights = weights * m
-        diff = rollout_log_probs - old_log_probs  # k3(old || rollout), non-negative per token
-        k3 = torch.exp(diff.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)) - diff - 1
+        # k3 = r - 1 - log r with r = old / rollout: unbiased for KL(rollout || old) on the rollout's
+        # samples (as verl), non-negative per token
+        log_r = (old_log_probs - rollout_log_probs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        k3 = torch.exp(log_r) - log_r - 1
         return CorrectionOutput(weights, masked_mean(k3, mask), masked_mean(weights, mask),
                                 (weights * m).max() if m.any() else weights.new_zeros(()),
                                 masked_mean(corrected.to(rho.dtype), mask))

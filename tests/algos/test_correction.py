@@ -44,9 +44,11 @@ def test_seq_mask_keeps_or_drops_whole_sequences():
 
 
 def test_mismatch_kl_is_k3_of_the_two_policies():
+    """k3 = r - 1 - log r with r = old / rollout, the unbiased estimate of KL(rollout || old)
+    on tokens the rollout sampled (verl's), not the reverse ratio."""
     out = rollout_correction(OLD, ROLLOUT, MASK, "token_tis", cap=2.0)
-    diffs = [math.log(1 / 4), math.log(2), math.log(1 / 1.5), math.log(4), 0.0]  # rollout - old
-    assert float(out.mismatch_kl) == pytest.approx(sum(math.exp(d) - d - 1 for d in diffs) / 5)
+    log_r = [math.log(4), math.log(1 / 2), math.log(1.5), math.log(1 / 4), 0.0]  # old - rollout
+    assert float(out.mismatch_kl) == pytest.approx(sum(math.exp(d) - d - 1 for d in log_r) / 5)
 
 
 def test_token_tis_matches_a_naive_loop_and_carries_no_gradient():
