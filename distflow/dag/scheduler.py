@@ -48,7 +48,7 @@ class NodeContext:
     node that sums numbers about its rows over workers (a count, a mean's parts) adds
     zeros where this is False."""
 
-    def __init__(self, base: Any, node: Node, counts_rows: bool = True):
+    def __init__(self, base: Any, node: Node, counts_rows: bool):
         self._base, self.node, self.params, self.counts_rows = base, node, node.params, counts_rows
 
     def __getattr__(self, name: str) -> Any:

@@ -134,9 +134,10 @@ def put_in_place(tmp: Path, path: Path) -> None:
 
 
 def _prune(folder: Path, keep_last: int) -> None:
-    """After a complete save: drop what crashed writes left (`*.tmp`) and, with
+    """After a complete save: drop what crashed writes left (`*.tmp`, and checkpoints
+    left aside by a crash while being replaced: the one just saved is newer) and, with
     keep_last > 0, all but the newest `keep_last` complete `step_*` checkpoints."""
-    for stale in folder.glob("*.tmp"):
+    for stale in [*folder.glob("*.tmp"), *folder.glob(f"*{_ASIDE}")]:
         shutil.rmtree(stale, ignore_errors=True)
     if keep_last <= 0:
         return

@@ -158,3 +158,6 @@ def test_replacing_a_checkpoint_leaves_a_complete_one_whenever_it_is_cut_short(t
     checkpoint.put_in_place(tmp_path / "final.tmp", tmp_path / "final")  # the next save completes it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
     assert checkpoint.read_state(checkpoint.latest(tmp_path))["step"] == 100
+    _complete(tmp_path / "step_40.replaced", 40)  # left by a crash; a later save is newer
+    checkpoint._prune(tmp_path, keep_last=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
