@@ -40,6 +40,10 @@ class ShardedSampler:
             out.append(self._perm(epoch)[offset])
         return out
 
+    def epoch_of(self, step: int, pos: int) -> int:
+        """The epoch position `pos` of step `step`'s batch falls in (a step may straddle two)."""
+        return ((step - 1) * self.batch_size + pos) // self.num_rows
+
     def local_indices(self, step: int) -> list[int]:
         return [index for _, index in self.local_positions(step)]
 

@@ -105,20 +105,24 @@ class PromptSource:
         self.counts: dict[int, Counter] = defaultdict(Counter)  # step -> skipped rows, truncated prompts
         self.lock = threading.Lock()
 
-    def batch(self, step: int, positions: list[tuple[int, int]], tokenizer, offset: int = 0) -> Batch:
+    def batch(self, step: int, positions: list[tuple[int, int]], tokenizer, sampler: ShardedSampler,
+              refill_round: int = 0) -> Batch:
+        """`positions` from `sampler`; a refill round's come after the step's own and earlier rounds'."""
         encode = partial(nodes.encode_prompt, tokenizer, images=self.images,
                          max_image_pixels=self.cfg.data.max_image_pixels)
         taken, counts = self.reader.take([i for _, i in positions], encode)
         if self.layout.tp_rank(self.rank) == 0:  # a TP group's members read the same rows
             with self.lock:
                 self.counts[step].update(counts)
-        rows = [(offset + pos, row, ids) for (pos, _), (row, ids) in zip(positions, taken)]
+        offset = refill_round * self.cfg.data.train_batch_size
+        rows = [(offset + pos, (sampler.epoch_of(step, pos), refill_round), row, ids)
+                for (pos, _), (row, ids) in zip(positions, taken)]
         share = (self.layout.tp_rank(self.rank), self.layout.tp_size)
         return nodes.source_batch(rows, self.cfg, self.pad_id, share)
 
     def prepare(self, step: int) -> Batch:
         """The step's prompts, tokenised."""
-        return self.batch(step, self.sampler.local_positions(step), self.prefetch_tokenizer)
+        return self.batch(step, self.sampler.local_positions(step), self.prefetch_tokenizer, self.sampler)
 
     def take_counts(self, step: int) -> Counter:
         with self.lock:
@@ -139,7 +143,7 @@ class RefillPrompts:
         batch = cfg.data.train_batch_size
         sampler = ShardedSampler(len(s.rows), batch, s.layout.dp_rank(s.rank), s.layout.dp_size,
                                  cfg.trainer.seed + 1_000_003 * round_)
-        return s.batch(self.ctx.step, sampler.local_positions(self.ctx.step), self.tokenizer, offset=round_ * batch)
+        return s.batch(self.ctx.step, sampler.local_positions(self.ctx.step), self.tokenizer, sampler, round_)
 
     def group_keys(self, batch: Batch) -> list[int]:
         return batch["group"].tolist()

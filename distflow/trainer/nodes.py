@@ -87,25 +87,35 @@ def encode_prompt(tokenizer, row: PromptRow, images: ImagePrompter | None = None
     return images.encode(tokenizer, text, [decode_image(entry, max_image_pixels) for entry in row.images])
 
 
-def source_batch(rows: list[tuple[int, PromptRow, list[int]]], cfg: Config, pad_id: int,
+def source_batch(rows: list[tuple[int, tuple[int, int], PromptRow, list[int]]], cfg: Config, pad_id: int,
                  share: tuple[int, int] = (0, 1)) -> Batch:
     """The step's source fields for this worker (pure CPU work, so it is prefetched):
-    `rows` are (position in the step's global batch, row, prompt ids) of its rollout
-    replica; with a TP group of size t, member j takes every t-th of the replica's
-    sequences (`share`)."""
+    `rows` are (position in the step's global batch, draw, row, prompt ids) of its rollout
+    replica, the draw being (epoch, refill round) of the position; with a TP group of
+    size t, member j takes every t-th of the replica's sequences (`share`)."""
     n, (member, size), mini = cfg.algorithm.group_size, share, cfg.actor.ppo_mini_batch_size
-    seqs = [(pos, row, p, k) for pos, row, p in rows for k in range(n)][member::size]
+    seqs = [(pos, draw, row, p, k) for pos, draw, row, p in rows for k in range(n)][member::size]
     if not seqs:
         return Batch()
-    prompts, mask = left_pad([p for _, _, p, _ in seqs], pad_id)
-    return Batch({"prompts": prompts, "prompt_mask": mask, **image_fields([p for _, _, p, _ in seqs]),
-                  "group": torch.tensor([pos for pos, _, _, _ in seqs]),
-                  "mini_batch": torch.tensor([(pos % cfg.data.train_batch_size) // mini for pos, _, _, _ in seqs])},
-                 {"sample_id": [pos * n + k for pos, _, _, k in seqs], "sample_k": [k for _, _, _, k in seqs],
-                  "uid": [r.index for _, r, _, _ in seqs], "ground_truth": [r.ground_truth for _, r, _, _ in seqs],
-                  "data_source": [r.data_source for _, r, _, _ in seqs],
-                  "extra_info": [r.extra_info for _, r, _, _ in seqs],
-                  "prompt_messages": [r.messages for _, r, _, _ in seqs]})
+    prompts, mask = left_pad([s[3] for s in seqs], pad_id)
+    return Batch({"prompts": prompts, "prompt_mask": mask, **image_fields([s[3] for s in seqs]),
+                  "group": torch.tensor([s[0] for s in seqs]),
+                  "mini_batch": torch.tensor([(s[0] % cfg.data.train_batch_size) // mini for s in seqs])},
+                 {"sample_id": [s[0] * n + s[4] for s in seqs], "sample_k": [s[4] for s in seqs],
+                  "uid": [s[2].index for s in seqs], "draw": [list(s[1]) for s in seqs],
+                  "ground_truth": [s[2].ground_truth for s in seqs], "data_source": [s[2].data_source for s in seqs],
+                  "extra_info": [s[2].extra_info for s in seqs], "prompt_messages": [s[2].messages for s in seqs]})
+
+
+def sample_seeds(cfg: Config, step: int, batch: Batch) -> list[int]:
+    """One seed per sequence, from (run seed, step, dataset row, k) and, where the row's
+    draw is not the step's first epoch outside a refill round, that draw: a row drawn twice
+    in one step (a DAPO refill round, a step across an epoch boundary) samples anew
+    rather than repeating its group. (Only those draws carry it, so runs within one epoch
+    keep the seeds, and the samples, they always had.)"""
+    return [sample_seed(cfg.trainer.seed, step, uid, k, *draw) if any(draw) else
+            sample_seed(cfg.trainer.seed, step, uid, k)
+            for uid, k, draw in zip(batch["uid"], batch["sample_k"], batch["draw"])]
 
 
 def tasks_of(batch: Batch) -> list[dict]:
@@ -128,7 +138,7 @@ def rollout(ctx: WorkerContext, batch: Batch) -> Iterator[tuple[range, Batch]]:
     """Streams responses in chunks of `scheduler.stream_chunk_size` sequences."""
     cfg = ctx.cfg
     prompts = unpad_prompts(batch)
-    seeds = [sample_seed(cfg.trainer.seed, ctx.step, uid, k) for uid, k in zip(batch["uid"], batch["sample_k"])]
+    seeds = sample_seeds(cfg, ctx.step, batch)
     params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                             max_new_tokens=cfg.rollout.max_new_tokens)
     if ctx.episodes is not None:  # multi-turn: every episode to its end, then one chunk

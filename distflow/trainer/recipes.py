@@ -41,7 +41,7 @@ from distflow.engines.openai_endpoint import AGENT_FIELDS
 from distflow.trainer import nodes
 
 # Fields the trainer puts in the store before the first node (one row per response).
-SOURCES = ("prompts", "prompt_mask", "group", "mini_batch", "sample_id", "sample_k", "uid",
+SOURCES = ("prompts", "prompt_mask", "group", "mini_batch", "sample_id", "sample_k", "uid", "draw",
            "ground_truth", "data_source", "extra_info", "prompt_messages")
 SCORING = ("prompts", "prompt_mask", "responses", "response_mask")
 # Under runtime.placement=disaggregated the rollout workers run these roles' nodes (as far
@@ -99,7 +99,7 @@ def recipe_graph(cfg: Config) -> Graph:
     rollout_out += ("rollout_weight_version",) if cfg.rollout.partial else ()  # each token's weight version
     rollout_out += (("observation_mask", "num_turns", *AGENT_FIELDS) if agent else
                     ("observation_mask", "num_turns", *EPISODE_COUNTS, "env_scores") if episodes else ())
-    rollout_in = ("prompts", "prompt_mask", "uid", "sample_k", *images)
+    rollout_in = ("prompts", "prompt_mask", "uid", "draw", "sample_k", *images)
     rollout_in += ("ground_truth", "data_source", "extra_info", "prompt_messages") if episodes else ()
     built = [
         _node("rollout", "rollout", rollout_in, rollout_out, stream=True),

@@ -167,3 +167,25 @@ def test_greedy_baseline_scores_one_greedy_response_per_group():
                                             "extra_info": [{}] * 4}))
     assert engine.calls == [([[5, 7], [4, 5, 9]], None, True)]  # one greedy prompt per group, padding removed
     assert out["baseline_scores"].tolist() == [1.0, 1.0, 0.0, 0.0]  # group 3 answers 7 (right), group 8 answers 9
+
+
+def test_a_row_drawn_twice_in_one_step_samples_anew():
+    """20 rows, 16 prompts a step: step 2 takes the last 4 rows of epoch 0 and 12 of
+    epoch 1, so some rows come twice; a refill round draws rows again too. Every
+    sequence of the step gets its own seed; the step's first-epoch draws keep theirs."""
+    from distflow.coordinator.layout import Layout
+    from distflow.engines.rollout import sample_seed
+    from distflow.trainer.loop import PromptSource, RefillPrompts
+
+    cfg = load_config(None, ["data.train_files=builtin:arith:train:20", "data.train_batch_size=16",
+                             "actor.ppo_mini_batch_size=16", "algorithm.group_size=2"])
+    source = PromptSource(cfg, Layout(1), 0, pad_id=0)
+    step = source.prepare(2)
+    assert len(set(step["uid"])) < 16 and {tuple(d) for d in step["draw"]} == {(0, 0), (1, 0)}
+    refill = RefillPrompts(source, source.prefetch_tokenizer, nodes.WorkerContext(cfg, None, None, None, step=2))
+    rounds = [step, refill.prompts(1), refill.prompts(2)]
+    seeds = [s for batch in rounds for s in nodes.sample_seeds(cfg, 2, batch)]
+    assert len(seeds) == 3 * 32 and len(set(seeds)) == len(seeds)
+    first = [i for i, d in enumerate(step["draw"]) if d == [0, 0]]
+    assert [nodes.sample_seeds(cfg, 2, step)[i] for i in first] == \
+        [sample_seed(cfg.trainer.seed, 2, step["uid"][i], step["sample_k"][i]) for i in first]
