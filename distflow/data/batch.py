@@ -88,9 +88,12 @@ class Batch:
 
 
 def sequence_lengths(batch: Batch) -> list[int]:
-    """Tokens per sample (prompt, plus response once there is one): what the coordinator
-    balances and micro-batches are budgeted by."""
+    """Tokens per sample (prompt, plus response once there is one, with the tool or
+    environment tokens of a multi-turn episode, which the forward attends to though
+    nothing trains on them): what the coordinator balances and micro-batches are
+    budgeted by."""
     length = batch["prompt_mask"].sum(-1)
-    if "response_mask" in batch:
-        length = length + batch["response_mask"].sum(-1)
+    for attended in ("response_mask", "observation_mask"):
+        if attended in batch:
+            length = length + batch[attended].sum(-1)
     return length.tolist()

@@ -252,7 +252,7 @@ def _run(code: str, stdin: str, limits: Limits, isolate: bool) -> Result:
                 proc.wait(timeout=limits.time_s + 1.0)  # +1 s: the launcher's own start-up
             except subprocess.TimeoutExpired:
                 timed_out = True
-                _kill_group(proc)
+            _kill_group(proc)  # also what a program that returned left running (a forked child)
             seconds = time.perf_counter() - start
             out, err, status = (_read(files[n], limits.file_mb << 20) for n in ("stdout", "stderr", "status"))
         finally:

@@ -190,10 +190,15 @@ def reward(ctx: WorkerContext, batch: Batch) -> Batch:
 
 
 def overlong_penalty(ctx: WorkerContext, batch: Batch) -> Batch:
-    """DAPO's soft overlong punishment, added to the score (algorithm.overlong_buffer_len > 0)."""
-    a = ctx.cfg.algorithm
-    penalty = core.overlong_reward_penalty(batch["response_mask"].sum(-1), ctx.cfg.rollout.max_new_tokens,
-                                           a.overlong_buffer_len, a.overlong_penalty_factor)
+    """DAPO's soft overlong punishment, added to the score (algorithm.overlong_buffer_len > 0):
+    a response's length against rollout.max_new_tokens; a multi-turn episode's (its turns
+    and the tool or environment tokens between them) against its budget,
+    rollout.max_total_tokens (0: max_new_tokens per turn, max_turns of them)."""
+    a, r = ctx.cfg.algorithm, ctx.cfg.rollout
+    length, limit = batch["response_mask"].sum(-1), r.max_new_tokens
+    if "observation_mask" in batch:
+        length, limit = length + batch["observation_mask"].sum(-1), r.max_total_tokens or r.max_new_tokens * r.max_turns
+    penalty = core.overlong_reward_penalty(length, limit, a.overlong_buffer_len, a.overlong_penalty_factor)
     return Batch({"shaped_scores": batch["scores"] + penalty})
 
 

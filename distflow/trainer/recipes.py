@@ -116,7 +116,8 @@ def recipe_graph(cfg: Config) -> Graph:
                            params={"reward_field": "scores"}))
         gate, gated = ("dynamic_sampling",), {"layout": "groups"}
     if a.overlong_buffer_len:
-        built.append(_node("overlong_penalty", "reward", ("scores", "response_mask"), ("shaped_scores",),
+        built.append(_node("overlong_penalty", "reward", ("scores", "response_mask")
+                           + (("observation_mask",) if episodes else ()), ("shaped_scores",),
                            layout="groups", deps=gate))
         reward_field = "shaped_scores"
     if "baseline" in info.needs:

@@ -188,3 +188,16 @@ def test_hostile_programs_score_zero_through_the_reward_runner_and_scoring_goes_
         runner.close()
     assert not (tmp_path / "escaped.txt").exists()
     assert _no_sandbox_processes_left(spawners)
+
+
+def test_a_child_the_program_leaves_running_is_ended_with_it():
+    """Without namespaces too (no root): a child the program forks and leaves behind is
+    ended when the program returns (with them, the PID namespace's end ends it)."""
+    forks = "import os, time\nchild = os.fork()\nif child == 0:\n    time.sleep(60)\n    os._exit(0)\nprint(child)\n"
+    result = sandbox._run(forks, "", LIMITS, False)
+    assert result.status == OK, result.stderr
+    child = int(result.stdout)
+    end = time.monotonic() + 5
+    while os.path.exists(f"/proc/{child}") and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{child}")

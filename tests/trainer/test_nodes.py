@@ -81,6 +81,23 @@ def test_overlong_penalty_ramps_over_the_buffer():
     assert out["shaped_scores"].tolist() == [1.0, 0.5, 0.0]  # penalties 0, -0.5, -1
 
 
+def test_overlong_penalty_weighs_a_multi_turn_episode_against_its_budget():
+    """Two turns of 5 tokens under a per-turn limit of 8 are not long; the episode's
+    budget (max_total_tokens, tool tokens included) is what an episode fills."""
+    ctx = Ctx({}, "algorithm.overlong_buffer_len=4", "rollout.max_new_tokens=8", "rollout.max_turns=2",
+              "rollout.tools=calculator")
+    mask = torch.tensor([[1] * 5 + [0] * 2 + [1] * 5 + [0] * 4, [1] * 8 + [0] * 4 + [1] * 4])
+    observed = torch.tensor([[0] * 5 + [1] * 2 + [0] * 9, [0] * 8 + [1] * 4 + [0] * 4])
+    out = nodes.overlong_penalty(ctx, Batch({"scores": torch.ones(2), "response_mask": mask,
+                                             "observation_mask": observed}))
+    assert out["shaped_scores"].tolist() == [1.0, 0.0]  # 12 of 16: none; 16 of 16: -1
+    ctx = Ctx({}, "algorithm.overlong_buffer_len=4", "rollout.max_new_tokens=8", "rollout.max_turns=2",
+              "rollout.tools=calculator", "rollout.max_total_tokens=14")
+    out = nodes.overlong_penalty(ctx, Batch({"scores": torch.ones(2), "response_mask": mask,
+                                             "observation_mask": observed}))
+    assert out["shaped_scores"].tolist() == [0.5, 0.0]  # 12 of 14: -0.5; 16 of 14: -1
+
+
 class StepCtx(Ctx):
     """A node's context with the parts the KL-in-reward and ReMax nodes use."""
 
