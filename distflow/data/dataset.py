@@ -14,6 +14,7 @@ import json
 import os
 import random
 import sys
+import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -132,13 +133,15 @@ class _ParquetSource:
         for g in range(meta.num_row_groups):
             self.starts.append(self.starts[-1] + meta.row_group(g).num_rows)
         self.num_rows, self.rows_read, self._cache = self.starts[-1], 0, {}
+        self._lock = threading.Lock()  # the prefetch thread and a refill round read alike
 
     def read(self, index: int) -> Any:
         group = bisect.bisect_right(self.starts, index) - 1
-        if group not in self._cache:
-            self._cache = {group: self.file.read_row_group(group).to_pylist()}  # keep one group
-            self.rows_read += len(self._cache[group])
-        return self._cache[group][index - self.starts[group]]
+        with self._lock:
+            if group not in self._cache:
+                self._cache = {group: self.file.read_row_group(group).to_pylist()}  # keep one group
+                self.rows_read += len(self._cache[group])
+            return self._cache[group][index - self.starts[group]]
 
 
 class _JsonlSource:
@@ -263,6 +266,10 @@ class PromptReader:
                         ids = encode(row)
                     except DatasetError as e:  # found while encoding (an image): name the row
                         raise DatasetError(f"{self.data.locate(index)[1]}: {e}") from None
+                    except Exception as e:  # the chat template refusing the messages, an image the processor
+                        # cannot take: a bad row, under the same policy
+                        raise DatasetError(f"{self.data.locate(index)[1]}: the prompt could not be encoded "
+                                           f"({type(e).__name__}: {e})") from None
                     if len(ids) > self.max_len:
                         raise PromptTooLong(f"{self.data.locate(index)[1]}: the prompt has {len(ids)} tokens > "
                                             f"data.max_prompt_length={self.max_len}")

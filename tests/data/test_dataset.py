@@ -178,3 +178,22 @@ def test_extra_info_reaches_every_worker_as_json_gives_it_back_and_other_values_
     pq.write_table(pa.Table.from_pylist([_verl_row(0, extra_info={"when": datetime.date(2026, 12, 6)})]), dated)
     with pytest.raises(DatasetError, match=r"dated.parquet: row 0: 'extra_info' must hold JSON values .*date"):
         load_rows(str(dated))
+
+
+def test_a_prompt_the_chat_template_refuses_is_a_bad_row_under_the_policy(tmp_path):
+    """Templates raise on messages they do not take ("System role not supported"): that
+    row is bad, named, and skipped and replaced under on_bad_row=skip."""
+    from distflow.data.dataset import PromptReader, ShardedDataset
+
+    def refusing(row):
+        if row.index == 2:
+            raise RuntimeError("System role not supported")  # as jinja2's TemplateError from raise_exception
+        return _words(row)
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(_verl_row(i)) for i in range(6)) + "\n")
+    with pytest.raises(DatasetError, match=r"rows.jsonl: row 2: the prompt could not be encoded \(RuntimeError: "
+                                           r"System role not supported\) \(data.on_bad_row=skip to go on\)"):
+        PromptReader(ShardedDataset(str(path)), max_len=64).take([2], refusing)
+    taken, counts = PromptReader(ShardedDataset(str(path)), max_len=64, on_bad_row="skip").take([1, 2], refusing)
+    assert len(taken) == 2 and 2 not in [row.index for row, _ in taken] and counts["skipped_rows"] >= 1
