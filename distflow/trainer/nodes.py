@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
@@ -94,17 +94,28 @@ def source_batch(rows: list[tuple[int, tuple[int, int], PromptRow, list[int]]], 
     replica, the draw being (epoch, refill round) of the position; with a TP group of
     size t, member j takes every t-th of the replica's sequences (`share`)."""
     n, (member, size), mini = cfg.algorithm.group_size, share, cfg.actor.ppo_mini_batch_size
-    seqs = [(pos, draw, row, p, k) for pos, draw, row, p in rows for k in range(n)][member::size]
+    seqs = [_Sequence(pos, draw, row, ids, k) for pos, draw, row, ids in rows for k in range(n)][member::size]
     if not seqs:
         return Batch()
-    prompts, mask = left_pad([s[3] for s in seqs], pad_id)
-    return Batch({"prompts": prompts, "prompt_mask": mask, **image_fields([s[3] for s in seqs]),
-                  "group": torch.tensor([s[0] for s in seqs]),
-                  "mini_batch": torch.tensor([(s[0] % cfg.data.train_batch_size) // mini for s in seqs])},
-                 {"sample_id": [s[0] * n + s[4] for s in seqs], "sample_k": [s[4] for s in seqs],
-                  "uid": [s[2].index for s in seqs], "draw": [list(s[1]) for s in seqs],
-                  "ground_truth": [s[2].ground_truth for s in seqs], "data_source": [s[2].data_source for s in seqs],
-                  "extra_info": [s[2].extra_info for s in seqs], "prompt_messages": [s[2].messages for s in seqs]})
+    prompts, mask = left_pad([s.ids for s in seqs], pad_id)
+    return Batch({"prompts": prompts, "prompt_mask": mask, **image_fields([s.ids for s in seqs]),
+                  "group": torch.tensor([s.pos for s in seqs]),
+                  "mini_batch": torch.tensor([(s.pos % cfg.data.train_batch_size) // mini for s in seqs])},
+                 {"sample_id": [s.pos * n + s.k for s in seqs], "sample_k": [s.k for s in seqs],
+                  "uid": [s.row.index for s in seqs], "draw": [list(s.draw) for s in seqs],
+                  "ground_truth": [s.row.ground_truth for s in seqs],
+                  "data_source": [s.row.data_source for s in seqs], "extra_info": [s.row.extra_info for s in seqs],
+                  "prompt_messages": [s.row.messages for s in seqs]})
+
+
+class _Sequence(NamedTuple):
+    """One response to generate: its prompt's position in the step, draw, row and ids, and k."""
+
+    pos: int
+    draw: tuple[int, int]
+    row: PromptRow
+    ids: list[int]
+    k: int
 
 
 def sample_seeds(cfg: Config, step: int, batch: Batch) -> list[int]:
@@ -197,7 +208,8 @@ def overlong_penalty(ctx: WorkerContext, batch: Batch) -> Batch:
     a, r = ctx.cfg.algorithm, ctx.cfg.rollout
     length, limit = batch["response_mask"].sum(-1), r.max_new_tokens
     if "observation_mask" in batch:
-        length, limit = length + batch["observation_mask"].sum(-1), r.max_total_tokens or r.max_new_tokens * r.max_turns
+        length = length + batch["observation_mask"].sum(-1)
+        limit = r.max_total_tokens or r.max_new_tokens * r.max_turns
     penalty = core.overlong_reward_penalty(length, limit, a.overlong_buffer_len, a.overlong_penalty_factor)
     return Batch({"shaped_scores": batch["scores"] + penalty})
 
