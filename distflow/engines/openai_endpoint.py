@@ -77,6 +77,7 @@ class Trajectory:
     messages: list[dict] | None = None  # the previous request's messages
     calls: int = 0
     tool_calls: int = 0
+    collected: bool = False  # the rollout has taken it: no request of it runs any more
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -122,7 +123,13 @@ class ChatEndpoint:
         return keys
 
     def collect(self, key: str) -> Trajectory:
-        return self.trajectories.pop(key)
+        """Sample `key`'s trajectory, once no request of it runs: an agent cut by its timeout
+        may have left one generating (kept, in full), and the rollout must not return while
+        the engine still generates on weights the next nodes train. Later requests get 404."""
+        trajectory = self.trajectories.pop(key)
+        with trajectory.lock:
+            trajectory.collected = True
+        return trajectory
 
     def close(self) -> None:
         self.server.shutdown()
@@ -145,6 +152,8 @@ class ChatEndpoint:
             raise RequestError(400, "one completion per request, not streamed (n=1, stream=false)", "unsupported")
         messages = request["messages"]
         with trajectory.lock:  # one request of a sample at a time
+            if trajectory.collected:  # it waited behind another request of its sample past the rollout's end
+                raise RequestError(404, f"no sample {key!r} is running on this endpoint", "not_found")
             if trajectory.calls >= self.max_calls:
                 raise RequestError(400, f"this sample has made its {self.max_calls} calls (rollout.max_turns)",
                                    "too_many_calls")

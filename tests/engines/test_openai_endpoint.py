@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 
 import openai
 import pytest
@@ -160,3 +161,35 @@ def test_the_agent_runner_runs_every_sample_at_once_and_scores_what_run_returns(
     assert runner.first_error == "RuntimeError: the agent broke"
     # different seeds, different samples (the sample's seed reaches the engine)
     assert len({tuple(r.tolist()) for r in out["responses"]}) > 1
+
+
+def test_an_agent_cut_by_its_timeout_returns_only_once_its_generation_has_ended(tiny):
+    """The agent's client gives up at timeout_s while the engine still generates its
+    completion: the rollout waits for that generation (the next nodes train the weights it
+    runs on) and keeps the completion in the sample, which scores 0 as failed."""
+    engine, tok = tiny
+    release, finished = threading.Event(), threading.Event()
+    generate = engine.generate
+
+    def slow(prompts, seeds, params):
+        release.wait(30)  # generating well past the agent's timeout
+        try:
+            return generate(prompts, seeds, params)
+        finally:
+            finished.set()
+
+    runner = AgentRunner(engine, tok, _agent, AgentSettings(max_total_tokens=32, max_calls=2, timeout_s=0.5))
+    engine.generate = slow
+    timer = threading.Timer(2.0, release.set)  # the engine ends its call 1.5 s after the agent gave up
+    timer.start()
+    try:
+        rows = [{"prompt": QUESTION, "ground_truth": "7", "data_source": "arith", "extra_info": {}}]
+        out = runner.generate([_prompt(tok)], [11], PARAMS, rows)
+        assert finished.is_set()  # not returned while the engine was still generating
+    finally:
+        release.set()
+        timer.cancel()
+        engine.generate = generate
+        runner.close()
+    assert out["agent_failed"].tolist() == [1.0] and out["agent_scores"].tolist() == [0.0]
+    assert out["num_turns"].tolist() == [1.0] and int(out["response_mask"].sum()) > 0
