@@ -94,8 +94,8 @@ def check_inputs(cfg: Config) -> None:
                     raise ConfigError(f"data.{key}: {e}") from None
         if sources and all(s.endswith(".parquet") for s in sources) and not rows:
             raise ConfigError(f"data.{key}={spec!r}: no rows in the dataset")
-    if cfg.trainer.output_dir and os.path.exists(os.path.expanduser(cfg.trainer.output_dir)) and \
-            not os.path.isdir(os.path.expanduser(cfg.trainer.output_dir)):
+    run_dir = Path(cfg.trainer.output_dir or "").expanduser()
+    if cfg.trainer.output_dir and run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"trainer.output_dir={cfg.trainer.output_dir!r}: exists and is not a folder")
     if cfg.reward.custom_fn is not None:
         check_callable(cfg.reward.custom_fn, "reward.custom_fn")

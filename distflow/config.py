@@ -570,14 +570,12 @@ def _validate_cross(cfg: Config) -> None:
 
 def traced_steps(cfg: Config) -> set[int]:
     """trainer.trace_steps as a set of steps; a ConfigError names a part that is not one."""
-    steps = set()
-    for part in str(cfg.trainer.trace_steps).replace(" ", "").split(","):
-        if part and not (part.isdigit() and int(part) >= 1):
+    parts = [p for p in str(cfg.trainer.trace_steps).replace(" ", "").split(",") if p]
+    for part in parts:
+        if not (part.isdigit() and int(part) >= 1):
             raise ConfigError(f"trainer.trace_steps={cfg.trainer.trace_steps!r}: {part!r} is not a step "
                               "(comma-separated integers >= 1)")
-        if part:
-            steps.add(int(part))
-    return steps
+    return {int(p) for p in parts}
 
 
 # ---------------------------------------------------------------------------- loading

@@ -91,6 +91,10 @@ class _Pending:
     error: BaseException | None = None
 
 
+def _not_running(key: str) -> RequestError:
+    return RequestError(404, f"no sample {key!r} is running on this endpoint", "not_found")
+
+
 def _plain(messages: list[dict]) -> list[dict]:
     """Role and text of each message, as a chat template takes them."""
     return [{"role": m.get("role"), "content": m.get("content") or ""} for m in messages]
@@ -142,7 +146,7 @@ class ChatEndpoint:
         """The chat completion for `request` in sample `key`, recorded."""
         trajectory = self.trajectories.get(key)
         if trajectory is None:
-            raise RequestError(404, f"no sample {key!r} is running on this endpoint", "not_found")
+            raise _not_running(key)
         if not isinstance(request, dict) or not isinstance(request.get("messages"), list) or not request["messages"]:
             raise RequestError(400, "'messages' must be a non-empty list of messages", "invalid_request")
         if request.get("model") != MODEL:
@@ -153,7 +157,7 @@ class ChatEndpoint:
         messages = request["messages"]
         with trajectory.lock:  # one request of a sample at a time
             if trajectory.collected:  # it waited behind another request of its sample past the rollout's end
-                raise RequestError(404, f"no sample {key!r} is running on this endpoint", "not_found")
+                raise _not_running(key)
             if trajectory.calls >= self.max_calls:
                 raise RequestError(400, f"this sample has made its {self.max_calls} calls (rollout.max_turns)",
                                    "too_many_calls")
