@@ -64,6 +64,21 @@ def read_wandb(run_dir: Path) -> tuple[dict[str, dict[int, float]], dict]:
     return history, config
 
 
+def wandb_exit_code(run_dir: Path) -> int:
+    """The exit code the offline run was finished with."""
+    (path,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    (code,) = [r.exit.exit_code for r in _wandb_records(path) if r.WhichOneof("record_type") == "exit"]
+    return code
+
+
+def mlflow_status(run_dir: Path) -> str:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    return run.info.status  # FINISHED, FAILED, RUNNING
+
+
 def read_mlflow(run_dir: Path) -> tuple[dict[str, dict[int, float]], dict, dict]:
     from mlflow.tracking import MlflowClient
 

@@ -51,8 +51,8 @@ from distflow.engines.common import load_tokenizer
 from distflow.runtime.roles import Roles, split_roles
 from distflow.trainer import checkpoint, nodes
 from distflow.trainer.loop import (PromptSource, RefillPrompts, StatusFile, Trainer, close_reward_runners,
-                                   make_episode_runner, make_reward_runners, make_rollout_engine, resolve_overlap,
-                                   worker_device)
+                                   fit_and_close, make_episode_runner, make_reward_runners, make_rollout_engine,
+                                   resolve_overlap, worker_device)
 from distflow.trainer.metrics import MeanAccumulator, StageTimer
 from distflow.trainer.recipes import ROLLOUT_ROLES, build_graph
 
@@ -238,11 +238,6 @@ def run_disaggregated(cfg: Config, run_dir: Path, progress: bool) -> dict:
     side = TrainSide(cfg, roles, start + 1)
     eval_cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine="hf",
                                                                     tensor_parallel_size=1, replica_size=1))
-    trainer = Trainer(eval_cfg, run_dir, device, progress, stream=side)
-    try:
-        summary = trainer.fit()
-        side.close()
-    finally:
-        trainer.close()
+    summary = fit_and_close(Trainer(eval_cfg, run_dir, device, progress, stream=side), after_fit=side.close)
     roles.close()
     return summary

@@ -232,6 +232,11 @@ def heldout_rows(cfg: Config, tokenizer, images: ImagePrompter | None, rank: int
     return taken
 
 
+def skipped_an_update(record: dict) -> bool:
+    """Whether an update of the step met NaN/inf and was skipped (`*/skipped_updates`)."""
+    return any(v > 0 for k, v in record.items() if k.endswith("/skipped_updates"))
+
+
 def worker_device(cfg: Config) -> torch.device:
     """This worker's device: the GPU the runtime bound it to, unless runtime.device=cpu."""
     if torch.cuda.is_available() and cfg.runtime.device != "cpu":
@@ -243,7 +248,16 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, device: torch.device, progress: bool, relay=None, stream=None):
         """`relay`: this worker's end of the single controller (runtime.mode=centralized);
         `stream`: a disaggregated run's train side (trainer/disaggregated.py), which
-        brings the samples and takes the weights, and then this runs the graph's train half."""
+        brings the samples and takes the weights, and then this runs the graph's train half.
+        Where building fails, what was built is closed before the error goes on."""
+        self._parts = contextlib.ExitStack()  # what close() closes, each added as it is built
+        try:
+            self._build(cfg, run_dir, device, progress, relay, stream)
+        except BaseException:
+            self._parts.close()
+            raise
+
+    def _build(self, cfg: Config, run_dir: Path, device: torch.device, progress: bool, relay, stream) -> None:
         self.cfg, self.run_dir, self.device, self.stream = cfg, run_dir, device, stream
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -269,6 +283,7 @@ class Trainer:
                       device, cfg.rollout.temperature, cfg.actor.strategy, compute_dtype, cfg.actor.forward_prompt_once,
                       cfg.actor.gradient_checkpointing, cfg.actor.output_head_chunk_tokens)
         rollout = make_rollout_engine(cfg, policy_path, self.tokenizer, device, actor)
+        self._parts.callback(rollout.close)
         self.policy_skeleton = causal_lm_skeleton(cfg.model.path)  # what writes the policy into a checkpoint
         ref = None
         if "reference" in roles:  # with LoRA: the actor's own base (its adapter off), no second copy
@@ -279,6 +294,7 @@ class Trainer:
                          device, cfg.critic.strategy, compute_dtype, cfg.critic.gradient_checkpointing)
                   if roles & {"critic_forward", "critic_train"} else None)
         reward_fn, accuracy_fn = make_reward_runners(cfg)
+        self._parts.callback(close_reward_runners, reward_fn, accuracy_fn)
         a = cfg.algorithm
         reward_kl = (make_kl_controller(a.reward_kl_ctrl, a.reward_kl_coef, a.reward_kl_target, a.reward_kl_horizon)
                      if a.use_kl_in_reward else None)
@@ -287,6 +303,8 @@ class Trainer:
                                        critic=critic, reward_fn=reward_fn, accuracy_fn=accuracy_fn, overlap=overlap,
                                        reward_kl=reward_kl)
         self.ctx.episodes = make_episode_runner(cfg, rollout, self.tokenizer)
+        if self.ctx.episodes is not None:
+            self._parts.callback(self.ctx.episodes.close)
         self.rollout, self.actor, self.relay = rollout, actor, relay
         self.placement = Placement(self.rollout_layout, self.train_layout)
         self._status = StatusFile(run_dir, self.rank)
@@ -295,14 +313,16 @@ class Trainer:
                                    refill=RefillPrompts(self.prompts, self.tokenizer, self.ctx)
                                    if any(n.refill for n in self.graph.nodes) else None,
                                    on_node=lambda name: self._status(self.ctx.step, name))
+        self._parts.callback(self.scheduler.close)
         self.trace_steps = traced_steps(cfg)
         self.store = LocalStore()
         self.writer = MetricsWriter(run_dir / "metrics.jsonl") if self.rank == 0 else None
-        self.trackers = Trackers(cfg, run_dir, self.rank)  # TensorBoard, W&B, MLflow (trainer.logger)
         self.progress = progress and self.rank == 0
         self.start_step, self.history, self.bad_steps = 0, [], 0
         if self.resume_from is not None:
             self._resume(self.resume_from)
+        # last, so that a run that failed to start leaves no tracker run open
+        self.trackers = Trackers(cfg, run_dir, self.rank)  # TensorBoard, W&B, MLflow (trainer.logger)
 
     def _policy(self, policy_path: str):
         """The policy to train: the model folder or the checkpoint; with LoRA the base model
@@ -316,7 +336,8 @@ class Trainer:
                          adapter_path=self.resume_from if self.resume_from else None)
 
     def _resume(self, path: Path) -> None:
-        """Optimizer, critic, RNG, dataloader position and the metrics so far."""
+        """Optimizer, critic, RNG, dataloader position, the metrics so far and the run of
+        steps with skipped updates they end on."""
         state = checkpoint.restore(path, actor=self.actor, critic=self.ctx.critic)
         self.start_step = state["step"]
         if self.ctx.reward_kl is not None and "reward_kl_coef" in state.get("algorithm", {}):
@@ -326,6 +347,8 @@ class Trainer:
                                              f"does not match step {self.start_step}")
         metrics = path / "metrics.jsonl"
         self.history = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        for record in self.history:  # the run of bad steps the checkpoint ends on goes on counting
+            self.bad_steps = self.bad_steps + 1 if skipped_an_update(record) else 0
         if self.writer is not None:  # the run's metrics file continues from the checkpoint's copy
             tmp = self.writer.path.with_suffix(".tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
@@ -460,22 +483,17 @@ class Trainer:
             write_plot(history, self.run_dir / "reward.png")
         return summary
 
-    def close(self) -> None:
-        """Every part, in this order, each even where one before it fails to close (that
-        error is raised once all are done)."""
-        with contextlib.ExitStack() as parts:  # its callbacks run last-in first-out
-            parts.callback(close_reward_runners, self.ctx.reward_fn, self.ctx.accuracy_fn)
-            parts.callback(self.trackers.close)
-            parts.callback(self.rollout.close)
-            if self.ctx.episodes is not None:
-                parts.callback(self.ctx.episodes.close)
-            parts.callback(self.scheduler.close)
+    def close(self, failed: bool = False) -> None:
+        """The trackers (`failed`: they mark the run failed), then every part, last built
+        first, each even where one before it fails to close (that error is raised once all
+        are done)."""
+        with self._parts:
+            self.trackers.close(failed)
 
     def _check_bad_steps(self, step: int, metrics: dict[str, float]) -> None:
         """A step where an update met NaN/inf was skipped (counted in */skipped_updates);
         `trainer.max_bad_steps` such steps in a row stop the run: something is broken."""
-        bad = any(v > 0 for k, v in metrics.items() if k.endswith("/skipped_updates"))
-        self.bad_steps = self.bad_steps + 1 if bad else 0
+        self.bad_steps = self.bad_steps + 1 if skipped_an_update(metrics) else 0
         if self.bad_steps >= self.cfg.trainer.max_bad_steps:
             raise FloatingPointError(
                 f"stopping at step {step}: {self.bad_steps} steps in a row had a non-finite loss or gradient "
@@ -516,11 +534,20 @@ def run_worker(cfg_dict: dict, run_dir: str, progress: bool = False, relay=None)
         from distflow.trainer.disaggregated import run_disaggregated  # it builds on this module
 
         return run_disaggregated(cfg, Path(run_dir), progress)
-    trainer = Trainer(cfg, Path(run_dir), worker_device(cfg), progress, relay)
+    return fit_and_close(Trainer(cfg, Path(run_dir), worker_device(cfg), progress, relay))
+
+
+def fit_and_close(trainer: Trainer, after_fit=lambda: None) -> dict:
+    """`trainer.fit()`, then `after_fit()`, then `trainer.close()`; where either raises,
+    the trainer is closed as failed (its trackers mark the run so) and the error goes on."""
     try:
-        return trainer.fit()
-    finally:
-        trainer.close()
+        summary = trainer.fit()
+        after_fit()
+    except BaseException:
+        trainer.close(failed=True)
+        raise
+    trainer.close()
+    return summary
 
 
 def run_eval_worker(cfg_dict: dict, report_path: str, k: int) -> dict | None:

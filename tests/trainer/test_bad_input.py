@@ -1,6 +1,7 @@
 """Bad input during a run, for real: a reward function that raises or hangs on some
 samples (scored 0, counted, the run goes on), and NaN advantages (updates skipped and
-counted, the run stops clearly after trainer.max_bad_steps)."""
+counted, the run stops clearly after trainer.max_bad_steps, marked failed in MLflow, and a
+resume goes on counting; a trainer that fails to build opens no tracker run)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import subprocess
 import sys
 
 import pytest
+
+from tracking_readers import mlflow_status
 
 pytestmark = pytest.mark.slow
 
@@ -92,9 +95,24 @@ def test_nan_updates_are_skipped_and_the_run_stops_after_max_bad_steps(tmp_path)
         "base: grpo\nnodes:\n  - {name: advantage, role: advantage, fn: 'nan_adv.py:advantage',"
         " inputs: [scores, response_mask, group], outputs: [advantages]}\n")
     out = tmp_path / "run"
-    proc = _train(["trainer.total_steps=5", "trainer.max_bad_steps=2", f"algorithm.graph={tmp_path / 'graph.yaml'}",
-                   f"trainer.output_dir={out}"], tmp_path)
+    args = ["trainer.total_steps=5", "trainer.max_bad_steps=2", f"algorithm.graph={tmp_path / 'graph.yaml'}",
+            f"trainer.output_dir={out}", "trainer.save_every=1", "trainer.logger=jsonl,mlflow"]
+    proc = _train(args, tmp_path)
     assert proc.returncode == 1
     assert "stopping at step 2: 2 steps in a row had a non-finite loss or gradient" in proc.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
     assert [r["actor/skipped_updates"] for r in records] == [1.0, 1.0]
+    assert mlflow_status(out) == "FAILED"
+    # resumed from step 1, whose step was already bad: the run of bad steps goes on counting
+    proc = _train(args, tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "stopping at step 2: 2 steps in a row" in proc.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [r["step"] for r in records] == [1, 2]
+    # a trainer that fails to build (PPO resumed from GRPO's checkpoint, which has no critic)
+    # closes what it built and opens no tracker run
+    failed = tmp_path / "ppo"
+    proc = _train(["trainer.total_steps=2", "algorithm.name=ppo", f"trainer.resume={out / 'checkpoints' / 'step_1'}",
+                   f"trainer.output_dir={failed}", "trainer.logger=jsonl,mlflow"], tmp_path)
+    assert proc.returncode == 1 and "has no critic, but this recipe trains one" in proc.stderr
+    assert not (failed / "mlflow.db").exists()

@@ -8,7 +8,8 @@ import pytest
 
 from distflow.config import ConfigError, load_config
 from distflow.trainer.tracking import Trackers
-from tracking_readers import assert_same, by_key, read_mlflow, read_tensorboard, read_wandb
+from tracking_readers import (assert_same, by_key, mlflow_status, read_mlflow, read_tensorboard, read_wandb,
+                              wandb_exit_code)
 
 ALL = "trainer.logger=jsonl,tensorboard,wandb,mlflow"
 RECORDS = [  # magnitudes apart, so a value under the wrong step or key shows
@@ -34,6 +35,14 @@ def test_each_tracker_reads_back_what_was_logged(tmp_path):
     assert_same(metrics, expected)
     assert params["algorithm.group_size"] == "7"
     assert tags["version.torch"].startswith("2.") and "git_commit" in tags
+    assert wandb_exit_code(tmp_path) == 0 and mlflow_status(tmp_path) == "FINISHED"
+
+
+def test_a_failed_run_is_marked_failed(tmp_path):
+    trackers = Trackers(load_config(None, [ALL]), tmp_path, rank=0)
+    trackers.log(RECORDS[1])
+    trackers.close(failed=True)
+    assert wandb_exit_code(tmp_path) == 1 and mlflow_status(tmp_path) == "FAILED"
 
 
 def test_only_rank_0_tracks(tmp_path):

@@ -1,5 +1,8 @@
-"""Closing a worker's trainer: every part closes, even where one before it fails."""
+"""Closing a worker's trainer: the trackers first (told whether the run failed), then every
+part, last built first, even where one before it fails. A trainer that fails to build
+closes what it built: tests/trainer/test_bad_input.py."""
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -7,20 +10,20 @@ import pytest
 from distflow.trainer import loop
 
 
-def test_every_part_closes_even_where_one_before_it_fails(monkeypatch):
+def test_every_part_closes_even_where_one_before_it_fails():
     closed = []
 
-    def part(name, fails=False):
+    def closer(name, fails=False):
         def close():
             closed.append(name)
             if fails:
                 raise RuntimeError(f"{name} failed to close")
-        return SimpleNamespace(close=close)
+        return close
 
-    monkeypatch.setattr(loop, "close_reward_runners", lambda *runners: closed.append("reward runners"))
-    trainer = SimpleNamespace(scheduler=part("scheduler"), rollout=part("rollout", fails=True),
-                              trackers=part("trackers"),
-                              ctx=SimpleNamespace(episodes=part("episodes"), reward_fn=None, accuracy_fn=None))
-    with pytest.raises(RuntimeError, match="rollout failed to close"):
-        loop.Trainer.close(trainer)
-    assert closed == ["scheduler", "episodes", "rollout", "trackers", "reward runners"]
+    parts = contextlib.ExitStack()
+    for name in ("rollout", "reward runners", "episodes", "scheduler"):  # as Trainer._build adds them
+        parts.callback(closer(name, fails=name == "episodes"))
+    trainer = SimpleNamespace(_parts=parts, trackers=SimpleNamespace(close=lambda failed: closed.append(("trackers", failed))))
+    with pytest.raises(RuntimeError, match="episodes failed to close"):
+        loop.Trainer.close(trainer, failed=True)
+    assert closed == [("trackers", True), "scheduler", "episodes", "reward runners", "rollout"]
