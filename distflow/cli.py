@@ -123,26 +123,38 @@ class LauncherProgress:
 
     def __init__(self, run_dir: Path, total: int, enabled: bool, meter):
         self.path, self.offset, self.bar, self.last_val = run_dir / "metrics.jsonl", 0, None, None
-        self.meter = meter
+        self.meter, self.file_id = meter, None
         if enabled:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
 
     def poll(self) -> None:
-        """Reads only what was appended since the last poll, whole lines only."""
-        if self.bar is None or not self.path.exists():
+        """Reads only what was appended since the last poll, whole lines only. A resumed
+        run replaces the file with its checkpoint's copy: then it reads from the start, and
+        the bar goes back to the checkpoint's step."""
+        if self.bar is None:
             return
         from distflow.trainer.metrics import progress_postfix
 
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            return
+        if (stat.st_dev, stat.st_ino) != self.file_id or stat.st_size < self.offset:
+            self.file_id, self.offset = (stat.st_dev, stat.st_ino), 0
         text = self.meter.read_text(self.path, self.offset)
         complete = text[:text.rfind("\n") + 1]
         self.offset += len(complete.encode())
         for line in complete.splitlines():
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+            except ValueError:  # replaced between the stat and the read: the next poll reads it from the start
+                self.file_id = None
+                return
             self.last_val = record.get("val/accuracy", self.last_val)
             if record.get("step", 0) > 0:
-                self.bar.update(1)
+                self.bar.update(record["step"] - self.bar.n)
                 self.bar.set_postfix(progress_postfix(record, self.last_val))
 
     def close(self) -> None:  # the launcher polled once more when the workers finished

@@ -146,7 +146,8 @@ class AlgorithmConfig:
                                         "update, a forward when updates are off-policy: decoupled PPO with "
                                         "asynchronous rollouts) or rollout (the engine's own log-probs, no forward)")
     max_staleness: int = _spec(0, min=0, doc="runtime.placement=disaggregated: samples may come from weights up to "
-                                             "k optimizer steps old (rollout workers pause when k versions ahead); "
+                                             "k training steps old (a version per training step, whatever its "
+                                             "mini-batches; rollout workers pause when k versions ahead); "
                                              "0 = synchronous")
     dynamic_sampling: bool = _spec(False, doc="DAPO: drop groups whose rewards are all equal and generate more "
                                               "prompts until the batch is full")
@@ -275,6 +276,9 @@ class RuntimeConfig:
                                "back after every update (num_workers becomes their sum)")
     train_workers: int = _spec(1, min=1, doc="disaggregated: the workers that train (ranks 0..T-1)")
     rollout_workers: int = _spec(1, min=1, doc="disaggregated: the workers that generate (the ranks after them)")
+    stream_timeout_s: int = _spec(3600, min=1, doc="disaggregated: how long one side waits for the other's samples "
+                                                   "or weights (a whole step of the other side, its evaluation and "
+                                                   "checkpoint included)")
     ray_address: str | None = _spec(None, doc="host:port of a running Ray cluster to join (opt-in); "
                                               "default: a private Ray on this machine")
     network: str = _spec("auto", choices=("auto", "loopback", "host"),

@@ -48,9 +48,11 @@ class Roles:
         self.bridge.barrier().wait()
 
 
-def split_roles(train_workers: int, rollout_workers: int, timeout_s: int) -> Roles:
+def split_roles(train_workers: int, rollout_workers: int, timeout_s: int, stream_timeout_s: int) -> Roles:
     """Called by every rank of the job's group (train_workers + rollout_workers ranks);
-    replaces the default group with the rank's role group."""
+    replaces the default group with the rank's role group (`timeout_s`). The bridge and
+    the weights group wait up to `stream_timeout_s`: a receive there is posted for a whole
+    step of the other side."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != train_workers + rollout_workers:
         raise ValueError(f"runtime.placement=disaggregated: {world} workers started, but runtime.train_workers="
@@ -67,10 +69,11 @@ def split_roles(train_workers: int, rollout_workers: int, timeout_s: int) -> Rol
     local, size = (rank, train_workers) if role == "train" else (rank - train_workers, rollout_workers)
     dist.init_process_group(backend=backend, store=dist.PrefixStore(f"role-{role}", store), rank=local,
                             world_size=size, timeout=timeout)
-    bridge = dist.ProcessGroupGloo(dist.PrefixStore("bridge", store), rank, world, timeout)
+    streams = datetime.timedelta(seconds=stream_timeout_s)
+    bridge = dist.ProcessGroupGloo(dist.PrefixStore("bridge", store), rank, world, streams)
     weights = None
     if rank == 0 or role == "rollout":
         member = 0 if rank == 0 else rank - train_workers + 1
-        weights = dist.ProcessGroupGloo(dist.PrefixStore("weights", store), member, rollout_workers + 1, timeout)
+        weights = dist.ProcessGroupGloo(dist.PrefixStore("weights", store), member, rollout_workers + 1, streams)
     return Roles(role, rank, train_workers, rollout_workers, bridge, weights, store)
 

@@ -69,7 +69,7 @@ class TrainSide:
     def __init__(self, cfg: Config, roles: Roles, first_step: int):
         self.cfg, self.roles = cfg, roles
         self.receiver = TrajectoryReceiver(roles.bridge, roles.rollout_ranks, first_step, cfg.trainer.total_steps,
-                                           cfg.runtime.collective_timeout_s)
+                                           cfg.runtime.stream_timeout_s)
         self.publisher = WeightPublisher(roles.weights) if roles.weights is not None else None
         self.notes: dict[int, list[dict]] = {}
         self.dropped: dict[int, int] = {}
@@ -174,7 +174,7 @@ class RolloutWorker:
             step = first + index
             timer = StageTimer(step, self._status)
             with timer("wait_for_weights"):
-                self.weights.wait_for(step - 1 - k, cfg.runtime.collective_timeout_s)
+                self.weights.wait_for(step - 1 - k, cfg.runtime.stream_timeout_s)
             with timer("weight_swap"):
                 newest = self._newer_weights()
                 if newest is not None:
@@ -192,7 +192,7 @@ class RolloutWorker:
             metrics = self._metrics(step, spans, timer)  # a collective among the rollout workers
             self.sender.send(step, batch, {"metrics": metrics} if self.rank == 0 else {})
         self.sender.close()
-        self.weights.join(cfg.runtime.collective_timeout_s)  # the trainers end the stream after their last update
+        self.weights.join(cfg.runtime.stream_timeout_s)  # the trainers end the stream after their last update
         return {"role": "rollout", "rank": self.roles.world_rank, "busy_fraction": busy / (time.perf_counter() - start)}
 
     def _metrics(self, step: int, spans, timer: StageTimer) -> dict[str, float]:
@@ -224,7 +224,7 @@ def run_disaggregated(cfg: Config, run_dir: Path, progress: bool) -> dict:
     """A worker of a disaggregated run: split the job's group into the two sides, then
     train or generate."""
     rt = cfg.runtime
-    roles = split_roles(rt.train_workers, rt.rollout_workers, rt.collective_timeout_s)
+    roles = split_roles(rt.train_workers, rt.rollout_workers, rt.collective_timeout_s, rt.stream_timeout_s)
     device = worker_device(cfg)
     if roles.role == "rollout":
         worker = RolloutWorker(cfg, run_dir, device, roles)

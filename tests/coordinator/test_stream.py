@@ -104,3 +104,30 @@ def test_weights_arrive_versioned_with_names_shapes_and_dtypes_or_a_wait_times_o
         assert (v1, v2) == (1, 2)
         assert w1 == {"w": [[1.0] * 3] * 2, "ids": [0, 1, 2, 3], "b": [-1.0] * 3}
         assert w2 == {"w": [[2.0] * 3] * 2, "ids": [0, 2, 4, 6], "b": [-2.0] * 3}
+
+
+def _weights_after_a_long_step(rank: int, world: int) -> list:
+    """Rank 0 trains for longer than the role groups' collective timeout before its first
+    publish, as a first step with its evaluation does; the rollout rank waits meanwhile."""
+    import time
+
+    from distflow.runtime.roles import split_roles
+
+    roles = split_roles(1, 1, timeout_s=1, stream_timeout_s=60)
+    if roles.role == "train":
+        time.sleep(3)
+        publisher = WeightPublisher(roles.weights)
+        publisher.publish([("w", torch.ones(2))], 1)
+        publisher.close()
+        roles.close()
+        return []
+    subscriber = WeightSubscriber(roles.weights, version=0)
+    subscriber.wait_for(1, timeout_s=60)
+    version, weights = subscriber.take_newer()
+    subscriber.join(timeout_s=60)
+    roles.close()
+    return [version, weights[0][1].tolist()]
+
+
+def test_the_streams_wait_a_whole_step_of_the_other_side_not_the_collective_timeout():
+    assert run_gloo(_weights_after_a_long_step, 2)[1] == [1, [1.0, 1.0]]

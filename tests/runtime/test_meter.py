@@ -36,6 +36,31 @@ def test_files_read_are_metered_line_by_line(tmp_path):
     assert summary["received_by_source"]["metrics.jsonl"] == {"payload": 32, "control": len(path.read_bytes())}
 
 
+def test_the_launchers_bar_follows_a_resumed_run_that_replaces_its_metrics_file(tmp_path):
+    """A run killed at step 6 and resumed from step 3: the workers replace metrics.jsonl
+    with the checkpoint's copy, then append; the bar goes back to 3 and on from there."""
+    from distflow.cli import LauncherProgress
+
+    path = tmp_path / "metrics.jsonl"
+
+    def lines(steps):
+        return "".join(json.dumps({"step": s, "reward/mean": 0.5, "val/accuracy": 0.25}) + "\n" for s in steps)
+
+    progress = LauncherProgress(tmp_path, total=10, enabled=True, meter=LauncherMeter())
+    path.write_text(lines(range(7)))
+    progress.poll()
+    assert progress.bar.n == 6
+    (tmp_path / "copy").write_text(lines(range(4)))
+    os.replace(tmp_path / "copy", path)
+    progress.poll()
+    assert progress.bar.n == 3
+    with open(path, "a") as f:
+        f.write(lines(range(4, 10)))
+    progress.poll()
+    assert progress.bar.n == 9
+    progress.close()
+
+
 @pytest.mark.slow
 def test_a_real_launch_counts_zero_for_a_clean_worker_and_every_leaked_byte(tmp_path, monkeypatch):
     """Also: the workers start with the launcher's worker environment (offline, ...), which
