@@ -184,7 +184,7 @@ class RolloutWorker:
             store.clear()
             store.put(sources)
             spans = self.scheduler.run(self.ctx, store, step)
-            batch = store.all()
+            batch = self._rows_to_send(store)
             batch.tensors["weight_version"] = (  # with rollout.partial: the version of the sample's first token
                 batch["rollout_weight_version"][:, 0].clone() if "rollout_weight_version" in batch.tensors
                 else torch.full((len(batch),), self.engine.weight_version, dtype=torch.long))
@@ -194,6 +194,18 @@ class RolloutWorker:
         self.sender.close()
         self.weights.join(cfg.runtime.stream_timeout_s)  # the trainers end the stream after their last update
         return {"role": "rollout", "rank": self.roles.world_rank, "busy_fraction": busy / (time.perf_counter() - start)}
+
+    def _rows_to_send(self, store: LocalStore) -> Batch:
+        """Each sample once, in whole groups: with rollout.replica_size > 1 a replica's
+        members each hold a share of its groups (or, after a `groups` node, all of them),
+        so the shares are gathered onto every member and only its first sends them."""
+        placement = self.scheduler.placement
+        if placement.rollout.tp_size == 1:
+            return store.all()
+        if self.scheduler.state != "groups":
+            placement.move(store, self.scheduler.state, "groups")
+        batch = store.all()
+        return batch if placement.rollout.tp_rank(self.rank) == 0 else batch.select(torch.arange(0))
 
     def _metrics(self, step: int, spans, timer: StageTimer) -> dict[str, float]:
         """The rollout side's timings and counters of the step, over all rollout workers."""

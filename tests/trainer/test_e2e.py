@@ -153,14 +153,19 @@ def test_placements_train_like_plain_data_parallel(two_worker_runs, tmp_path):
     """The same math as 2 plain data-parallel workers from 4 workers with rollout TP groups
     of 2 (2 replicas, reshard to DP=4 for training), and from 2 rollout workers + 2 train
     workers with max_staleness=0 (runtime.placement=disaggregated: samples streamed to the
-    trainer, weights pushed back): same samples, same updates, same held-out accuracy."""
+    trainer, weights pushed back), also with the 2 rollout workers as one replica (each
+    generates half of every group; the groups reach the trainers whole and once): same
+    samples, same updates, same held-out accuracy."""
     runs = {"dp2": run_metrics(two_worker_runs["dp2"])}
+    disaggregated = ["runtime.placement=disaggregated", "runtime.train_workers=2", "runtime.rollout_workers=2"]
     four = distflow_sweep({"tp2": ["runtime.num_workers=4", "rollout.replica_size=2"],
-                           "disaggregated": ["runtime.placement=disaggregated", "runtime.train_workers=2",
-                                             "runtime.rollout_workers=2"]}, 4, tmp_path, [*SMALL, *PLACEMENTS])
+                           "disaggregated": disaggregated}, 4, tmp_path, [*SMALL, *PLACEMENTS])
+    # a launch of its own: a disaggregated run leaves its workers in their role groups
+    four |= distflow_sweep({"disaggregated_tp2": [*disaggregated, "rollout.replica_size=2"]}, 4, tmp_path,
+                           [*SMALL, *PLACEMENTS])
     runs |= {name: run_metrics(folder) for name, folder in four.items()}
     # 3 steps of 2 mini-batches (so the old log-probs are recomputed): later steps sample from updated, synced weights
-    for other in ("tp2", "disaggregated"):
+    for other in ("tp2", "disaggregated", "disaggregated_tp2"):
         assert runs["dp2"][0]["val/accuracy"] == runs[other][0]["val/accuracy"]
         assert runs["dp2"][-1]["val/accuracy"] == runs[other][-1]["val/accuracy"]
         for a, b in zip(runs["dp2"][1:], runs[other][1:], strict=True):
