@@ -14,11 +14,13 @@ import torch.distributed as dist
 
 
 class MeanAccumulator:
-    """Collects (sum, count) pairs so that means are exact over all workers."""
+    """Collects (sum, count) pairs so that means are exact over all workers, totals
+    summed over them and maxima."""
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = defaultdict(float)
         self.counts: dict[str, float] = defaultdict(float)
+        self.totals: dict[str, float] = defaultdict(float)
         self.maxima: dict[str, float] = {}
 
     def add(self, name: str, total: float, count: float) -> None:
@@ -27,21 +29,29 @@ class MeanAccumulator:
 
     def add_total(self, name: str, value: float) -> None:
         """A quantity summed over workers (not averaged), e.g. tokens processed."""
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        self.add(name, value, 1.0 if rank == 0 else 0.0)  # sum / 1
+        self.totals[name] += float(value)
 
     def add_max(self, name: str, value: float) -> None:
         self.maxima[name] = max(self.maxima.get(name, float("-inf")), float(value))
 
     def reduce(self) -> dict[str, float]:
-        """Global means and maxima; collective, so every rank must call it with the same keys."""
-        names, max_names = sorted(self.sums), sorted(self.maxima)
-        sums = torch.tensor([[self.sums[n], self.counts[n]] for n in names] or [[0.0, 0.0]], dtype=torch.float64)
-        maxima = torch.tensor([self.maxima[n] for n in max_names] or [0.0], dtype=torch.float64)
+        """Global means, totals and maxima; collective. A name that some workers did not
+        add (a metric of rows only some workers hold) is reduced over those that did."""
+        names, total_names, max_names = sorted(self.sums), sorted(self.totals), sorted(self.maxima)
+        if dist.is_initialized() and dist.get_world_size() > 1:  # the same names, in the same order, everywhere
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (names, total_names, max_names))
+            names, total_names, max_names = (sorted(set().union(*(g[i] for g in gathered))) for i in range(3))
+        sums = torch.tensor([[self.sums.get(n, 0.0), self.counts.get(n, 0.0)] for n in names]
+                            + [[self.totals.get(n, 0.0), 0.0] for n in total_names] or [[0.0, 0.0]],
+                            dtype=torch.float64)
+        maxima = torch.tensor([self.maxima.get(n, float("-inf")) for n in max_names] or [0.0], dtype=torch.float64)
         if dist.is_initialized():
             dist.all_reduce(sums)
             dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
-        out = {n: (s / c if c else 0.0) for n, (s, c) in zip(names, sums.tolist())}
+        reduced = sums.tolist()
+        out = {n: (s / c if c else 0.0) for n, (s, c) in zip(names, reduced)}
+        out.update({n: s for n, (s, _) in zip(total_names, reduced[len(names):])})
         out.update(dict(zip(max_names, maxima.tolist())))
         return out
 
