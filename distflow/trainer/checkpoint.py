@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -124,13 +125,29 @@ def put_in_place(tmp: Path, path: Path) -> None:
     """The complete checkpoint `tmp` becomes `path`; an earlier one there (a resumed
     run's `final`) is renamed aside first and removed last, so a crash at any point
     leaves a complete checkpoint that `latest` finds."""
+    _sync(tmp)
     aside = path.with_name(path.name + _ASIDE)
     if path.exists():
         if aside.exists():  # a crash left one aside before: `path` is the newer
             shutil.rmtree(aside)
         os.replace(path, aside)
     os.replace(tmp, path)  # complete: from now on it is the latest checkpoint
+    _sync(path.parent)
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def _sync(folder: Path) -> None:
+    """Its files' contents and its entries on disk (a power loss after the rename leaves
+    the checkpoint complete, not a folder of empty files)."""
+    for f in folder.iterdir():
+        if f.is_file():
+            with open(f, "rb") as handle:
+                os.fsync(handle.fileno())
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def _prune(folder: Path, keep_last: int) -> None:
@@ -150,22 +167,29 @@ def _prune(folder: Path, keep_last: int) -> None:
 def latest(folder: Path) -> Path | None:
     """The newest complete checkpoint under `folder` (`step_*` or `final`; one a crash
     left renamed aside while a newer was put in its place, where that one is not there),
-    or None."""
+    or None. One whose state file cannot be read (a disk that lost it) is skipped, saying so."""
     if not folder.is_dir():
         return None
     found = []
     for p in folder.iterdir():
         name = p.name.removesuffix(_ASIDE)
         if (p / STATE_FILE).is_file() and (_STEP_DIR.match(name) or name == "final"):
-            found.append((read_state(p)["step"], name == "final", name == p.name, p))
+            try:
+                state = json.loads((p / STATE_FILE).read_text())
+            except (OSError, ValueError) as e:
+                print(f"distflow: skipping checkpoint {p}: its {STATE_FILE} cannot be read ({e})", file=sys.stderr)
+                continue
+            found.append((read_state(p, state)["step"], name == "final", name == p.name, p))
     return max(found)[3] if found else None
 
 
-def read_state(path: Path) -> dict[str, Any]:
-    try:
-        state = json.loads((path / STATE_FILE).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path}: no readable {STATE_FILE} ({e})") from None
+def read_state(path: Path, state: dict | None = None) -> dict[str, Any]:
+    """The checkpoint's trainer state (`state`: its file's contents, read already), checked."""
+    if state is None:
+        try:
+            state = json.loads((path / STATE_FILE).read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"checkpoint {path}: no readable {STATE_FILE} ({e})") from None
     if state.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path}: format {state.get('format')!r}, expected {FORMAT_VERSION}")
     return state

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -66,13 +67,18 @@ def test_optimizer_and_rng_state_round_trip(tmp_path, random_model_dir):
     assert checkpoint.latest(tmp_path) == tmp_path / "step_1"
 
 
-def test_latest_ignores_incomplete_folders_and_prune_keeps_the_newest(tmp_path):
+def test_latest_ignores_incomplete_folders_and_prune_keeps_the_newest(tmp_path, capsys):
     for step in (2, 4, 6):
         (tmp_path / f"step_{step}").mkdir()
         (tmp_path / f"step_{step}" / checkpoint.STATE_FILE).write_text(json.dumps({"format": 1, "step": step}))
     (tmp_path / "step_8.tmp").mkdir()  # killed while writing
     (tmp_path / "step_10").mkdir()  # no state file: not a checkpoint
     assert checkpoint.latest(tmp_path) == tmp_path / "step_6"
+    (tmp_path / "step_7").mkdir()  # a disk that lost its state file's contents: skipped, saying so
+    (tmp_path / "step_7" / checkpoint.STATE_FILE).write_text("")
+    assert checkpoint.latest(tmp_path) == tmp_path / "step_6"
+    assert "skipping checkpoint" in capsys.readouterr().err
+    shutil.rmtree(tmp_path / "step_7")
     checkpoint._prune(tmp_path, keep_last=2)
     # the half-written folder goes; a folder that is not a checkpoint is not counted or touched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_10", "step_4", "step_6"]
