@@ -99,6 +99,14 @@ def check_inputs(cfg: Config) -> None:
         raise ConfigError(f"trainer.output_dir={cfg.trainer.output_dir!r}: exists and is not a folder")
     if cfg.reward.custom_fn is not None:
         check_callable(cfg.reward.custom_fn, "reward.custom_fn")
+    if cfg.actor.lora_rank:
+        from distflow.engines.common import resolve_model_path
+        from distflow.engines.lora import is_adapter_folder
+
+        if is_adapter_folder(resolve_model_path(cfg.model.path)):
+            raise ConfigError(f"model.path={cfg.model.path!r}: a LoRA checkpoint; a new adapter on it would be saved "
+                              "against its base without it: merge it first (distflow export PATH --out DIR "
+                              "--merge) or train it whole without actor.lora_rank")
     if cfg.trainer.resume not in ("auto", "off"):
         from distflow.trainer.checkpoint import CheckpointError, resolve
 

@@ -75,11 +75,15 @@ def load_causal_lm(path: str, dtype: str = "float32", device: torch.device | str
 
 def causal_lm_skeleton(path: str):
     """The model's class and config with no weights (meta device): what writes a HF
-    folder from a state dict (`save_pretrained(dir, state_dict=...)`)."""
+    folder from a state dict (`save_pretrained(dir, state_dict=...)`); a LoRA checkpoint's
+    are its base's."""
     from transformers import AutoConfig
 
+    from distflow.engines.lora import adapter_base, is_adapter_folder
+
     quiet_transformers()
-    config = AutoConfig.from_pretrained(resolve_model_path(path))
+    folder = resolve_model_path(path)
+    config = AutoConfig.from_pretrained(adapter_base(folder) if is_adapter_folder(folder) else folder)
     with torch.device("meta"):
         return _model_class(config).from_config(config)
 

@@ -12,6 +12,7 @@ the base folder); `load_causal_lm` of such a folder gives the merged model, and
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,12 @@ def with_lora(model, settings: LoraSettings, adapter_path: str | Path | None = N
             linear = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items() if isinstance(m, torch.nn.Linear)})
             raise ValueError(f"actor.lora_target_modules={targets!r}: the model has no module named "
                              f"{', '.join(missing)}; its linear layers are named {', '.join(linear)}")
+        shared = Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False))
+        tied = [n for n, m in modules.items() if any(n == t or n.endswith("." + t) for t in names)
+                and isinstance(getattr(m, "weight", None), torch.Tensor) and shared[m.weight.data_ptr()] > 1]
+        if tied:  # its delta would be merged into the shared weight, and so into the embedding too
+            raise ValueError(f"actor.lora_target_modules={targets!r}: {tied[0]} shares its weight with another "
+                             f"layer (tied embeddings); leave it out")
     config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                         target_modules=names, bias="none", task_type="CAUSAL_LM")
     return get_peft_model(model, config)

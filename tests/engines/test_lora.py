@@ -191,3 +191,28 @@ def test_a_target_module_the_model_lacks_is_named_with_the_config_key(random_mod
     with pytest.raises(ValueError, match=r"actor.lora_target_modules='q_proj,nonsense_proj': the model has no "
                                          r"module named nonsense_proj; its linear layers are named .*q_proj"):
         with_lora(load_causal_lm(random_model_dir), wrong)
+
+
+def test_a_tied_output_head_is_refused_as_a_target(random_model_dir):
+    """The tiny Llama ties lm_head to the embedding: an adapter's delta on it would be merged
+    into the shared weight (the pushed weights and `export --merge` would change both)."""
+    tied = LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules="q_proj,lm_head")
+    with pytest.raises(ValueError, match=r"^actor.lora_target_modules='q_proj,lm_head': lm_head shares its weight "
+                                         r"with another layer \(tied embeddings\); leave it out$"):
+        with_lora(load_causal_lm(random_model_dir), tied)
+
+
+def test_a_lora_checkpoint_as_model_path_has_its_bases_skeleton_and_a_new_adapter_on_it_is_refused(
+        tmp_path, random_model_dir):
+    from distflow.cli import check_inputs
+    from distflow.config import ConfigError, load_config
+    from distflow.engines.common import causal_lm_skeleton
+
+    adapter = tmp_path / "adapter"
+    settings = LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules="q_proj")
+    with_lora(load_causal_lm(random_model_dir), settings).save_pretrained(adapter)
+    assert type(causal_lm_skeleton(str(adapter))) is type(load_causal_lm(random_model_dir))
+    check_inputs(load_config(None, [f"model.path={adapter}"]))  # trained whole: its merge
+    with pytest.raises(ConfigError, match=r"^model.path='.*adapter': a LoRA checkpoint; a new adapter on it would be "
+                                          r"saved against its base without it: merge it first"):
+        check_inputs(load_config(None, [f"model.path={adapter}", "actor.lora_rank=4"]))
