@@ -345,6 +345,8 @@ class Trainer:
         if self.prompts.sampler.next_step(state["dataloader"]) != self.start_step + 1:
             raise checkpoint.CheckpointError(f"checkpoint {path}: dataloader position {state['dataloader']} "
                                              f"does not match step {self.start_step}")
+        if self.rank == 0 and self.start_step < self.cfg.trainer.total_steps:  # done no more until it ends again
+            (self.run_dir / "summary.json").unlink(missing_ok=True)
         metrics = path / "metrics.jsonl"
         self.history = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
         for record in self.history:  # the run of bad steps the checkpoint ends on goes on counting
@@ -475,11 +477,14 @@ class Trainer:
             rt = cfg.runtime
             summary |= {"train_workers": rt.train_workers, "rollout_workers": rt.rollout_workers,
                         "max_staleness": cfg.algorithm.max_staleness}
+        summary_file = self.run_dir / "summary.json"
+        if self.rank == 0 and self.start_step >= total and summary_file.exists():
+            return json.loads(summary_file.read_text())  # relaunched when done: nothing trained, the run's own stands
         if self.rank == 0:
             history = self.writer.read()
             summary["reward_first"] = next(r["reward/mean"] for r in history if "reward/mean" in r)
             summary["reward_last"] = history[-1]["reward/mean"]
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            summary_file.write_text(json.dumps(summary, indent=1))
             write_plot(history, self.run_dir / "reward.png")
         return summary
 
