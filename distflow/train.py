@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     launch = [f"runtime.num_workers={world}", "runtime.launcher=torchrun"]
     try:
         configs = [load_config(args.config, [*args.overrides, *run, *launch]) for run in runs]
+        check_sweep(configs)
     except ConfigError as e:
         if rank == 0:
             print(f"distflow: error: {e}", file=sys.stderr)
@@ -58,6 +59,20 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"heldout_accuracy_initial={summary['heldout_accuracy_initial']:.3f} "
                       f"heldout_accuracy_final={summary['heldout_accuracy_final']:.3f} run folder: {holder[0]}")
     return 0
+
+
+def check_sweep(configs: list) -> None:
+    """Runs that can follow one another in one launch: each in a folder of its own (a later
+    run in an earlier one's would resume its checkpoints and train nothing), and a
+    disaggregated run only last (it leaves the workers in its role groups)."""
+    folders = [os.path.realpath(os.path.expanduser(c.trainer.output_dir)) for c in configs if c.trainer.output_dir]
+    for folder in folders:
+        if folders.count(folder) > 1:
+            raise ConfigError(f"--runs: {folders.count(folder)} runs have trainer.output_dir={folder}; give each "
+                              "its own (or none: each then gets a new folder)")
+    if any(c.runtime.placement == "disaggregated" for c in configs[:-1]):
+        raise ConfigError("--runs: runtime.placement=disaggregated leaves the workers in its role groups; "
+                          "put that run last or give it a launch of its own")
 
 
 def _evaluate(cfg, k: int, rank: int, run_eval_worker) -> int:

@@ -64,3 +64,20 @@ def test_progress_shows_reward_heldout_and_tokens_per_second():
         {"reward": "0.422", "heldout": "0.520", "tok_s": "6,299"}
     assert progress_postfix({"reward/mean": 0.1, "perf/tokens_per_second": 10.0}, None)["heldout"] == "-"
     assert progress_postfix({"reward/mean": 0.1}, 0.5) == {"reward": "0.100", "heldout": "0.500"}
+
+
+def test_a_sweep_of_runs_sharing_a_folder_or_continuing_after_a_disaggregated_run_is_refused(tmp_path, capsys):
+    from distflow import train
+
+    def sweep(runs):
+        (tmp_path / "runs.json").write_text(json.dumps(runs))
+        assert train.main(["--runs", str(tmp_path / "runs.json")]) == 2
+        return capsys.readouterr().err.strip()
+
+    shared = f"trainer.output_dir={tmp_path / 'x'}"
+    assert sweep([[shared], ["algorithm.name=rloo", shared]]) == (
+        f"distflow: error: --runs: 2 runs have trainer.output_dir={tmp_path / 'x'}; give each its own (or none: "
+        "each then gets a new folder)")
+    disaggregated = ["runtime.placement=disaggregated", "runtime.train_workers=1", "runtime.rollout_workers=1"]
+    assert sweep([disaggregated, []]) == ("distflow: error: --runs: runtime.placement=disaggregated leaves the "
+                                          "workers in its role groups; put that run last or give it a launch of its own")
