@@ -67,17 +67,34 @@ def counter_uniform(seeds: torch.Tensor, step: int) -> torch.Tensor:
 
 
 class PerSequenceSampler:
-    """A logits processor that turns greedy decoding into seeded per-row sampling: each
-    row's token is drawn by inverting the CDF of softmax(logits / T) (after top-p) at
-    one uniform from `counter_uniform(row seed, token step)`, and the scores returned
-    make that token the argmax."""
+    """A logits processor that picks each row's next token and records its log-probability.
+    With seeds, each row's token is drawn by inverting the CDF of softmax(logits / T)
+    (after top-p) at one uniform from `counter_uniform(row seed, token step)`; without,
+    it is the argmax. `suppress`: token ids never picked (a VLM's image placeholders).
+    The scores returned make the picked token the argmax. `log_probs` gets, per step, each
+    row's picked token's log-probability under the whole softmax(logits / T) (top-p and the
+    suppressed tokens left in), as the trainer scores it; only that (B,) column is kept,
+    never a step's (B, V) logits."""
 
-    def __init__(self, seeds: list[int], temperature: float, top_p: float):
-        self.seeds = torch.tensor(seeds, dtype=torch.int64)
-        self.temperature, self.top_p, self.step = temperature, top_p, 0
+    def __init__(self, seeds: list[int] | None, temperature: float, top_p: float, suppress: list[int] = ()):
+        self.seeds = None if seeds is None else torch.tensor(seeds, dtype=torch.int64)
+        self.temperature, self.top_p, self.suppress, self.step = temperature, top_p, list(suppress), 0
+        self.log_probs: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         scores = scores.float() / self.temperature  # (B, V)
+        log_probs = scores.log_softmax(-1)
+        if self.suppress:
+            scores[:, self.suppress] = float("-inf")
+        if self.seeds is None:
+            choice = scores.argmax(-1, keepdim=True)
+        else:
+            choice = self._draw(scores)
+        self.step += 1
+        self.log_probs.append(log_probs.gather(-1, choice).squeeze(-1))
+        return torch.full_like(scores, float("-inf")).scatter(-1, choice, 0.0)
+
+    def _draw(self, scores: torch.Tensor) -> torch.Tensor:
         if self.top_p < 1.0:
             sorted_scores, order = scores.sort(dim=-1, descending=True)
             cum = sorted_scores.softmax(-1).cumsum(-1)
@@ -86,10 +103,8 @@ class PerSequenceSampler:
             scores = scores.masked_fill(drop, float("-inf"))
         cdf = scores.double().softmax(-1).cumsum(-1)  # (B, V), float64: exact enough over a large vocabulary
         target = counter_uniform(self.seeds.to(scores.device), self.step) * cdf[:, -1]
-        self.step += 1
         # the first token whose CDF reaches the draw: its probability is > 0, so never a masked one
-        choice = torch.searchsorted(cdf, target[:, None]).clamp(max=scores.shape[-1] - 1)
-        return torch.full_like(scores, float("-inf")).scatter(-1, choice, 0.0)
+        return torch.searchsorted(cdf, target[:, None]).clamp(max=scores.shape[-1] - 1)
 
 
 @runtime_checkable
@@ -237,17 +252,19 @@ class HFRolloutEngine:
             processors.append(swaps)
         if not params.greedy:
             assert seeds is not None and len(seeds) == len(prompts), "sampling needs one seed per sequence"
-            processors.append(PerSequenceSampler(seeds, params.temperature, params.top_p))
-        # An explicit config: a model's own generation_config (repetition penalty, top-k,
-        # ...) must not silently change the policy's distribution in RL.
-        # (HF fills every field left unset from the model's config, so neutral values are explicit.)
         # A VLM's image placeholders are never generated (a response holding one would not
         # match its images in the scoring forward); their probability is left in the log-probs.
+        picker = PerSequenceSampler(None if params.greedy else seeds, params.temperature, params.top_p,
+                                    suppress=vision_token_ids(self.model.config))
+        processors.append(picker)
+        # An explicit config: a model's own generation_config (repetition penalty, top-k,
+        # ...) must not silently change the policy's distribution in RL, and no processor
+        # of HF's runs before the picker, so it sees the model's own logits.
+        # (HF fills every field left unset from the model's config, so neutral values are explicit.)
         config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=params.max_new_tokens, use_cache=True,
                                   min_new_tokens=0, repetition_penalty=1.0, no_repeat_ngram_size=0,
                                   pad_token_id=self.tokenizer.pad_token_id,
-                                  eos_token_id=self.tokenizer.eos_token_id,
-                                  suppress_tokens=vision_token_ids(self.model.config) or None)
+                                  eos_token_id=self.tokenizer.eos_token_id)
         images = {}
         if any(getattr(p, "pixel_values", None) is not None for p in prompts):  # PromptIds with images
             images = {k: v.to(device) for k, v in
@@ -255,12 +272,9 @@ class HFRolloutEngine:
         ids, mask = ids.to(device), mask.to(device)
         cache = {} if images else self._shared_prompt_cache(ids, mask)
         out = self.model.generate(input_ids=ids, attention_mask=mask,
-                                  generation_config=config, logits_processor=processors,
-                                  return_dict_in_generate=True, output_logits=True, **images, **cache)
-        resp = out.sequences[:, ids.shape[1]:].cpu()  # (B, R')
-        # the raw logits of each step (before our sampler's noise): the engine's own probabilities
-        logits = torch.stack(out.logits, dim=1).float().cpu() / params.temperature  # (B, R', V)
-        log_probs = torch.log_softmax(logits, dim=-1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
+                                  generation_config=config, logits_processor=processors, **images, **cache)
+        resp = out[:, ids.shape[1]:].cpu()  # (B, R')
+        log_probs = torch.stack(picker.log_probs, dim=1).cpu()  # (B, R')
         pad = params.max_new_tokens - resp.shape[1]
         if pad:  # every row stopped early
             resp = torch.nn.functional.pad(resp, (0, pad), value=self.tokenizer.pad_token_id)
