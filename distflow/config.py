@@ -572,6 +572,15 @@ def _validate_cross(cfg: Config) -> None:
     traced_steps(cfg)
 
 
+def response_token_budget(cfg: Config) -> int:
+    """The tokens a sample may have after its prompt: one turn's, or a multi-turn
+    episode's or agent's (its turns and the tool results between them)."""
+    r = cfg.rollout
+    if r.max_turns == 1 and r.agent is None:
+        return r.max_new_tokens
+    return r.max_total_tokens or r.max_new_tokens * r.max_turns
+
+
 def traced_steps(cfg: Config) -> set[int]:
     """trainer.trace_steps as a set of steps; a ConfigError names a part that is not one."""
     parts = [p for p in str(cfg.trainer.trace_steps).replace(" ", "").split(",") if p]

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from distflow.algos.kl import make_kl_controller
-from distflow.config import Config, from_dict, traced_steps
+from distflow.config import Config, from_dict, response_token_budget, traced_steps
 from distflow.coordinator.double_buffer import DoubleBuffer
 from distflow.coordinator.executor import TransferStats
 from distflow.coordinator.layout import Layout
@@ -173,7 +173,8 @@ def make_rollout_engine(cfg: Config, policy_path: str, tokenizer, device: torch.
     adapter = is_adapter_folder(path)  # a LoRA checkpoint: vLLM loads its base, then takes the merged weights
     engine = VLLMRolloutEngine(resolve_model_path(adapter_base(path)) if adapter else path, tokenizer,
                                tensor_parallel_size=r.tensor_parallel_size, dtype=cfg.model.dtype,
-                               max_model_len=cfg.data.max_prompt_length + r.max_new_tokens, seed=cfg.trainer.seed,
+                               max_model_len=cfg.data.max_prompt_length + response_token_budget(cfg),
+                               seed=cfg.trainer.seed,
                                gpu_memory_utilization=r.gpu_memory_utilization,
                                kv_cache_memory_gb=r.kv_cache_memory_gb,
                                release_memory_after_rollout=r.release_memory_after_rollout)
@@ -188,7 +189,7 @@ def make_episode_runner(cfg: Config, engine: RolloutEngine, tokenizer) -> Episod
     rollout.max_turns > 1: multi-turn episodes with rollout.tools, in rollout.env or the
     default tool environment. Both generate(prompts, seeds, params, tasks) -> Batch."""
     r = cfg.rollout
-    budget = r.max_total_tokens or r.max_new_tokens * r.max_turns
+    budget = response_token_budget(cfg)
     if r.agent is not None:
         return AgentRunner(engine, tokenizer, load_callable(r.agent, "rollout.agent"),
                            AgentSettings(max_total_tokens=budget, max_calls=r.max_turns))

@@ -35,7 +35,7 @@ from distflow.algos.correction import rollout_correction
 from distflow.algos.estimators import ADV_ESTIMATORS, ESTIMATOR_INFO, AdvantageInputs, Estimator, EstimatorInfo
 from distflow.algos.estimators import estimator_info, get_adv_estimator
 from distflow.collectives import all_reduce_sum
-from distflow.config import Config
+from distflow.config import Config, response_token_budget
 from distflow.coordinator.microbatch import local_micro_batches, plan_micro_batches
 from distflow.data.batch import Batch, sequence_lengths
 from distflow.data.dataset import DatasetError, PromptRow
@@ -205,12 +205,12 @@ def overlong_penalty(ctx: WorkerContext, batch: Batch) -> Batch:
     a response's length against rollout.max_new_tokens; a multi-turn episode's (its turns
     and the tool or environment tokens between them) against its budget,
     rollout.max_total_tokens (0: max_new_tokens per turn, max_turns of them)."""
-    a, r = ctx.cfg.algorithm, ctx.cfg.rollout
-    length, limit = batch["response_mask"].sum(-1), r.max_new_tokens
+    a = ctx.cfg.algorithm
+    length = batch["response_mask"].sum(-1)
     if "observation_mask" in batch:
         length = length + batch["observation_mask"].sum(-1)
-        limit = r.max_total_tokens or r.max_new_tokens * r.max_turns
-    penalty = core.overlong_reward_penalty(length, limit, a.overlong_buffer_len, a.overlong_penalty_factor)
+    penalty = core.overlong_reward_penalty(length, response_token_budget(ctx.cfg), a.overlong_buffer_len,
+                                           a.overlong_penalty_factor)
     return Batch({"shaped_scores": batch["scores"] + penalty})
 
 

@@ -146,6 +146,20 @@ def _train(out, *overrides: str) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def test_multi_turn_episodes_on_vllm_fit_their_whole_budget(tmp_path):
+    """A later turn's context is the prompt, the earlier turns and the observations: up to
+    data.max_prompt_length + rollout.max_total_tokens, not one turn's max_new_tokens (the
+    prompts here are 40-49 tokens, the check turn's observation about 30)."""
+    from helpers import CHECK_ONCE_ENV
+
+    (tmp_path / "env.py").write_text(CHECK_ONCE_ENV)
+    records = _train(tmp_path / "run", "runtime.num_workers=1", "rollout.max_turns=2", "rollout.max_new_tokens=24",
+                     "rollout.max_total_tokens=96", "data.max_prompt_length=50", "rollout.tools=calculator",
+                     f"rollout.env={tmp_path / 'env.py'}:CheckOnce", f"reward.custom_fn={tmp_path / 'env.py'}:by_length")
+    assert [r["turns/mean"] for r in records[1:]] == [2.0, 2.0]
+    assert max(r["response/length_max"] for r in records[1:]) > 24  # episodes past one turn's budget
+
+
 def test_a_tensor_parallel_replica_trains_like_one_worker(tmp_path):
     """2 ranks forming one 2-way tensor-parallel vLLM engine run the same steps as 1
     worker with a whole engine: the same samples and rewards, the same updates to float
