@@ -92,10 +92,13 @@ class _Thread:
 
 
 class TrajectorySender(_Thread):
-    """On a rollout rank: `send(step, batch, note)` returns at once; a thread sends."""
+    """On a rollout rank: `send(step, batch, note)` returns at once; a thread sends.
+    `index`: this rollout rank's among the rollout ranks; its heaviest part goes to train
+    rank `index` (mod their number), the next to the next, so the rollout ranks' heaviest
+    parts do not all land on the first train rank."""
 
-    def __init__(self, pg: dist.ProcessGroup, train_ranks: range):
-        self.pg, self.train_ranks = pg, train_ranks
+    def __init__(self, pg: dist.ProcessGroup, train_ranks: range, index: int):
+        self.pg, self.train_ranks, self.index = pg, train_ranks, index
         self.outbox: queue.Queue = queue.Queue()
         super().__init__("trajectory sender", self._loop)
 
@@ -103,7 +106,8 @@ class TrajectorySender(_Thread):
         """Queue this step's samples (split by groups and tokens) for the train ranks;
         returns the bytes queued per train rank."""
         self.check()
-        parts = split_groups_by_tokens(batch, len(self.train_ranks))
+        parts = split_groups_by_tokens(batch, len(self.train_ranks))  # heaviest first
+        parts = [parts[(t - self.index) % len(parts)] for t in range(len(parts))]  # train rank t's
         ids = batch["sample_id"] if len(batch) else []
         buffers = [pack(batch, rows, [ids[r] for r in rows]) for rows in parts]
         self.outbox.put((step, note, buffers))

@@ -149,7 +149,7 @@ class RolloutWorker:
                                    refill=RefillPrompts(self.prompts, self.tokenizer, self.ctx)
                                    if any(n.refill for n in self.graph.nodes) else None,
                                    on_node=lambda name: self._status(self.ctx.step, name))
-        self.sender = TrajectorySender(roles.bridge, roles.train_ranks)
+        self.sender = TrajectorySender(roles.bridge, roles.train_ranks, self.rank)
         self.weights = WeightSubscriber(roles.weights, self.start_step)
         self.swaps_in_flight = 0  # rollout.partial: weights swapped in during a generation
         if cfg.rollout.partial:

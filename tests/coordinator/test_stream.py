@@ -40,7 +40,7 @@ def _trajectories(rank: int, world: int) -> list:
     """Ranks 0-1 train, ranks 2-3 generate; each rollout rank sends two steps."""
     pg = dist.new_group(backend="gloo")  # a group of its own, as the roles get
     if rank >= 2:
-        sender = TrajectorySender(pg, range(2))
+        sender = TrajectorySender(pg, range(2), index=rank - 2)
         for step in (1, 2):
             offset = 10 * rank + step
             batch = _batch([offset, offset, offset + 5, offset + 5], [1, 3, 7, 2])
@@ -64,6 +64,9 @@ def test_trajectories_reach_the_train_ranks_whole_and_once():
         assert ids == sorted(1000 * r + 10 * step + i for r in (2, 3) for i in range(4))  # every sample once
         for _, _, groups, _ in got:
             assert len(groups) == 4  # one whole group of 2 from each rollout rank (balanced by tokens)
+        # each rollout rank's heavier group (lengths 7 and 2) goes to another train rank
+        heavy = [sorted(g for g in groups if g % 10 >= 5) for _, _, groups, _ in got]
+        assert heavy == [[20 + step + 5] * 2, [30 + step + 5] * 2]
         # the note travels with the first train rank's part only
         assert got[0][3] == [{"from": 2, "step": step}, {"from": 3, "step": step}]
         assert got[1][3] == [{}, {}]
