@@ -210,13 +210,13 @@ class WeightPublisher:
 
 
 class WeightSubscriber(_Thread):
-    """On a rollout rank: receives every version on a thread and keeps the newest until
-    `take_newer` hands it to the generation loop."""
+    """On a rollout rank: receives every version on a thread and keeps those not yet
+    handed to the generation loop (`take_newer`, `take_agreed`)."""
 
     def __init__(self, pg: dist.ProcessGroup, version: int):
         self.pg = pg
         self.version = version  # the newest received (or the starting weights')
-        self.pending: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
+        self.pending: dict[int, list[tuple[str, torch.Tensor]]] = {}  # version -> weights, not yet taken
         self.cond = threading.Condition()
         super().__init__("weight subscriber", self._loop)
 
@@ -236,7 +236,7 @@ class WeightSubscriber(_Thread):
             weights = [(name, flats[dtype][offset: offset + torch.Size(shape).numel()].view(shape))
                        for name, (dtype, offset, shape) in index["tensors"].items()]
             with self.cond:
-                self.pending, self.version = (version, weights), version
+                self.pending[version], self.version = weights, version
                 self.cond.notify_all()
 
     def wait_for(self, version: int, timeout_s: float) -> float:
@@ -253,10 +253,35 @@ class WeightSubscriber(_Thread):
         return time.perf_counter() - start
 
     def take_newer(self) -> tuple[int, list[tuple[str, Any]]] | None:
-        """The newest weights received since the last call, or None."""
+        """The newest weights received and not yet taken (older ones are dropped), or None."""
         with self.cond:
-            pending, self.pending = self.pending, None
-        return pending
+            if not self.pending:
+                return None
+            return self._take(max(self.pending))
+
+    def take_agreed(self, group: dist.ProcessGroup, current: int,
+                    timeout_s: float) -> tuple[int, list[tuple[str, Any]]] | None:
+        """Collective over `group`, the ranks of a tensor-parallel engine (each holds a
+        slice of one set of weights, so all must load the same version): the newest
+        version any of them has received, on every one (a rank without it yet waits for
+        it), or None where none has a version newer than `current`. Newer versions that
+        arrive meanwhile stay for the next call."""
+        with self.cond:
+            mine = max(self.pending, default=current)
+        agreed = torch.tensor([mine], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        version = int(agreed)
+        if version <= current:
+            return None
+        self.wait_for(version, timeout_s)
+        with self.cond:
+            return self._take(version)
+
+    def _take(self, version: int) -> tuple[int, list[tuple[str, Any]]]:
+        """`version`'s weights; those of it and older versions are dropped (under `cond`)."""
+        weights = self.pending[version]
+        self.pending = {v: w for v, w in self.pending.items() if v > version}
+        return version, weights
 
     def join(self, timeout_s: float) -> None:
         """Wait for the end of the stream (the trainers' last update)."""

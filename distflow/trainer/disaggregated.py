@@ -157,6 +157,9 @@ class RolloutWorker:
 
     def _newer_weights(self):
         """(version, weights) newer than the engine's, if any arrived; else None."""
+        tp_group = getattr(self.engine, "tp_group", None)  # a tensor-parallel vLLM engine's ranks
+        if tp_group is not None:  # one version for all of them
+            return self.weights.take_agreed(tp_group, self.engine.weight_version, self.cfg.runtime.stream_timeout_s)
         newest = self.weights.take_newer()
         return newest if newest is not None and newest[0] > self.engine.weight_version else None
 

@@ -134,3 +134,33 @@ def _weights_after_a_long_step(rank: int, world: int) -> list:
 
 def test_the_streams_wait_a_whole_step_of_the_other_side_not_the_collective_timeout():
     assert run_gloo(_weights_after_a_long_step, 2)[1] == [1, [1.0, 1.0]]
+
+
+def _one_version_per_replica(rank: int, world: int) -> list:
+    """Rank 0 publishes versions 1 and 2; ranks 1-2 are one tensor-parallel replica. Rank 2
+    agrees as soon as it holds version 1, rank 1 once it holds version 2: both load 2."""
+    pg = dist.new_group(backend="gloo")
+    replica = dist.new_group([1, 2], backend="gloo")
+    if rank == 0:
+        publisher = WeightPublisher(pg)
+        publisher.publish([("w", torch.full((2,), 1.0))], 1)
+        dist.barrier()
+        publisher.publish([("w", torch.full((2,), 2.0))], 2)
+        dist.barrier()
+        publisher.close()
+        return []
+    subscriber = WeightSubscriber(pg, version=0)
+    subscriber.wait_for(1, timeout_s=60)
+    dist.barrier()
+    if rank == 1:
+        subscriber.wait_for(2, timeout_s=60)
+    version, weights = subscriber.take_agreed(replica, current=0, timeout_s=60)
+    again = subscriber.take_agreed(replica, current=version, timeout_s=60)  # nothing newer: no swap
+    dist.barrier()
+    subscriber.join(timeout_s=60)
+    return [version, weights[0][1].tolist(), again]
+
+
+def test_the_ranks_of_a_tensor_parallel_engine_take_one_version():
+    results = run_gloo(_one_version_per_replica, 3)
+    assert results[1] == results[2] == [2, [2.0, 2.0], None]
