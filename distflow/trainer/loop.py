@@ -381,10 +381,8 @@ class Trainer:
         with timer("weight_sync"):  # the rollout engine gets the updated policy, in place
             if self.stream is None:
                 self.rollout.update_weights(self.actor.iter_full_weights(), version=step)
-            else:  # to the rollout workers; the evaluation engine here shares the actor's weights
+            else:  # to the rollout workers; the evaluation engine here takes them when it evaluates
                 self.stream.publish(self.actor, version=step)
-                self.rollout.update_weights(() if self.rollout.shares_trainer_weights
-                                            else self.actor.iter_full_weights(), version=step)
         seconds = node_seconds(spans) | timer.seconds
         nodes.record_rollout_metrics(store.all(), acc, episodes=self.ctx.episodes is not None)
         counts = self.prompts.take_counts(step)
@@ -410,6 +408,9 @@ class Trainer:
 
     def evaluate(self, step: int) -> dict[str, float]:
         with StageTimer(step, self._status)("evaluate"):  # named in errors and in the status file
+            if self.stream is not None and self.rollout.weight_version != step:  # disaggregated: behind the actor
+                self.rollout.update_weights(() if self.rollout.shares_trainer_weights
+                                            else self.actor.iter_full_weights(), version=step)
             return self._evaluate()
 
     @torch.no_grad()

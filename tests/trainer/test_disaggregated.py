@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -112,7 +115,10 @@ def test_asynchronous_dapo_stays_within_its_staleness_and_resumes(tmp_path):
     distflow_train([*common, "trainer.total_steps=2"], tmp_path)
     launcher = json.loads((out / "launcher.json").read_text())  # Ray's launcher meters what it receives
     assert launcher["payload_bytes_received"] == 0 and launcher["control_bytes_received"] > 0
-    distflow_train([*common, "trainer.total_steps=4", "runtime.launcher=torchrun", "rollout.partial=true"], tmp_path)
+    # resumed with sharded training (FSDP2) and a learning rate that moves the greedy answers within 2 steps: the train
+    # side's evaluation engine takes the gathered weights when it evaluates (and only then)
+    distflow_train([*common, "trainer.total_steps=4", "runtime.launcher=torchrun", "rollout.partial=true",
+                    "actor.strategy=fsdp2", "actor.lr=1e-3"], tmp_path)
     records = run_metrics(out)
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
     assert records[1]["async/version_lag_max"] == 0  # the starting weights are version 0
@@ -129,3 +135,13 @@ def test_asynchronous_dapo_stays_within_its_staleness_and_resumes(tmp_path):
     assert "async/partial_samples" not in records[2]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["placement"] == "disaggregated" and summary["steps"] == 4
+    assert summary["actor_strategy"] == "fsdp2"
+    # the final held-out number is the final policy's: `distflow eval` of the final checkpoint gives it
+    evaluated = tmp_path / "eval"
+    proc = subprocess.run([sys.executable, "-m", "distflow.cli", "eval", f"model.path={out / 'checkpoints' / 'final'}",
+                           "data.val_max_samples=16", "rollout.max_new_tokens=24", "runtime.launcher=torchrun",
+                           "runtime.num_workers=1", f"trainer.output_dir={evaluated}"], cwd=tmp_path,
+                          capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    accuracy = json.loads((evaluated / "eval.json").read_text())["metrics"]["accuracy"]
+    assert accuracy == summary["heldout_accuracy_final"] != summary["heldout_accuracy_initial"]
