@@ -54,10 +54,12 @@ class Environment(Protocol):
 
 class ToolEnvironment:
     """The default environment: the tool calls of a turn are run and their results are
-    the observation; a turn that calls no tool is the final answer."""
+    the observation; a turn that calls no tool is the final answer. `frame_results`:
+    put each result in Hermes' <tool_response> tags (False where the chat template does
+    it itself: `template_frames_tool_results`)."""
 
-    def __init__(self, toolbox: Toolbox):
-        self.toolbox = toolbox
+    def __init__(self, toolbox: Toolbox, frame_results: bool = True):
+        self.toolbox, self.frame_results = toolbox, frame_results
 
     def reset(self, task: dict) -> None:
         pass
@@ -69,15 +71,26 @@ class ToolEnvironment:
         results = [self.toolbox.run(body) for body in calls]
         counts = {"tool_calls": len(results), "tool_errors": sum(r.status == "error" for r in results),
                   "tool_timeouts": sum(r.status == "timeout" for r in results)}
-        return EnvStep([tool_message(r.text) for r in results], False, counts)
+        return EnvStep([tool_message(r.text, self.frame_results) for r in results], False, counts)
 
 
-def tool_message(result: str) -> dict[str, str]:
-    """A tool's result as the observation message the model sees (Hermes' framing)."""
-    return {"role": "tool", "content": f"<tool_response>\n{result}\n</tool_response>"}
+def tool_message(result: str, framed: bool = True) -> dict[str, str]:
+    """A tool's result as the observation message the model sees (`framed`: in Hermes'
+    <tool_response> tags)."""
+    return {"role": "tool", "content": f"<tool_response>\n{result}\n</tool_response>" if framed else result}
 
 
 _BEFORE = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+
+
+def template_frames_tool_results(tokenizer) -> bool:
+    """Whether the chat template puts a tool message's content in <tool_response> tags
+    itself (Qwen2.5's, Qwen3's and other Hermes-style templates do)."""
+    try:
+        text = tokenizer.apply_chat_template(_BEFORE + [{"role": "tool", "content": "7"}], tokenize=False)
+    except Exception:  # a template that refuses the tool role: the tags are ours to add
+        return False
+    return "<tool_response>" in text
 
 
 def observation_ids(tokenizer, messages: Messages) -> list[int]:

@@ -112,3 +112,23 @@ def test_the_trainer_attends_to_observation_tokens_it_does_not_train(random_mode
     torch.testing.assert_close(episode * loss, whole * loss, rtol=0, atol=1e-6)
     # without the observation in the attention, the second turn's log-probs change
     assert ((episode - blind).abs() * loss)[0, 5:].max() > 1e-4
+
+
+HERMES_TEMPLATE = (  # the shape of Qwen2.5's and Qwen3's: a tool message is framed by the template itself
+    "{% for m in messages %}{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n"
+    "</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_tool_result_is_framed_once_whether_or_not_the_template_frames_it():
+    from distflow.config import load_config
+    from distflow.trainer.loop import make_episode_runner
+
+    cfg = load_config(None, ["rollout.max_turns=2", "rollout.tools=calculator"])
+    for template, content in ((None, "<tool_response>\n84\n</tool_response>"), (HERMES_TEMPLATE, "84")):
+        tok = build_tokenizer()
+        if template is not None:
+            tok.chat_template = template
+        step = make_episode_runner(cfg, ScriptedEngine(tok, {}), tok).make_env().step(CALL % "12*7")
+        assert step.observation == [{"role": "tool", "content": content}]
+        assert tok.decode(observation_ids(tok, step.observation)).count("<tool_response>") == 1
