@@ -144,8 +144,8 @@ class EpisodeRunner:
                 trained[i] += [1] * len(new)
                 log_probs[i] += out["rollout_log_probs"][j, :len(new)].tolist()
                 turns[i] += 1
-                last = turn == s.max_turns - 1
-                if len(tokens[i]) >= s.max_total_tokens or (last and not s.step_last_turn):
+                last = turn == s.max_turns - 1 or len(tokens[i]) >= s.max_total_tokens  # turns or tokens used up
+                if last and not s.step_last_turn:
                     continue
                 step = envs[i].step(self.tokenizer.decode(new, skip_special_tokens=True))
                 counts[i].update(step.counts)

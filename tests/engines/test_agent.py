@@ -132,3 +132,24 @@ def test_a_tool_result_is_framed_once_whether_or_not_the_template_frames_it():
         step = make_episode_runner(cfg, ScriptedEngine(tok, {}), tok).make_env().step(CALL % "12*7")
         assert step.observation == [{"role": "tool", "content": content}]
         assert tok.decode(observation_ids(tok, step.observation)).count("<tool_response>") == 1
+
+
+class _PaysPerTurn:
+    """Rewards every turn it is shown with 1 and asks for more."""
+
+    def reset(self, task):
+        pass
+
+    def step(self, text):
+        return EnvStep([{"role": "user", "content": "more"}], False, reward=1.0)
+
+
+def test_with_rewards_from_the_environment_a_turn_that_uses_up_the_tokens_is_scored():
+    tok = build_tokenizer()
+    a = _ids(tok, "A?")
+    answer = "#### 84"
+    budget = len(_ids(tok, answer)) + 1  # the first turn and its eos fill it exactly
+    settings = EpisodeSettings(max_turns=3, max_total_tokens=budget, step_last_turn=True)
+    out = EpisodeRunner(ScriptedEngine(tok, {a[0]: [answer]}), tok, _PaysPerTurn, settings).generate(
+        [a], [1], SamplingParams(max_new_tokens=128), [{}])
+    assert out["num_turns"].tolist() == [1.0] and out["env_scores"].tolist() == [1.0]
