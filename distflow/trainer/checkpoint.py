@@ -183,6 +183,31 @@ def latest(folder: Path) -> Path | None:
     return max(found)[3] if found else None
 
 
+def set_aside_newer(folder: Path, step: int) -> list[Path]:
+    """A run resumed from an earlier step than its folder's newest checkpoints (a rollback
+    after a divergence): those newer than `step` belong to the abandoned branch. They move
+    to `<folder>-abandoned/` (a name taken there gets a suffix), out of the way of
+    `latest` and of `keep_last`'s pruning, which would otherwise keep them over the new
+    branch's. Returns where they went."""
+    moved = []
+    for p in sorted(folder.iterdir()) if folder.is_dir() else []:
+        name = p.name.removesuffix(_ASIDE)
+        if not ((p / STATE_FILE).is_file() and (_STEP_DIR.match(name) or name == "final")):
+            continue
+        try:
+            newer = read_state(p)["step"] > step
+        except CheckpointError:
+            continue
+        if newer:
+            out = folder.with_name(folder.name + "-abandoned") / p.name
+            while out.exists():
+                out = out.with_name(out.name + "+")
+            out.parent.mkdir(exist_ok=True)
+            os.replace(p, out)
+            moved.append(out)
+    return moved
+
+
 def read_state(path: Path, state: dict | None = None) -> dict[str, Any]:
     """The checkpoint's trainer state (`state`: its file's contents, read already), checked."""
     if state is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import threading
 import time
 from collections import Counter, defaultdict
@@ -348,6 +349,10 @@ class Trainer:
                                              f"does not match step {self.start_step}")
         if self.rank == 0 and self.start_step < self.cfg.trainer.total_steps:  # done no more until it ends again
             (self.run_dir / "summary.json").unlink(missing_ok=True)
+        if self.rank == 0:
+            for moved in checkpoint.set_aside_newer(self.run_dir / "checkpoints", self.start_step):
+                print(f"distflow: resumed from step {self.start_step}: the later checkpoint {moved.name} of this run "
+                      f"folder is set aside in {moved.parent}", file=sys.stderr)
         metrics = path / "metrics.jsonl"
         self.history = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
         for record in self.history:  # the run of bad steps the checkpoint ends on goes on counting

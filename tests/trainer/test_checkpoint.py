@@ -115,6 +115,15 @@ def test_killed_while_checkpointing_then_resumed_matches_an_uninterrupted_run(tm
     proc = _train([f"trainer.output_dir={run}", "trainer.save_every=1", "trainer.keep_last=1"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run / "summary.json").read_text() == summary and _metrics(run) == resumed
+    # rolled back to step 2 in the same folder: the later `final` is set aside (else `keep_last` would keep it over
+    # the new branch's and `resume=auto` would pick it), and step 3 replays exactly
+    proc = _train([f"trainer.output_dir={run}", "trainer.save_every=1", "trainer.keep_last=1",
+                   f"trainer.resume={run / 'checkpoints' / 'step_2'}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the later checkpoint final of this run folder is set aside" in proc.stderr
+    assert sorted(p.name for p in (run / "checkpoints-abandoned").iterdir()) == ["final"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["final", "step_2"]
+    assert [_untimed(r) for r in _metrics(run)] == [_untimed(r) for r in uninterrupted]
 
 
 @pytest.mark.slow
