@@ -75,6 +75,10 @@ class ImagePrompter:
         self.start, self.pad, self.end = names
 
     def encode(self, tokenizer, text: str, images: list) -> PromptIds:
+        for name in (self.start, self.pad, self.end):
+            if name in text:  # it would tokenise to the model's own image token, with no image behind it
+                raise DatasetError(f"the prompt's text holds the vision token {name}; only {PLACEHOLDER} "
+                                   "placeholders stand for images")
         if text.count(PLACEHOLDER) != len(images):
             raise DatasetError(f"the prompt has {text.count(PLACEHOLDER)} {PLACEHOLDER} placeholders "
                                f"but the row has {len(images)} images")

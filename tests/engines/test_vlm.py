@@ -212,3 +212,7 @@ def test_placeholders_must_match_the_row_s_images(vlm):
     two = prompter.encode(tokenizer, "<image> and <image>: how many in all?", [image, image])
     assert two.image_grid_thw.tolist() == [[1, 4, 4], [1, 4, 4]] and two.pixel_values.shape == (32, 1176)
     assert list(two).count(tokenizer.convert_tokens_to_ids("<|image_pad|>")) == 8
+    # the model's own image token written in the text would have no image behind it (the forward would fail)
+    with pytest.raises(DatasetError, match=r"^the prompt's text holds the vision token <\|image_pad\|>; only <image> "
+                                           r"placeholders stand for images$"):
+        prompter.encode(tokenizer, "<image> is not <|image_pad|>", [image])
