@@ -374,7 +374,10 @@ def cmd_make_data(args: argparse.Namespace) -> int:
     if out.is_dir():
         return _fail(f"--out={args.out!r}: is a folder; name the .parquet file to write")
     out.parent.mkdir(parents=True, exist_ok=True)
-    print(write_builtin_parquet(str(out), args.task, args.split, args.num, args.seed))
+    try:
+        print(write_builtin_parquet(str(out), args.task, args.split, args.num, args.seed))
+    except ValueError as e:  # more rows than the task has
+        return _fail(f"--num={args.num}: {e}")
     return 0
 
 

@@ -95,7 +95,10 @@ def _builtin(spec: str) -> Sequence[Any]:
         raise DatasetError(f"{spec}: unknown built-in dataset; use builtin:TASK:train or builtin:TASK:test "
                            f"with TASK one of {', '.join(BUILTIN_TASKS)}")
     num = int(size) if size else BUILTIN_SIZES[split]
-    return BUILTIN_TASKS[name](split, num)
+    try:
+        return BUILTIN_TASKS[name](split, num)
+    except ValueError as e:  # more rows than the task has
+        raise DatasetError(f"{spec}: {e}") from None
 
 
 def write_builtin_parquet(path: str, task: str, split: str, num: int, seed: int = 0) -> str:

@@ -4,9 +4,10 @@ The reward function contract is verl's `compute_score`:
 
     fn(data_source: str, solution_str: str, ground_truth: str, extra_info: dict) -> float
 
+(or a dict with a "score", or a tuple whose first item is it, as verl reads them).
 The default dispatches on the data source and the answer style: code datasets (APPS,
 CodeContests, TACO ...: test cases as JSON) run the response's program in the sandbox
-(`engines/sandbox.py`); GSM8K-style data (a `####` in the response, a `gsm8k` or
+(`engines/sandbox.py`); GSM8K-style data (a `####` answer in the response, a `gsm8k` or
 `distflow/arith` data source) is scored by the GSM8K rule; anything else goes through
 math-verify (`\\boxed{...}` answers), configured as verl's default scorer. The GSM8K rule
 reads the number the way a grader would (the last `####`, currency, units, markup,
@@ -141,14 +142,17 @@ def math_verify_score(solution_str: str, ground_truth: str) -> float:
     return 1.0 if gold and pred and verify(gold, pred, timeout_seconds=None) else 0.0
 
 
+_GSM8K_ANSWER = re.compile(r"####\s*[-+$]?\s*\d")  # "#### 72", "#### -3", "#### $5"; not a "#### Step 1" heading
+
+
 def default_compute_score(data_source: str, solution_str: str, ground_truth: str,
                           extra_info: dict[str, Any] | None = None, *, gsm8k_mode: str = "strict") -> float:
     from distflow.engines import sandbox
 
     if data_source.lower().split("/")[-1] in sandbox.CODE_SOURCES:  # e.g. "codecontests", "likaixin/TACO"
         return sandbox.code_score(data_source, solution_str, ground_truth, extra_info)
-    if "####" in solution_str or "gsm8k" in data_source or data_source.startswith("distflow/"):  # the built-in tasks
-        return gsm8k_score(solution_str, ground_truth, gsm8k_mode)
+    if _GSM8K_ANSWER.search(solution_str) or "gsm8k" in data_source or data_source.startswith("distflow/"):
+        return gsm8k_score(solution_str, ground_truth, gsm8k_mode)  # the built-in tasks are GSM8K-style
     return math_verify_score(solution_str, ground_truth)
 
 
@@ -178,6 +182,18 @@ serve(spec, sys.stdin, replies, gsm8k_mode)
 """
 
 
+def score_of(result: Any) -> float:
+    """A reward function's result as verl reads it: a number, a dict's "score" (verl's
+    DAPO scorer returns {"score": ..., "acc": ...}) or a tuple's first item."""
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise ValueError(f"the reward function returned a dict without a 'score': {sorted(result)}")
+        result = result["score"]
+    elif isinstance(result, (tuple, list)) and result:
+        result = result[0]
+    return float(result)
+
+
 def serve(spec: str | None, requests, replies, gsm8k_mode: str = "strict") -> None:
     """The reward child process's loop: JSON lines in, JSON lines out, one call at a time."""
     fn = load_reward_fn(spec, gsm8k_mode)
@@ -185,7 +201,7 @@ def serve(spec: str | None, requests, replies, gsm8k_mode: str = "strict") -> No
     replies.flush()
     for line in requests:
         try:
-            reply = [True, float(fn(*json.loads(line)))]
+            reply = [True, score_of(fn(*json.loads(line)))]
         except Exception:
             reply = [False, traceback.format_exc()]
         replies.write(json.dumps(reply) + "\n")
@@ -223,13 +239,16 @@ class RewardRunner:
 
     def _in_process(self, args) -> tuple[bool, Any]:
         try:
-            return True, float(self.fn(*args))
+            return True, score_of(self.fn(*args))
         except Exception:
             return False, traceback.format_exc()
 
     def _in_child(self, args) -> tuple[bool | None, Any]:
         if self._proc is None or self._proc.poll() is not None:
-            self._start()
+            try:
+                self._start()
+            except RuntimeError as e:  # the sample fails; the next call tries a new child
+                return False, str(e)
         try:
             self._proc.stdin.write(json.dumps(args, default=str) + "\n")
             self._proc.stdin.flush()
@@ -257,9 +276,14 @@ class RewardRunner:
         self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         line = self._readline(START_TIMEOUT_S)
         if not line or json.loads(line) != ["ready", None]:
+            try:  # its reply channel closed ("") as it exits: its exit code
+                code = self._proc.wait(5) if line == "" else None
+            except subprocess.TimeoutExpired:
+                code = None
             self._stop()
-            raise RuntimeError(f"the reward process for {self.spec or 'the default reward'} did not start "
-                               f"within {START_TIMEOUT_S} s")
+            what = (f"did not start within {START_TIMEOUT_S} s" if code is None else
+                    f"exited with code {code} while starting (its error is above)")
+            raise RuntimeError(f"the reward process for {self.spec or 'the default reward'} {what}")
 
     def _stop(self) -> None:
         if self._proc is not None:

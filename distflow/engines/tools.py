@@ -25,6 +25,7 @@ from distflow.engines import sandbox
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 MAX_POWER = 64  # an exponent past this is refused: 9**9**9 must not hang a worker
+MAX_BITS = 16384  # nor may a tower of allowed ones: (((9**64)**64)**64)**64
 
 
 def tool_call_text(name: str, arguments: dict) -> str:
@@ -58,7 +59,13 @@ def _arith(node: ast.AST) -> int | float:
         left, right = _arith(node.left), _arith(node.right)
         if isinstance(node.op, ast.Pow) and abs(right) > MAX_POWER:
             raise ValueError(f"exponent {right} is too large (at most {MAX_POWER})")
-        return _BINARY[type(node.op)](left, right)
+        if isinstance(node.op, ast.Pow) and isinstance(left, int) and right > 0 and \
+                left.bit_length() * right > MAX_BITS:  # (9**64)**64 ... grows past any use and then hangs
+            raise ValueError(f"the result would have more than {MAX_BITS} bits")
+        value = _BINARY[type(node.op)](left, right)
+        if isinstance(value, complex):  # a negative number to a fractional power
+            raise ValueError("the result is not a real number")
+        return value
     raise ValueError(f"not arithmetic: {ast.unparse(node) if isinstance(node, ast.expr) else type(node).__name__}")
 
 

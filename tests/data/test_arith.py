@@ -1,5 +1,7 @@
 import re
 
+import pytest
+
 from distflow.data.dataset import load_rows, write_builtin_parquet
 from distflow.data.tasks import arith
 from distflow.engines.reward import gsm8k_score
@@ -43,3 +45,8 @@ def test_parquet_roundtrip_equals_builtin(tmp_path):
     row = from_file[3]
     assert row.messages[0]["role"] == "user" and row.data_source == arith.DATA_SOURCE
     assert row.extra_info["split"] == "train" and row.extra_info["index"] == 3
+
+
+def test_asking_for_more_problems_than_a_split_has_is_refused():
+    with pytest.raises(ValueError, match="the test split runs out of distinct level-3 problems after 4880 of the 5000"):
+        arith.generate("test", 5000)

@@ -32,6 +32,9 @@ def test_default_dispatch():
     assert default_compute_score("distflow/arith", "#### 12", "12") == 1.0
     assert default_compute_score("lighteval/MATH", "$\\boxed{12}$", "12") == 1.0
     assert default_compute_score("lighteval/MATH", "#### 12", "12") == 1.0
+    # markdown headings are not a GSM8K answer: the boxed answer is read by math-verify
+    steps = "#### Step 1: compute\n2+3=5\n#### Answer\nThe answer is \\boxed{5}"
+    assert default_compute_score("lighteval/MATH", steps, "5") == 1.0
 
 
 def test_custom_reward_from_file_and_module(tmp_path, monkeypatch):
@@ -72,6 +75,10 @@ def score(data_source, solution_str, ground_truth, extra_info=None):
         return "high"
     if solution_str == "die":
         os._exit(3)
+    if solution_str == "dict":  # verl's DAPO scorer's form
+        return {"score": 2.5, "acc": True}
+    if solution_str == "tuple":
+        return (1.5, {"acc": False})
     return float(len(solution_str))
 '''
 
@@ -88,6 +95,7 @@ def test_reward_runner_scores_failures_zero_and_goes_on(tmp_path, timeout_s, cap
         assert runner("d", "nan", "x") == (0.0, FAILED)
         assert runner("d", "text", "x") == (0.0, FAILED)
         assert runner("d", "abcd", "x") == (4.0, OK)
+        assert runner("d", "dict", "x") == (2.5, OK) and runner("d", "tuple", "x") == (1.5, OK)
     finally:
         runner.close()
     err = capsys.readouterr().err
@@ -110,6 +118,26 @@ def test_reward_runner_times_out_a_hanging_call_and_survives_a_dying_one(tmp_pat
         assert runner("d", "abc", "x") == (3.0, OK)
     finally:
         runner.close()
+
+
+def test_a_reward_process_that_fails_to_start_fails_the_sample_not_the_run(tmp_path, capsys):
+    from distflow.engines.reward import FAILED, RewardRunner
+
+    marker = tmp_path / "imported"
+    (tmp_path / "second_import_fails.py").write_text(  # imports here, fails in the reward process
+        "import pathlib\n"
+        f"MARKER = pathlib.Path({str(marker)!r})\n"
+        "if MARKER.exists():\n"
+        "    raise ImportError('a dependency the reward process lacks')\n"
+        "MARKER.touch()\n"
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return 1.0\n")
+    runner = RewardRunner(f"{tmp_path / 'second_import_fails.py'}:score", 5.0)
+    try:
+        assert runner("d", "abc", "x") == (0.0, FAILED)
+    finally:
+        runner.close()
+    assert "exited with code 1 while starting" in capsys.readouterr().err
 
 
 def test_math_verify_works_off_the_main_thread():

@@ -19,7 +19,9 @@ def test_calculator_by_hand(expression, value):
 
 @pytest.mark.parametrize("expression, error", [("__import__('os')", "not arithmetic"), ("x + 1", "not arithmetic"),
                                                ("9 ** 9 ** 9", "exponent 387420489 is too large"),
-                                               ("'a' * 3", "not arithmetic")])
+                                               ("'a' * 3", "not arithmetic"),
+                                               ("(((9 ** 64) ** 64) ** 64) ** 64", "more than 16384 bits"),
+                                               ("(-8) ** 0.5", "not a real number")])
 def test_calculator_refuses_what_is_not_arithmetic(expression, error):
     with pytest.raises(ValueError, match=error):
         calculator(expression)

@@ -66,6 +66,9 @@ def _split_of(question: str) -> str:
     return "test" if digest[0] < 26 else "train"  # about 10% of the problem space is held out
 
 
+MAX_MISSES = 100_000
+
+
 def generate(split: str, num: int, seed: int = 0, levels: tuple[int, ...] = LEVELS) -> list[Problem]:
     """`num` distinct problems of `split` ('train' or 'test'), `levels` mixed evenly."""
     if split not in ("train", "test"):
@@ -73,10 +76,17 @@ def generate(split: str, num: int, seed: int = 0, levels: tuple[int, ...] = LEVE
     rng = random.Random(f"arith-{seed}")
     seen: set[str] = set()
     out: list[Problem] = []
+    misses = 0  # draws in a row that gave nothing new: the level has run out of distinct problems
     while len(out) < num:
-        p = make_problem(rng, levels[len(out) % len(levels)])
+        level = levels[len(out) % len(levels)]
+        p = make_problem(rng, level)
         if p.question in seen or _split_of(p.question) != split:
+            misses += 1
+            if misses > MAX_MISSES:
+                raise ValueError(f"the {split} split runs out of distinct level-{level} problems after {len(out)} "
+                                 f"of the {num} asked for (levels mixed evenly); ask for fewer")
             continue
+        misses = 0
         seen.add(p.question)
         out.append(p)
     return out
