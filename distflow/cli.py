@@ -32,6 +32,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -52,11 +53,24 @@ def _fail(message: str, code: int = EXIT_USAGE) -> int:
 
 
 def new_run_dir(cfg: Config) -> Path:
+    """trainer.output_dir, or a new folder runs/<date-time>-<algorithm>[-<n>] (two runs
+    started in the same second get their own). Where a worker was when an earlier launch in
+    the folder stopped (status/) is cleared: this launch's failures name its own stages."""
     if cfg.trainer.output_dir:
         path = Path(cfg.trainer.output_dir).expanduser()
+        path.mkdir(parents=True, exist_ok=True)
     else:
-        path = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{Path(cfg.algorithm.name).stem}"
-    path.mkdir(parents=True, exist_ok=True)
+        stem = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{Path(cfg.algorithm.name).stem}"
+        path, n = stem, 1
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            try:
+                path.mkdir()  # atomic: only one run gets each name
+                break
+            except FileExistsError:
+                n += 1
+                path = stem.with_name(f"{stem.name}-{n}")
+    shutil.rmtree(path / "status", ignore_errors=True)
     return path.resolve()
 
 
@@ -114,7 +128,7 @@ def check_inputs(cfg: Config) -> None:
             resolve(cfg.trainer.resume, Path("."))
         except CheckpointError as e:
             raise ConfigError(str(e)) from None
-    if cfg.runtime.device == "cuda":
+    if cfg.runtime.device == "cuda" and cfg.runtime.ray_address is None:  # a cluster's GPUs are on its nodes
         import torch
 
         if not torch.cuda.is_available():
@@ -194,6 +208,8 @@ def _loopback_rerun(cfg: Config, command: list[str]) -> int | None:
     (its exit code), or None to go on here (inside one already, or on the host network)."""
     if cfg.runtime.ray_address is not None or cfg.runtime.network == "host" or netns.inside():
         return None
+    if cfg.runtime.network == "auto" and "wandb" in cfg.trainer.logger and cfg.trainer.wandb_mode == "online":
+        return None  # W&B online reaches its server: the host network
     try:
         return netns.run_in_loopback_namespace(["-m", "distflow.cli", *command])
     except netns.NamespaceUnavailable as e:

@@ -261,7 +261,8 @@ class RuntimeConfig:
     num_workers: int = _spec(2, min=1)
     device: str = _spec("auto", choices=("auto", "cpu", "cuda"))
     threads_per_worker: int = _spec(1, min=1, doc="torch intra-op threads per CPU worker")
-    collective_timeout_s: int = _spec(300, min=1)
+    collective_timeout_s: int = _spec(1800, min=1, doc="how long a collective waits for the slowest worker (rank 0 "
+                                                       "writing a large model's checkpoint included); torch's default")
     mode: str = _spec("distributed", choices=("distributed", "centralized"),
                       doc="centralized: the single-controller baseline; every stage's data passes through the "
                           "driver (benchmarks)")
@@ -284,7 +285,8 @@ class RuntimeConfig:
     network: str = _spec("auto", choices=("auto", "loopback", "host"),
                          doc="loopback: run in a network namespace whose only interface is the loopback, "
                              "so no port of Ray or torch.distributed is reachable from outside; "
-                             "auto: loopback where the machine allows it (root or user namespaces), else host")
+                             "auto: loopback where the machine allows it (root or user namespaces) and the run "
+                             "needs no outside server (trainer.wandb_mode=online does), else host")
 
 
 @dataclass(kw_only=True)

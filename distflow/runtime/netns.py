@@ -15,8 +15,10 @@ single-threaded interpreter, which then execs the command.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
 
 ENV = "DISTFLOW_NETNS"  # set inside the namespace: the command does not isolate twice
 
@@ -38,6 +40,10 @@ SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # bring the loopback up
     flags = struct.unpack("16sH", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack("16sH", b"lo", 0)))[1]
     fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH", b"lo", flags | IFF_UP))
+PR_SET_PDEATHSIG, SIGTERM = 1, 15
+libc.prctl(PR_SET_PDEATHSIG, SIGTERM)  # the run ends with the process that started it (kept across exec)
+if os.getppid() == 1:  # ... which may have gone already
+    sys.exit(1)
 os.write(ready, b"1")
 os.close(ready)
 os.execve(sys.executable, [sys.executable, *argv], dict(os.environ, DISTFLOW_NETNS="loopback"))
@@ -68,7 +74,15 @@ def run_in_loopback_namespace(argv: list[str]) -> int:
     if answer[:1] != b"1":
         proc.wait()
         raise NamespaceUnavailable(answer[1:].decode(errors="replace") or f"set-up exited with {proc.returncode}")
+    forwarded = (signal.SIGTERM, signal.SIGHUP)  # a `kill` of this process stops the run, not just this waiter
+    previous = ({s: signal.signal(s, lambda signum, _: proc.send_signal(signum)) for s in forwarded}
+                if threading.current_thread() is threading.main_thread() else {})
     try:
-        return proc.wait()
-    except KeyboardInterrupt:  # the run got the same Ctrl-C: let it stop cleanly
-        return proc.wait()
+        try:
+            code = proc.wait()
+        except KeyboardInterrupt:  # the run got the same Ctrl-C: let it stop cleanly
+            code = proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return code if code >= 0 else 128 - code  # killed by signal n: the shell's 128 + n

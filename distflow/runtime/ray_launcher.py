@@ -21,8 +21,9 @@ from distflow.runtime.meter import LauncherMeter
 from distflow.runtime.process_group import WORKER_ENV, free_port, run_in_group
 
 # AF_UNIX socket paths are limited to 107 bytes; Ray puts its sockets at
-# <temp>/session_<date>_<pid>/sockets/plasma_store, which leaves about 44 for <temp>.
-_MAX_RAY_TEMP_LEN = 44
+# <temp>/session_<date>_<pid>/sockets/plasma_store, which leaves about 44 for <temp>
+# with a 6-digit pid; 40 leaves room for the 7-digit pids of a large pid_max.
+_MAX_RAY_TEMP_LEN = 40
 
 
 class WorkerFailed(RuntimeError):
@@ -128,7 +129,8 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
     os.environ.update(set_here)
     try:
         if ray_address is None:
-            ray.init(num_cpus=num_workers, include_dashboard=False, _temp_dir=temp_dir,
+            # a new local instance, whatever $RAY_ADDRESS names (verl users often export one)
+            ray.init(address="local", num_cpus=num_workers, include_dashboard=False, _temp_dir=temp_dir,
                      _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False)
         else:
             ray.init(address=ray_address, _node_ip_address=check_ray_address(ray_address), log_to_driver=True,

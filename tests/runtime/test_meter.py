@@ -73,6 +73,7 @@ def test_a_real_launch_counts_zero_for_a_clean_worker_and_every_leaked_byte(tmp_
     unset = set(WORKER_ENV) - {"RAY_USAGE_STATS_ENABLED"}  # the launcher keeps that one here too: Ray's stats off
     for k in unset:
         monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")  # an exported cluster address: a local launch starts its own Ray
     results, returned = {}, {}
     for name in ("clean", "leaky"):
         run_dir = tmp_path / name

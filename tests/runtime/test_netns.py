@@ -34,6 +34,46 @@ def test_a_command_runs_in_a_namespace_whose_only_interface_is_an_up_loopback(tm
     assert inside["env"] == "loopback" and inside["uid"] == os.getuid()
 
 
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_the_run_in_the_namespace_ends_with_the_process_that_started_it(tmp_path, how):
+    """`kill` of the command's process (SIGTERM: forwarded; SIGKILL: the run's parent-death
+    signal) ends the run inside the namespace too; a run ended by a signal exits 128 + n."""
+    import signal
+    import time
+
+    pid_file = tmp_path / "inside.pid"
+    inner = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    waiter = subprocess.Popen([sys.executable, "-c",
+                               "import sys\nfrom distflow.runtime import netns\n"
+                               f"try:\n    sys.exit(netns.run_in_loopback_namespace(['-c', {inner!r}]))\n"
+                               "except netns.NamespaceUnavailable:\n    sys.exit(77)\n"])
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text():
+            if waiter.poll() == 77:
+                pytest.skip("this machine cannot make network namespaces")
+            assert time.monotonic() < deadline, "the command did not start in the namespace"
+            time.sleep(0.1)
+        inside = int(pid_file.read_text())
+        waiter.send_signal(getattr(signal, how))
+        code = waiter.wait(30)
+        for _ in range(100):  # the run's process is gone (or a zombie until init reaps it)
+            try:
+                if "zombie" in open(f"/proc/{inside}/status").read():
+                    break
+            except FileNotFoundError:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(inside, signal.SIGKILL)
+            pytest.fail("the run outlived the process that started it")
+        if how == "SIGTERM":
+            assert code == 128 + signal.SIGTERM  # the run's own end, as the shell reports a signal
+    finally:
+        if waiter.poll() is None:
+            waiter.kill()
+
+
 def test_network_host_and_a_bad_value_are_config_choices():
     from distflow.config import ConfigError, load_config
 

@@ -81,3 +81,35 @@ def test_a_sweep_of_runs_sharing_a_folder_or_continuing_after_a_disaggregated_ru
     disaggregated = ["runtime.placement=disaggregated", "runtime.train_workers=1", "runtime.rollout_workers=1"]
     assert sweep([disaggregated, []]) == ("distflow: error: --runs: runtime.placement=disaggregated leaves the "
                                           "workers in its role groups; put that run last or give it a launch of its own")
+
+
+def test_runs_started_in_the_same_second_get_their_own_folders_and_a_relaunch_forgets_old_stages(
+        tmp_path, monkeypatch):
+    from distflow.cli import new_run_dir
+    from distflow.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(time, "strftime", lambda fmt: "20261206-223000")  # the same second for all three
+    cfg = load_config(None, [])
+    folders = [new_run_dir(cfg) for _ in range(3)]
+    assert [f.name for f in folders] == ["20261206-223000-grpo", "20261206-223000-grpo-2", "20261206-223000-grpo-3"]
+    (folders[0] / "status").mkdir()
+    (folders[0] / "status" / "rank-0.json").write_text('{"rank": 0, "step": 37, "stage": "actor_update"}')
+    assert new_run_dir(load_config(None, [f"trainer.output_dir={folders[0]}"])) == folders[0]
+    assert not (folders[0] / "status").exists()  # a failure of this launch names its own stages
+
+
+def test_launch_settings_that_need_the_host_are_not_refused_or_isolated(monkeypatch):
+    from distflow import cli
+    from distflow.config import load_config
+
+    # launched from a head node without a GPU: the cluster's nodes have them
+    cli.check_inputs(load_config(None, ["runtime.device=cuda", "runtime.ray_address=198.18.0.1:6379"]))
+
+    def isolate(argv):
+        raise AssertionError("the run would have no network to reach W&B's server")
+
+    monkeypatch.setattr(cli.netns, "run_in_loopback_namespace", isolate)
+    monkeypatch.delenv(cli.netns.ENV, raising=False)
+    online = load_config(None, ["trainer.logger=jsonl,wandb", "trainer.wandb_mode=online"])
+    assert cli._loopback_rerun(online, ["train"]) is None
