@@ -60,6 +60,24 @@ def keep_freed_memory() -> bool:
     return mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1 and mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1
 
 
+DEVICE_ENV = "DISTFLOW_WORKER_DEVICE"  # the device init_process_group chose for this worker: cuda or cpu
+
+
+def uses_cuda(device: str) -> bool:
+    """Whether this worker runs on a GPU (runtime.device): with `auto`, where there is one
+    for every worker on this host (LOCAL_WORLD_SIZE; a Ray worker is given its own or told
+    `cpu`): two workers on one GPU fail in NCCL ("Duplicate GPU detected")."""
+    if device == "cpu" or not torch.cuda.is_available():
+        return False
+    workers, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count()
+    if workers <= gpus:
+        return True
+    if device == "cuda":
+        raise RuntimeError(f"runtime.device=cuda: {workers} workers on this host and {gpus} GPUs; each worker "
+                           f"needs its own (runtime.num_workers={gpus} per host, or runtime.device=auto: CPU)")
+    return False
+
+
 def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int,
                        device: str, timeout_s: int, threads: int) -> torch.device:
     """Join the job's process group (gloo on CPU; gloo and NCCL on GPU, see group_backend);
@@ -70,7 +88,8 @@ def init_process_group(rank: int, world_size: int, master_addr: str, master_port
     faulthandler.enable()
     keep_freed_memory()
     os.environ["MASTER_ADDR"] = master_addr  # rank 0's host: later groups (runtime/roles.py) meet there too
-    use_cuda = device != "cpu" and torch.cuda.is_available()
+    use_cuda = uses_cuda(device)
+    os.environ[DEVICE_ENV] = "cuda" if use_cuda else "cpu"
     if not use_cuda:
         torch.set_num_threads(threads)
     else:

@@ -139,7 +139,12 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
             if slots < num_workers:
                 raise ClusterTooSmall(f"runtime.num_workers={num_workers}: the Ray cluster at {ray_address} has "
                                  f"{slots} free CPU slots for workers")
-        use_gpu = device != "cpu" and ray.cluster_resources().get("GPU", 0) >= num_workers
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        use_gpu = device != "cpu" and gpus >= num_workers  # one each; else every worker on CPU, GPUs hidden or not
+        if device == "cuda" and not use_gpu:
+            raise ClusterTooSmall(f"runtime.device=cuda: runtime.num_workers={num_workers} workers need a GPU each; "
+                                  f"Ray sees {gpus}")
+        device = device if use_gpu else "cpu"
         actor_cls = ray.remote(num_cpus=1, num_gpus=1 if use_gpu else 0)(_Worker)
         spread = {} if ray_address is None else {"scheduling_strategy": "SPREAD"}
         actors = [actor_cls.options(name=f"distflow-worker-{r}", **spread).remote() for r in range(num_workers)]

@@ -46,6 +46,7 @@ from distflow.engines.tools import Toolbox
 from distflow.plugins import load_callable
 from distflow.runtime import netns
 from distflow.runtime.centralized import run_commanded_step
+from distflow.runtime.process_group import DEVICE_ENV
 from distflow.trainer import checkpoint, nodes
 from distflow.trainer.evaluation import EvalSettings, evaluate, write_report
 from distflow.trainer.metrics import MeanAccumulator, MetricsWriter, StageTimer, progress_postfix
@@ -240,8 +241,10 @@ def skipped_an_update(record: dict) -> bool:
 
 
 def worker_device(cfg: Config) -> torch.device:
-    """This worker's device: the GPU the runtime bound it to, unless runtime.device=cpu."""
-    if torch.cuda.is_available() and cfg.runtime.device != "cpu":
+    """This worker's device: the GPU the runtime bound it to, where it chose one
+    (`process_group.uses_cuda`); outside a launched worker, a GPU unless runtime.device=cpu."""
+    chosen = os.environ.get(DEVICE_ENV)
+    if chosen == "cuda" or (chosen is None and torch.cuda.is_available() and cfg.runtime.device != "cpu"):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -69,3 +69,27 @@ def test_a_worker_killed_by_a_fatal_signal_prints_every_thread_s_python_stack(tm
     assert proc.returncode != 0
     assert "Fatal Python error: Aborted" in proc.stderr, proc.stderr[-2000:]
     assert "in waiting_for_a_peer" in proc.stderr and "<module>" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_workers_get_a_gpu_each_or_all_run_on_cpu(monkeypatch):
+    """On a host with 1 GPU (its count stands in for a GPU here): 2 workers would share it
+    and fail in NCCL, so `auto` puts them on CPU and `cuda` says why not; the trainer's
+    device follows what was chosen."""
+    import torch
+
+    from distflow.config import load_config
+    from distflow.runtime import process_group
+    from distflow.trainer.loop import worker_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert process_group.uses_cuda("auto") and process_group.uses_cuda("cuda")
+    assert not process_group.uses_cuda("cpu")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert not process_group.uses_cuda("auto")
+    with pytest.raises(RuntimeError, match=r"^runtime.device=cuda: 2 workers on this host and 1 GPUs; each worker "
+                                           r"needs its own"):
+        process_group.uses_cuda("cuda")
+    monkeypatch.setenv(process_group.DEVICE_ENV, "cpu")
+    assert worker_device(load_config(None, [])) == torch.device("cpu")
