@@ -28,6 +28,7 @@ guard that a hostile program can get around (say so to your users; `isolation()`
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -308,24 +309,70 @@ def code_score(data_source: str, solution_str: str, ground_truth: str,
                extra_info: dict[str, Any] | None = None) -> float:
     """The fraction of test cases the response's program passes, run in the sandbox.
 
-    `ground_truth` is JSON in the format of APPS / verl's code datasets:
-    `{"inputs": [stdin, ...], "outputs": [expected stdout, ...]}`, optionally with
-    `"time_limit"` (seconds per case) and `"memory_limit_mb"`. Outputs are compared after
-    stripping trailing whitespace on each line. A program that crashes, times out or is
-    killed fails that case; the call itself never raises for anything the program does."""
+    `ground_truth` is JSON in the format of APPS / TACO / verl's code datasets:
+    `{"inputs": [...], "outputs": [...]}`, optionally with `"fn_name"`, `"time_limit"`
+    (seconds per case) and `"memory_limit_mb"`. Without `fn_name` each input is the
+    program's stdin and each output its expected stdout (a list of lines is joined); they
+    match line by line after stripping, or token by token with numbers equal to 1e-6
+    (APPS's checker). With `fn_name` (call-based problems) each input is the argument
+    list of `fn_name` (a method of `Solution` where the program defines one) and the
+    value it returns must equal the output (or, as APPS wraps them, its only item). A
+    program that crashes, times out or is killed fails that case; the call itself never
+    raises for anything the program does."""
     cases = json.loads(ground_truth)
-    inputs, outputs = cases["inputs"], cases["outputs"]
+    inputs, outputs, fn_name = cases["inputs"], cases["outputs"], cases.get("fn_name")
     if len(inputs) != len(outputs) or not inputs:
         raise ValueError("ground truth needs as many 'inputs' as 'outputs', at least one")
     limits = Limits(time_s=float(cases.get("time_limit", 5.0)), memory_mb=int(cases.get("memory_limit_mb", 512)))
     code, passed = extract_code(solution_str), 0
-    for stdin, expected in zip(inputs, outputs):
-        result = run_python(code, stdin, limits)
-        passed += result.status == OK and _same_output(result.stdout, expected)
+    for given, expected in zip(inputs, outputs):
+        if fn_name:
+            result = run_python(code + _CALL.format(fn=json.dumps(fn_name)), json.dumps(given), limits)
+            passed += result.status == OK and _same_return(result.stdout, expected)
+        else:
+            result = run_python(code, _text(given), limits)
+            passed += result.status == OK and _same_output(result.stdout, _text(expected))
     return passed / len(inputs)
 
 
+_CALL = """
+
+def _distflow_call():
+    import json as _json, sys as _sys
+    _args = _json.loads(_sys.stdin.read())
+    _fn = getattr(Solution(), {fn}) if "Solution" in globals() else globals()[{fn}]
+    _value = _fn(*_args)
+    _sys.stdout.write("\\n<<distflow-return>>" + _json.dumps(_value, default=list))
+
+_distflow_call()
+"""
+
+
+def _text(value: Any) -> str:
+    """A stdin or stdout given as text, or as a list of lines."""
+    return "\n".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def _same_return(stdout: str, expected: Any) -> bool:
+    _, marker, value = stdout.rpartition("<<distflow-return>>")
+    if not marker:
+        return False
+    got = json.loads(value)
+    return got == expected or (isinstance(expected, list) and len(expected) == 1 and got == expected[0])
+
+
 def _same_output(got: str, expected: str) -> bool:
-    def norm(text: str) -> list[str]:
-        return [line.rstrip() for line in text.strip().splitlines()]
-    return norm(got) == norm(expected)
+    def lines(text: str) -> list[str]:
+        return [line.strip() for line in text.strip().splitlines()]
+    if lines(got) == lines(expected):
+        return True
+    mine, theirs = got.split(), expected.split()
+    return len(mine) == len(theirs) and all(a == b or _close_numbers(a, b) for a, b in zip(mine, theirs))
+
+
+def _close_numbers(a: str, b: str) -> bool:
+    try:
+        x, y = float(a), float(b)
+    except ValueError:
+        return False
+    return math.isfinite(x) and math.isfinite(y) and math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-6)

@@ -61,6 +61,18 @@ def test_a_correct_program_passes_every_case_and_a_wrong_one_scores_its_fraction
     assert (result.status, result.stdout) == (OK, "ABC\n")
 
 
+def test_apps_and_taco_forms_call_based_problems_lists_and_tolerant_outputs():
+    call = json.dumps({"fn_name": "add", "inputs": [[1, 2], [5, 7]], "outputs": [[3], 12]})  # APPS wraps returns
+    assert code_score("apps", "def add(a, b):\n    return a + b\n", call) == 1.0
+    assert code_score("taco", "class Solution:\n    def add(self, a, b):\n        return a + b\n", call) == 1.0
+    assert code_score("apps", "def add(a, b):\n    print(a + b)\n    return a - b\n", call) == 0.0  # prints: no
+    lines = json.dumps({"inputs": [["1 2", "3 4"]], "outputs": [["3", "7"]]})  # stdin and stdout as lists of lines
+    assert code_score("apps", "for _ in range(2):\n    a, b = map(int, input().split())\n    print(a + b)", lines) == 1.0
+    loose = json.dumps({"inputs": [""], "outputs": ["1 2\n0.5\n"]})  # APPS's checker: tokens, numbers to 1e-6
+    assert code_score("apps", "print('1  2')\nprint(0.5000001)", loose) == 1.0
+    assert code_score("apps", "print('1 3')\nprint(0.5)", loose) == 0.0
+
+
 @needs_namespaces
 def test_a_fork_bomb_is_contained_and_leaves_no_process_behind():
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
