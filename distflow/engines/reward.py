@@ -287,8 +287,11 @@ class RewardRunner:
 
     def _stop(self) -> None:
         if self._proc is not None:
+            from distflow.engines.sandbox import remove_leftovers
+
             self._proc.kill()
             self._proc.wait(5)
+            remove_leftovers(self._proc.pid)  # the folders of a code sandbox it was running
             for pipe in (self._proc.stdin, self._proc.stdout):
                 pipe.close()
         self._proc = None

@@ -31,12 +31,14 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 OK, ERROR, TIMEOUT, MEMORY, KILLED = "ok", "error", "timeout", "memory", "killed"
@@ -89,6 +91,9 @@ import ctypes, json, os, resource, signal, sys
 spec = json.loads(sys.argv[1])
 status = os.fdopen(spec["status_fd"], "w")
 libc = ctypes.CDLL(None, use_errno=True)
+libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: the sandbox ends with its caller (a killed reward process)
+if os.getppid() == 1:  # ... which may have gone already
+    sys.exit(1)
 program = open(spec["program"], "rb").read()
 
 def check(ret, what):
@@ -167,6 +172,7 @@ argv += ["-c", spec["guard"], workdir] if not isolate else ["main.py"]
 os.set_inheritable(status.fileno(), False)
 child = os.fork()
 if child == 0:
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # without namespaces: it ends with the launcher
     os.execve(spec["python"], argv, env)
 while True:  # PID 1 reaps every orphan until the program itself has ended
     pid, code = os.wait()
@@ -231,7 +237,7 @@ def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> Result:
 
 def _run(code: str, stdin: str, limits: Limits, isolate: bool) -> Result:
     python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
-    with tempfile.TemporaryDirectory(prefix="distflow-sandbox-", ignore_cleanup_errors=True) as tmp:
+    with tempfile.TemporaryDirectory(prefix=_folder_prefix(os.getpid()), ignore_cleanup_errors=True) as tmp:
         with open(os.path.join(tmp, "main.py"), "w") as f:
             f.write(code)
         os.makedirs(os.path.join(tmp, "root"))
@@ -262,6 +268,17 @@ def _run(code: str, stdin: str, limits: Limits, isolate: bool) -> Result:
     if not timed_out and _returncode(status) is None:
         raise SandboxError(f"the sandbox did not start: {err.strip().splitlines()[-1] if err.strip() else 'no output'}")
     return Result(_status(timed_out, status, err), _returncode(status), out, err, seconds)
+
+
+def _folder_prefix(pid: int) -> str:
+    return f"distflow-sandbox-{pid}-"
+
+
+def remove_leftovers(pid: int) -> None:
+    """The sandbox folders of process `pid`, which was killed while a program ran (its
+    sandboxes end with it: their parent-death signal; their folders stay behind)."""
+    for folder in Path(tempfile.gettempdir()).glob(_folder_prefix(pid) + "*"):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -8,6 +8,7 @@ import os
 import socket
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -213,3 +214,21 @@ def test_a_child_the_program_leaves_running_is_ended_with_it():
     while os.path.exists(f"/proc/{child}") and time.monotonic() < end:
         time.sleep(0.05)
     assert not os.path.exists(f"/proc/{child}")
+
+
+@needs_namespaces
+def test_a_reward_call_cut_by_its_timeout_leaves_no_sandbox_or_folder_behind():
+    """The reward process is killed while its code sandbox runs a program that sleeps (no
+    CPU limit ends it): the sandbox ends with it and its folder goes."""
+    import tempfile
+
+    slow = json.dumps({"inputs": [""], "outputs": ["1\n"], "time_limit": 20})
+    runner = RewardRunner(None, timeout_s=1.5)
+    try:
+        assert runner("codecontests", "", slow)[1] == 0  # the reward process is up (an empty program scores 0)
+        reward_pid = runner._proc.pid
+        assert runner("codecontests", "```python\nimport time\ntime.sleep(15)\nprint(1)\n```", slow) == (0.0, 2)
+    finally:
+        runner.close()
+    assert _no_sandbox_processes_left({reward_pid})
+    assert not list(Path(tempfile.gettempdir()).glob(f"distflow-sandbox-{reward_pid}-*"))
