@@ -47,9 +47,11 @@ _NUMBER = re.compile(
     r"(?:\.(?P<dec>\d+)|/(?P<den>\d+))?"
     # ... and nothing right after it that would make it a different number: another digit,
     # a separator or a point before a digit ('7,2', '1,23', '1,2345', '1.2.3', '3/4/5'), a
-    # power ('2^10'), a plain space before a group of 3 ('1 234', SI style). Such a form is
-    # no answer at all rather than a guess at one part of it.
-    rf"(?![.^/{_SEPS}]?\d| \d{{3}}(?!\d))")
+    # power ('2^10', '3²', '1.5e3', '2×10^3'), a plain space before a group of 3 ('1 234',
+    # SI style), '1_000', a mixed number ('3 1/2'), a range ('10-20') or a time ('1:30').
+    # Such a form is no answer at all rather than a guess at one part of it.
+    rf"(?![.^/{_SEPS}]?\d| \d{{3}}(?!\d)|[eE][-+]?\d|[_:]\d|[\u00b2\u00b3\u00b9\u2070-\u2079]|\s?[\u00d7x]\s?\d"
+    rf"| \d+/\d|{_SIGN}\d)")
 _MARKUP = re.compile(r"[\s*`_]*")  # before the number: spaces, **bold**, `code`, _italics_
 # A candidate number anywhere in a text (flexible mode): not glued to a word ('H2O',
 # 'x-5' is a difference, not -5) and greedy over digits and separators, so that '7,2' or
@@ -108,7 +110,7 @@ def extract_last_number(text: str) -> str | None:
     last = None
     for last in _CANDIDATE.finditer(text):
         pass
-    return None if last is None else read_number(last.group())
+    return None if last is None else read_number(text[last.start():])  # what follows it can make it ambiguous
 
 
 def extract_gsm8k_answer(text: str, mode: str = "strict") -> str | None:
