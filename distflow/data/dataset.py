@@ -10,7 +10,9 @@ counted skip, or truncation).
 from __future__ import annotations
 
 import bisect
+import decimal
 import json
+import math
 import os
 import random
 import sys
@@ -70,11 +72,19 @@ def _row(raw: Any, index: int, where: str) -> PromptRow:
     return PromptRow(
         index=index,
         messages=[{"role": str(m["role"]), "content": m["content"]} for m in messages],
-        ground_truth=str(reward_model["ground_truth"]),
+        ground_truth=_as_text(reward_model["ground_truth"]),
         data_source=str(raw.get("data_source") or "unknown"),
         extra_info=_json_values(extra, where) if isinstance(extra, dict) else {},
         images=list(images or []),
     )
+
+
+def _as_text(truth: Any) -> str:
+    """A ground truth as text; a float in positional notation ('0.00001', not '1e-05',
+    which no answer reader takes for a number)."""
+    if isinstance(truth, float) and math.isfinite(truth):
+        return format(decimal.Decimal(repr(truth)), "f")
+    return str(truth)
 
 
 def _json_values(extra: dict, where: str) -> dict[str, Any]:

@@ -24,6 +24,18 @@ def test_jsonl_and_several_files_concatenate(tmp_path):
     assert rows[4].messages == [{"role": "user", "content": "q4"}]
 
 
+def test_a_number_as_ground_truth_is_read_as_its_positional_text(tmp_path):
+    from distflow.engines.reward import gsm8k_score
+
+    path = tmp_path / "numbers.jsonl"
+    truths = [1e-05, 2.5, 72, 1e16, "0.5"]
+    path.write_text("\n".join(json.dumps({**_verl_row(i), "reward_model": {"ground_truth": t}})
+                              for i, t in enumerate(truths)))
+    rows = load_rows(str(path))
+    assert [r.ground_truth for r in rows] == ["0.00001", "2.5", "72", "10000000000000000", "0.5"]
+    assert gsm8k_score("#### 0.00001", rows[0].ground_truth) == 1.0  # '1e-05' was no number to the reader
+
+
 def test_limit():
     assert len(load_rows("builtin:arith:test", limit=7)) == 7
 
