@@ -1,10 +1,12 @@
 """Running model-written Python safely, and the code reward built on it.
 
 `run_python(code, stdin)` runs a program in its own process tree with a wall-clock and
-CPU time limit, an address-space limit, a cap on processes and on file size, and stdout
-and stderr written to files (so a program that prints forever cannot fill our memory).
+CPU time limit, an address-space limit, a cap on file size (and, isolated, on processes),
+and stdout and stderr written to files (so a program that prints forever cannot fill our
+memory). The sandbox ends with its caller (a reward process killed on its timeout).
 
-As root on Linux (the usual container, and CI), isolation is full:
+As root on Linux where namespaces can be made (CI; not a container without
+CAP_SYS_ADMIN), isolation is full:
 
     reward process --Popen--> launcher (python -I -S, root)
         unshare: new mount, network, PID, IPC and UTS namespaces
@@ -20,9 +22,12 @@ When init exits (the program ended, or the launcher was killed on timeout: init 
 parent-death signal), the kernel kills everything left in the PID namespace, so a fork
 bomb ends with it.
 
-Without root, the program runs with the resource limits only, in a fresh temporary
-folder, with an audit hook refusing sockets and writes outside that folder: a Python-level
-guard that a hostile program can get around (say so to your users; `isolation()` tells).
+Otherwise, the program runs with the time, memory and file limits only (no cap on
+processes: a fork bomb is not contained, and a child that starts its own session outlives
+the call), as the caller's user, in a fresh temporary folder, with an audit hook refusing
+sockets and writes outside that folder: a Python-level guard that a hostile program can
+get around (ctypes, for one). Say so to your users; `isolation()` tells, and the first
+call prints it.
 """
 
 from __future__ import annotations
