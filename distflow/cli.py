@@ -267,11 +267,41 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _check_cluster(cfg: Config) -> None:
-    """A cluster must answer now (host network)."""
+    """A cluster must answer now (host network), and its workers, which do not run in this
+    folder, get the local files the config names as absolute paths."""
     if cfg.runtime.ray_address is not None:
         from distflow.runtime.ray_launcher import check_ray_address
 
         check_ray_address(cfg.runtime.ray_address)
+        with_absolute_paths(cfg)
+
+
+def with_absolute_paths(cfg: Config) -> None:
+    """The relative paths of local files and folders in `cfg` made absolute (data files,
+    model.path, algorithm.graph, trainer.resume, and the file.py of reward.custom_fn,
+    rollout.env and rollout.agent); names that are no local path (builtin:..., modules)
+    stay as they are."""
+    def absolute(path: str) -> str:
+        local = os.path.expanduser(path.strip())
+        return os.path.abspath(local) if os.path.exists(local) else path
+
+    def file_of(spec: str | None) -> str | None:  # [openenv:]file.py:name
+        if spec is None:
+            return None
+        prefix = "openenv:" if spec.startswith("openenv:") else ""
+        target, _, name = spec.removeprefix(prefix).rpartition(":")
+        return f"{prefix}{absolute(target)}:{name}" if target.endswith(".py") else spec
+
+    d = cfg.data
+    d.train_files, d.val_files = (",".join(absolute(s) for s in files.split(",") if s.strip())
+                                  for files in (d.train_files, d.val_files))
+    cfg.model.path = absolute(cfg.model.path)
+    if cfg.algorithm.graph is not None:
+        cfg.algorithm.graph = absolute(cfg.algorithm.graph)
+    if cfg.trainer.resume not in ("auto", "off"):
+        cfg.trainer.resume = absolute(cfg.trainer.resume)
+    cfg.reward.custom_fn = file_of(cfg.reward.custom_fn)
+    cfg.rollout.env, cfg.rollout.agent = file_of(cfg.rollout.env), file_of(cfg.rollout.agent)
 
 
 def _launch(cfg: Config, run_dir: Path, entry: str, entry_args: tuple, on_poll, meter, centralized=None):

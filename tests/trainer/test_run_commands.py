@@ -113,3 +113,27 @@ def test_launch_settings_that_need_the_host_are_not_refused_or_isolated(monkeypa
     monkeypatch.delenv(cli.netns.ENV, raising=False)
     online = load_config(None, ["trainer.logger=jsonl,wandb", "trainer.wandb_mode=online"])
     assert cli._loopback_rerun(online, ["train"]) is None
+
+
+def test_a_cluster_launch_names_local_files_by_absolute_paths(tmp_path, monkeypatch):
+    """The workers on a cluster's nodes do not run in the launcher's folder."""
+    from distflow.cli import with_absolute_paths
+    from distflow.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("train.jsonl", "reward.py", "env.py", "graph.yaml"):
+        (tmp_path / name).write_text("")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "model.safetensors").write_text("")
+    cfg = load_config(None, ["data.train_files=train.jsonl,builtin:arith:train", "model.path=model",
+                             "reward.custom_fn=reward.py:score", "rollout.env=env.py:Game",
+                             "rollout.max_turns=2", "algorithm.graph=graph.yaml"])
+    with_absolute_paths(cfg)
+    assert cfg.data.train_files == f"{tmp_path / 'train.jsonl'},builtin:arith:train"
+    assert cfg.data.val_files == "builtin:arith:test" and cfg.model.path == str(tmp_path / "model")
+    assert cfg.reward.custom_fn == f"{tmp_path / 'reward.py'}:score"
+    assert cfg.rollout.env == f"{tmp_path / 'env.py'}:Game" and cfg.algorithm.graph == str(tmp_path / "graph.yaml")
+    agent = load_config(None, ["rollout.agent=my_pkg.agents:run"])  # a module: no path to make absolute
+    with_absolute_paths(agent)
+    assert agent.rollout.agent == "my_pkg.agents:run"
