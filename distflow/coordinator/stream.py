@@ -237,6 +237,8 @@ class WeightSubscriber(_Thread):
                        for name, (dtype, offset, shape) in index["tensors"].items()]
             with self.cond:
                 self.pending[version], self.version = weights, version
+                if len(self.pending) > 2:  # each a full copy of the weights: the two newest are enough (a replica
+                    del self.pending[min(self.pending)]  # agrees on its newest; a newer needs samples not yet made)
                 self.cond.notify_all()
 
     def wait_for(self, version: int, timeout_s: float) -> float:

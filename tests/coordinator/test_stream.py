@@ -147,6 +147,8 @@ def _one_version_per_replica(rank: int, world: int) -> list:
         dist.barrier()
         publisher.publish([("w", torch.full((2,), 2.0))], 2)
         dist.barrier()
+        for version in (3, 4, 5):
+            publisher.publish([("w", torch.full((2,), float(version)))], version)
         publisher.close()
         return []
     subscriber = WeightSubscriber(pg, version=0)
@@ -157,10 +159,12 @@ def _one_version_per_replica(rank: int, world: int) -> list:
     version, weights = subscriber.take_agreed(replica, current=0, timeout_s=60)
     again = subscriber.take_agreed(replica, current=version, timeout_s=60)  # nothing newer: no swap
     dist.barrier()
+    subscriber.wait_for(5, timeout_s=60)  # versions 3-5 arrive untaken: only the two newest are kept
+    kept = sorted(subscriber.pending)
     subscriber.join(timeout_s=60)
-    return [version, weights[0][1].tolist(), again]
+    return [version, weights[0][1].tolist(), again, kept]
 
 
 def test_the_ranks_of_a_tensor_parallel_engine_take_one_version():
     results = run_gloo(_one_version_per_replica, 3)
-    assert results[1] == results[2] == [2, [2.0, 2.0], None]
+    assert results[1] == results[2] == [2, [2.0, 2.0], None, [4, 5]]
