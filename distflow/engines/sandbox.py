@@ -310,7 +310,7 @@ def _status(timed_out: bool, status: str, stderr: str) -> str:
     code = _returncode(status)
     if timed_out or code == -signal.SIGXCPU:
         return TIMEOUT
-    if "MemoryError" in stderr:
+    if code != 0 and "MemoryError" in stderr:  # a program that caught one, or printed the word, and went on is OK
         return MEMORY
     return OK if code == 0 else (KILLED if code < 0 else ERROR)
 

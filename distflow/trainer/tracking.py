@@ -31,15 +31,22 @@ class Tracker(Protocol):
     def close(self, failed: bool = False) -> None: ...
 
 
+def source_commit(source: Path) -> str | None:
+    """The git commit of `source` where it is the top of a checkout; None where it is not
+    (an installed package inside a virtual environment inside the user's own repository
+    would otherwise give the user's commit)."""
+    try:
+        out = subprocess.run(["git", "-C", str(source), "rev-parse", "--show-toplevel", "HEAD"], capture_output=True,
+                             text=True, timeout=10).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out[1] if len(out) == 2 and Path(out[0]).resolve() == source.resolve() else None
+
+
 def run_info(cfg: Config) -> dict:
     """What is logged once: the config, the git commit of the framework's source (when it
     is a checkout) and the package versions."""
-    source = Path(__file__).resolve().parents[2]
-    try:
-        commit = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
-    except (OSError, subprocess.TimeoutExpired):
-        commit = None
+    commit = source_commit(Path(__file__).resolve().parents[2])
     versions = {}
     for name in PACKAGES:
         try:

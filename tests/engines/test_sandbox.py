@@ -68,7 +68,8 @@ def test_apps_and_taco_forms_call_based_problems_lists_and_tolerant_outputs():
     assert code_score("taco", "class Solution:\n    def add(self, a, b):\n        return a + b\n", call) == 1.0
     assert code_score("apps", "def add(a, b):\n    print(a + b)\n    return a - b\n", call) == 0.0  # prints: no
     lines = json.dumps({"inputs": [["1 2", "3 4"]], "outputs": [["3", "7"]]})  # stdin and stdout as lists of lines
-    assert code_score("apps", "for _ in range(2):\n    a, b = map(int, input().split())\n    print(a + b)", lines) == 1.0
+    two_sums = "for _ in range(2):\n    a, b = map(int, input().split())\n    print(a + b)"
+    assert code_score("apps", two_sums, lines) == 1.0
     loose = json.dumps({"inputs": [""], "outputs": ["1 2\n0.5\n"]})  # APPS's checker: tokens, numbers to 1e-6
     assert code_score("apps", "print('1  2')\nprint(0.5000001)", loose) == 1.0
     assert code_score("apps", "print('1 3')\nprint(0.5)", loose) == 0.0
@@ -87,6 +88,10 @@ def test_a_fork_bomb_is_contained_and_leaves_no_process_behind():
 def test_a_huge_allocation_hits_the_memory_limit():
     result = run_python("x = bytearray(8 * 1024 ** 3)\nprint('allocated')\n", limits=LIMITS)
     assert result.status == MEMORY and "allocated" not in result.stdout
+    caught = ("import sys\ntry:\n    x = bytearray(8 * 1024 ** 3)\nexcept MemoryError as e:\n"
+              "    print(repr(e), file=sys.stderr)\nprint('fine')\n")
+    result = run_python(caught, limits=LIMITS)  # caught, and the program went on: it ran fine
+    assert (result.status, result.stdout, "MemoryError" in result.stderr) == (OK, "fine\n", True)
 
 
 @needs_namespaces

@@ -66,3 +66,23 @@ def test_logger_errors_are_one_line(monkeypatch):
         load_config(None, ["trainer.logger=jsonl,mlflow"])
     assert str(e.value) == ("trainer.logger='jsonl,mlflow': the mlflow package is not installed; "
                             'pip install "distflow[tracking]"')
+
+
+def test_the_framework_commit_is_its_own_checkouts_not_a_repository_around_it(tmp_path):
+    import subprocess
+    from pathlib import Path
+
+    from distflow.trainer.tracking import source_commit
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), *args], capture_output=True, text=True, check=True)
+
+    git("init", "-q")
+    (tmp_path / "venv" / "lib").mkdir(parents=True)  # an install inside the user's repository
+    (tmp_path / "a").write_text("a")
+    git("add", "a")
+    git("-c", "user.email=u@x", "-c", "user.name=u", "commit", "-qm", "users")
+    head = git("rev-parse", "HEAD").stdout.strip()
+    assert source_commit(tmp_path) == head  # a checkout of its own
+    assert source_commit(tmp_path / "venv" / "lib") is None  # the user's repository around it
+    assert source_commit(Path(tmp_path.anchor) / "nonexistent-distflow-source") is None
