@@ -110,6 +110,9 @@ class EpisodeSettings:
     max_turns: int
     max_total_tokens: int  # response tokens of an episode: its turns and observations together
     step_last_turn: bool = False  # reward.from_env: the last turn is stepped too, for its reward
+    # token ids an observation may not hold, dropped from it: a VLM's image placeholders
+    # (tool output that writes one would stand for an image there is none of)
+    dropped_ids: frozenset[int] = frozenset()
 
 
 class EpisodeRunner:
@@ -152,7 +155,8 @@ class EpisodeRunner:
                 rewards[i] += float(step.reward)
                 if step.done or last:
                     continue
-                observed = observation_ids(self.tokenizer, step.observation)[: s.max_total_tokens - len(tokens[i])]
+                observed = [t for t in observation_ids(self.tokenizer, step.observation)
+                            if t not in s.dropped_ids][: s.max_total_tokens - len(tokens[i])]
                 tokens[i] += observed
                 trained[i] += [0] * len(observed)
                 log_probs[i] += [0.0] * len(observed)

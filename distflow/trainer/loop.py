@@ -31,7 +31,7 @@ from distflow.coordinator.store import LocalStore
 from distflow.dag.scheduler import Scheduler, chrome_trace, node_seconds
 from distflow.data.batch import Batch
 from distflow.data.dataset import PromptReader, PromptRow, ShardedDataset
-from distflow.data.images import ImagePrompter
+from distflow.data.images import ImagePrompter, vision_token_ids
 from distflow.data.loader import ShardedSampler
 from distflow.engines.actor import Actor, OptimConfig, ReferenceModel, lr_factor
 from distflow.engines.common import (causal_lm_skeleton, checkpoints_activations, load_causal_lm, load_image_prompter,
@@ -206,8 +206,10 @@ def make_episode_runner(cfg: Config, engine: RolloutEngine, tokenizer) -> Episod
     else:
         make_env = (partial(load_callable(r.env, "rollout.env"), toolbox) if r.env else
                     partial(ToolEnvironment, toolbox, frame_results=not template_frames_tool_results(tokenizer)))
+    model_config = getattr(getattr(engine, "model", None), "config", None)  # the HF engine's (VLMs run on it)
     return EpisodeRunner(engine, tokenizer, make_env, EpisodeSettings(
-        max_turns=r.max_turns, max_total_tokens=budget, step_last_turn=cfg.reward.from_env))
+        max_turns=r.max_turns, max_total_tokens=budget, step_last_turn=cfg.reward.from_env,
+        dropped_ids=frozenset(vision_token_ids(model_config) if model_config is not None else ())))
 
 
 def make_reward_runners(cfg: Config) -> tuple[RewardRunner, RewardRunner]:

@@ -216,3 +216,27 @@ def test_placeholders_must_match_the_row_s_images(vlm):
     with pytest.raises(DatasetError, match=r"^the prompt's text holds the vision token <\|image_pad\|>; only <image> "
                                            r"placeholders stand for images$"):
         prompter.encode(tokenizer, "<image> is not <|image_pad|>", [image])
+
+
+def test_a_tool_result_that_writes_an_image_token_is_not_an_image_in_the_episode(vlm, tmp_path):
+    """An environment's observation holding the literal `<|image_pad|>`: the token would
+    stand for an image that is not there (the forward fails on features and tokens that do
+    not match); the episode drops it from the observation."""
+    from distflow.config import load_config
+    from distflow.trainer.loop import make_episode_runner
+
+    tokenizer, model, prompter = vlm
+    (tmp_path / "env.py").write_text(
+        "from distflow.engines.agent import EnvStep\n"
+        "class Echo:\n"
+        "    def __init__(self, toolbox):\n        pass\n"
+        "    def reset(self, task):\n        pass\n"
+        "    def step(self, text):\n"
+        "        return EnvStep([{'role': 'user', 'content': 'result: <|image_pad|> ok'}], False)\n")
+    cfg = load_config(None, ["rollout.max_turns=2", f"rollout.env={tmp_path / 'env.py'}:Echo"])
+    runner = make_episode_runner(cfg, HFRolloutEngine(model, tokenizer, shares_trainer_weights=True), tokenizer)
+    prompts = _prompts(tokenizer, prompter, dots.generate("test", 2))
+    out = runner.generate(prompts, [sample_seed(5, i) for i in range(2)], SamplingParams(max_new_tokens=6), [{}, {}])
+    observed = out["responses"][out["observation_mask"].bool()].tolist()
+    assert observed and model.config.image_token_id not in observed
+    assert "result:  ok" in tokenizer.decode(out["responses"][0][out["observation_mask"][0].bool()])
