@@ -266,10 +266,13 @@ class PromptReader:
         self.on_bad_row, self.on_long_prompt = on_bad_row, on_long_prompt
         self._reported = False
 
-    def take(self, indices: list[int], encode: Callable[[PromptRow], list[int]],
-             replace: bool = True) -> tuple[list[tuple[PromptRow, list[int]]], Counter[str]]:
+    def take(self, indices: list[int], encode: Callable[[PromptRow], list[int]], replace: bool = True,
+             drawn: frozenset[int] = frozenset()) -> tuple[list[tuple[PromptRow, list[int]]], Counter[str]]:
         """One (row, ids) per index, and the counts of `skipped_rows` and
-        `truncated_prompts`; under a skip policy a bad row is replaced (`replace`) or dropped."""
+        `truncated_prompts`; under a skip policy a bad row is replaced (`replace`) or dropped.
+        A replacement is drawn from the bad row's seed alone (the same on any number of
+        workers), among the rows not in `drawn` (the whole draw's, on every worker alike):
+        it does not repeat a row of the same batch."""
         out, counts = [], Counter()
         for index in indices:
             for attempt in range(MAX_REPLACEMENTS + 1):
@@ -305,11 +308,20 @@ class PromptReader:
                     self._report(e)
                     if not replace:
                         break
-                    index = random.Random(f"{self.seed}-{index}-{attempt}").randrange(len(self.data))
+                    index = self._replacement(index, attempt, drawn)
             else:
                 raise DatasetError(f"{','.join(self.data.names)}: {MAX_REPLACEMENTS} replacement rows in a row "
                                    f"were bad as well; the dataset looks broken")
         return out, counts
+
+    def _replacement(self, bad: int, attempt: int, drawn: frozenset[int]) -> int:
+        rng = random.Random(f"{self.seed}-{bad}-{attempt}")
+        candidate = rng.randrange(len(self.data))
+        for _ in range(MAX_REPLACEMENTS):  # a dataset (nearly) all drawn keeps the last candidate
+            if candidate not in drawn:
+                break
+            candidate = rng.randrange(len(self.data))
+        return candidate
 
     def _report(self, error: Exception) -> None:
         if not self._reported:

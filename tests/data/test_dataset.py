@@ -151,6 +151,16 @@ def test_skipped_rows_are_counted_and_replaced_the_same_way_for_any_number_of_wo
     # two workers taking interleaved halves get exactly the rows of the whole
     halves = [reader.take(indices[r::2], _words)[0] for r in range(2)]
     assert [row.index for row, _ in taken] == [row.index for pair in zip(*halves) for row, _ in pair]
+    # a draw of 8 rows: the replacement of its bad row is none of the 8 (on any number of workers);
+    # with seeds 5 and 11 the bad row's own draw lands on row 0, which the batch has
+    draw = [0, 1, 2, 3, 4, 5, 6, 8]
+    for seed in (5, 11):
+        reader = PromptReader(ShardedDataset(str(_mixed_file(tmp_path))), max_len=4, on_bad_row="skip",
+                              on_long_prompt="skip", seed=seed)
+        taken, _ = reader.take(draw, _words, drawn=frozenset(draw))
+        replacement = taken[3][0].index
+        assert replacement not in draw and replacement not in bad
+        assert [row.index for row, _ in reader.take(draw[1::2], _words, drawn=frozenset(draw))[0]][1] == replacement
     # without replacement (held-out rows), bad rows are dropped
     kept, counts = reader.take(indices, _words, replace=False)
     assert [row.index for row, _ in kept] == [i for i in indices if i not in (3, 7, 11, 15)]
