@@ -84,14 +84,15 @@ def record_config(run_dir: Path, cfg: Config) -> None:
     path.write_text(text)
 
 
-def check_inputs(cfg: Config) -> None:
+def check_inputs(cfg: Config, training: bool = True) -> None:
     """Cheap checks of what the config names, before anything starts: files and their
     types, parquet footers, the run folder, the reward function's file or module, a
-    checkpoint to resume from (contents are read by the workers)."""
+    checkpoint to resume from (contents are read by the workers). Without `training`
+    (`distflow eval`), what only training reads is not looked at."""
     from distflow.data.dataset import DatasetError, open_source
     from distflow.plugins import check_callable
 
-    for key in ("train_files", "val_files"):
+    for key in ("train_files", "val_files") if training else ("val_files",):
         spec, rows = getattr(cfg.data, key), 0
         sources = [s.strip() for s in spec.split(",") if s.strip()]
         for source in sources:
@@ -113,7 +114,7 @@ def check_inputs(cfg: Config) -> None:
         raise ConfigError(f"trainer.output_dir={cfg.trainer.output_dir!r}: exists and is not a folder")
     if cfg.reward.custom_fn is not None:
         check_callable(cfg.reward.custom_fn, "reward.custom_fn")
-    if cfg.actor.lora_rank:
+    if training and cfg.actor.lora_rank:
         from distflow.engines.common import resolve_model_path
         from distflow.engines.lora import is_adapter_folder
 
@@ -121,7 +122,7 @@ def check_inputs(cfg: Config) -> None:
             raise ConfigError(f"model.path={cfg.model.path!r}: a LoRA checkpoint; a new adapter on it would be saved "
                               "against its base without it: merge it first (distflow export PATH --out DIR "
                               "--merge) or train it whole without actor.lora_rank")
-    if cfg.trainer.resume not in ("auto", "off"):
+    if training and cfg.trainer.resume not in ("auto", "off"):
         from distflow.trainer.checkpoint import CheckpointError, resolve
 
         try:
@@ -326,7 +327,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if args.k < 0:
             raise ConfigError(f"--k={args.k}: must be >= 0 (0 = greedy only)")
         cfg = load_config(args.config, args.overrides)
-        check_inputs(cfg)
+        check_inputs(cfg, training=False)
         _check_cluster(cfg)
     except ValueError as e:
         return _fail(str(e))
@@ -417,8 +418,8 @@ def cmd_build_tiny_model(args: argparse.Namespace) -> int:
 
 def cmd_make_data(args: argparse.Namespace) -> int:
     out = Path(args.out).expanduser()
-    if out.is_dir():
-        return _fail(f"--out={args.out!r}: is a folder; name the .parquet file to write")
+    if out.is_dir() or out.suffix != ".parquet":
+        return _fail(f"--out={args.out!r}: name the .parquet file to write")
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         print(write_builtin_parquet(str(out), args.task, args.split, args.num, args.seed))
@@ -535,10 +536,15 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from distflow.trainer.report import read_history, write_overlay
 
     try:
-        runs = {Path(run).resolve().name: read_history(Path(run)) for run in args.runs}
+        histories = [read_history(Path(run)) for run in args.runs]
     except ValueError as e:
         return _fail(str(e))
-    write_overlay(runs, Path(args.out))
+    names = [Path(run).resolve().name for run in args.runs]
+    if len(set(names)) < len(names):  # sweep/a/seed0 and sweep/b/seed0: named by their whole paths
+        names = [str(run) for run in args.runs]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_overlay(dict(zip(names, histories)), out)
     print(f"wrote {args.out}")
     return 0
 

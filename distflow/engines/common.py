@@ -23,7 +23,9 @@ def resolve_model_path(path: str) -> str:
         from distflow.engines.tiny_model import ASSETS
 
         return str(ASSETS / path.removeprefix("builtin:"))
-    return os.path.expanduser(path)
+    local = os.path.expanduser(path)
+    # absolute where it is here: a LoRA adapter records its base by the path it was loaded from
+    return os.path.abspath(local) if os.path.exists(local) else local
 
 
 def quiet_transformers() -> None:
@@ -75,17 +77,24 @@ def load_causal_lm(path: str, dtype: str = "float32", device: torch.device | str
 
 def causal_lm_skeleton(path: str):
     """The model's class and config with no weights (meta device): what writes a HF
-    folder from a state dict (`save_pretrained(dir, state_dict=...)`); a LoRA checkpoint's
-    are its base's."""
+    folder from a state dict (`save_pretrained(dir, state_dict=...)`), with the folder's
+    generation config (its stop tokens; rebuilt from the config they would be lost); a
+    LoRA checkpoint's are its base's."""
     from transformers import AutoConfig
 
     from distflow.engines.lora import adapter_base, is_adapter_folder
 
     quiet_transformers()
     folder = resolve_model_path(path)
-    config = AutoConfig.from_pretrained(adapter_base(folder) if is_adapter_folder(folder) else folder)
+    folder = adapter_base(folder) if is_adapter_folder(folder) else folder
+    config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
-        return _model_class(config).from_config(config)
+        skeleton = _model_class(config).from_config(config)
+    if os.path.isfile(os.path.join(folder, "generation_config.json")):  # its stop tokens and defaults, kept
+        from transformers import GenerationConfig
+
+        skeleton.generation_config = GenerationConfig.from_pretrained(folder)
+    return skeleton
 
 
 IMAGE_PROCESSOR_FILE = "preprocessor_config.json"  # what AutoImageProcessor reads from a model folder

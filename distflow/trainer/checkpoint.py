@@ -274,10 +274,15 @@ def export(path: Path, out: Path, merge: bool) -> list[str]:
     from distflow.engines.common import IMAGE_PROCESSOR_FILE, load_causal_lm, load_tokenizer
     from distflow.engines.lora import is_adapter_folder
 
-    if not path.is_dir() or not ((path / "config.json").is_file() or is_adapter_folder(path)):
-        raise CheckpointError(f"checkpoint {path}: not a model folder (no config.json or adapter_config.json)")
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointError(f"export --out {out}: exists and is not empty; choose a new folder")
+    if (path / "checkpoints").is_dir():
+        raise CheckpointError(f"checkpoint {path}: a run folder; export one of its checkpoints, e.g. "
+                              f"{path / 'checkpoints' / 'final'}")
+    weights = any(path.glob("*.safetensors")) if path.is_dir() else False
+    if not path.is_dir() or not (((path / "config.json").is_file() and weights) or is_adapter_folder(path)):
+        raise CheckpointError(f"checkpoint {path}: not a model folder (no config.json and .safetensors weights, "
+                              "or adapter_config.json)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"export --out {out}: exists and is not an empty folder; choose a new folder")
     out.mkdir(parents=True, exist_ok=True)
     if merge and is_adapter_folder(path):
         load_causal_lm(str(path)).save_pretrained(out, safe_serialization=True)

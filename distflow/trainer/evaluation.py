@@ -1,8 +1,9 @@
 """Evaluating a policy on held-out prompts, the same code in training and in `distflow eval`.
 
-Greedy accuracy, and with `k` samples per prompt at a temperature mean@k (the mean
-accuracy of the samples) and pass@k (a prompt counts when any of its k samples is
-right), overall, per `data_source` and per `extra_info["level"]` where rows have one,
+Greedy accuracy (a prompt counts when the rule-based scorer gives full marks) and the
+mean reward (the configured reward function: `reward.custom_fn`, `reward.gsm8k_mode`),
+and with `k` samples per prompt at a temperature mean@k (the mean accuracy of the
+samples) and pass@k (a prompt counts when any of its k samples is right), overall, per `data_source` and per `extra_info["level"]` where rows have one,
 plus response-length statistics. Each worker scores its own rows (every world-th of the
 file's), and one object all-gather of a few sums per worker combines them: no worker
 sees another's responses. Samples are seeded per (run seed, row, sample), so the numbers
@@ -12,6 +13,7 @@ do not depend on the number of workers.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,10 +54,10 @@ def _add(tally: Tally, name: str, value: float) -> None:
 
 def _scored(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[list[int]], seeds, params,
             reward_fn: RewardRunner, accuracy_fn: RewardRunner,
-            episodes: EpisodeRunner | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(correct (B,), response lengths (B,), ended with EOS (B,)) of one generation
-    (multi-turn episodes with `episodes`)."""
-    nothing = torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.bool)
+            episodes: EpisodeRunner | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rewards (B,), correct (B,), response lengths (B,), ended with EOS (B,)) of one
+    generation (multi-turn episodes with `episodes`)."""
+    nothing = torch.zeros(0), torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.bool)
     if not rows and engine.tensor_parallel_size == 1:
         return nothing
     if episodes is not None:
@@ -68,10 +70,10 @@ def _scored(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[l
         return nothing
     out.meta.update({"ground_truth": [r.ground_truth for r in rows], "data_source": [r.data_source for r in rows],
                      "extra_info": [r.extra_info for r in rows]})
-    _, correct, _ = score_responses(tokenizer, out, reward_fn, accuracy_fn)
+    rewards, correct, _ = score_responses(tokenizer, out, reward_fn, accuracy_fn)
     lengths = out["response_mask"].sum(-1)
     ended = (out["responses"] == tokenizer.eos_token_id).any(-1)
-    return correct, lengths, ended
+    return rewards, correct, lengths, ended
 
 
 def evaluate(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[list[int]],
@@ -81,10 +83,12 @@ def evaluate(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[
     calls it, a worker of a tensor-parallel replica even with no rows)."""
     tally: Tally = {}
     greedy = SamplingParams(max_new_tokens=settings.max_new_tokens, greedy=True)
-    correct, lengths, ended = _scored(engine, tokenizer, rows, ids, None, greedy, reward_fn, accuracy_fn, episodes)
-    for row, c, n, e in zip(rows, correct.tolist(), lengths.tolist(), ended.tolist()):
+    rewards, correct, lengths, ended = _scored(engine, tokenizer, rows, ids, None, greedy, reward_fn, accuracy_fn,
+                                               episodes)
+    for row, r, c, n, e in zip(rows, rewards.tolist(), correct.tolist(), lengths.tolist(), ended.tolist()):
         for group in _groups(row, by_source):
             _add(tally, f"accuracy{group}", c)
+            _add(tally, f"reward{group}", r)
         _add(tally, "response_length/mean", n)
         _add(tally, "response_length/clip_ratio", 0.0 if e else 1.0)
         tally["response_length/max"] = [max(tally.get("response_length/max", [0.0])[0], n), 1.0]
@@ -99,7 +103,7 @@ def _sampled(engine, tokenizer, rows, ids, reward_fn, accuracy_fn, settings: Eva
     seeds = [sample_seed(settings.seed, _EVAL_STREAM, row.index, j) for row in rows for j in range(k)]
     params = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                             top_p=settings.top_p)
-    correct, _, _ = _scored(engine, tokenizer, [r for r in rows for _ in range(k)],
+    _, correct, _, _ = _scored(engine, tokenizer, [r for r in rows for _ in range(k)],
                             [p for p in ids for _ in range(k)], seeds, params, reward_fn, accuracy_fn, episodes)
     per_row = correct.view(len(rows), k) if rows else correct.view(0, k)
     for row, samples in zip(rows, per_row.tolist()):
@@ -127,10 +131,12 @@ def _combine(tally: Tally) -> dict[str, float]:
 def table(report: dict[str, float], k: int) -> str:
     """One screen: a line per slice with greedy accuracy, mean@k and pass@k, and the lengths."""
     slices = [""] + sorted({name[len("accuracy"):] for name in report if name.startswith("accuracy/")})
-    head = f"{'slice':<28} {'greedy':>8}" + (f" {f'mean@{k}':>8} {f'pass@{k}':>8}" if k else "")
+    if not report["rows"]:
+        return "no prompts were scored (every held-out row was dropped as bad or too long)"
+    head = f"{'slice':<28} {'greedy':>8} {'reward':>8}" + (f" {f'mean@{k}':>8} {f'pass@{k}':>8}" if k else "")
     lines = [head]
     for s in slices:
-        line = f"{s.lstrip('/') or 'all':<28} {report[f'accuracy{s}']:>8.1%}"
+        line = f"{s.lstrip('/') or 'all':<28} {report[f'accuracy{s}']:>8.1%} {report[f'reward{s}']:>8.3f}"
         if k:
             line += f" {report[f'mean@{k}{s}']:>8.1%} {report[f'pass@{k}{s}']:>8.1%}"
         lines.append(line)
@@ -141,5 +147,7 @@ def table(report: dict[str, float], k: int) -> str:
 
 
 def write_report(path: Path, report: dict[str, float], about: dict) -> None:
+    """The report as JSON; a metric of no prompts (NaN) is null, as JSON has no NaN."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**about, "metrics": report}, indent=1))
+    metrics = {name: None if math.isnan(value) else value for name, value in report.items()}
+    path.write_text(json.dumps({**about, "metrics": metrics}, indent=1, allow_nan=False))

@@ -177,8 +177,9 @@ def _generated(out: Batch) -> Batch:
 
 def score_responses(tokenizer, batch: Batch, reward_fn: RewardRunner,
                     accuracy_fn: RewardRunner) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rewards, accuracy, status): status is OK, FAILED (raised or not a number) or
-    TIMED_OUT per sample; a failed sample scores 0 and the run goes on."""
+    """(rewards, accuracy, status): accuracy is 1 where the rule-based scorer gives full
+    marks (a code response passes every test), else 0; status is OK, FAILED (raised or not
+    a number) or TIMED_OUT per sample; a failed sample scores 0 and the run goes on."""
     texts = tokenizer.batch_decode(batch["responses"] * batch["response_mask"]
                                    + tokenizer.pad_token_id * (1 - batch["response_mask"]),
                                    skip_special_tokens=True)
@@ -187,7 +188,8 @@ def score_responses(tokenizer, batch: Batch, reward_fn: RewardRunner,
         value, state = reward_fn(src, text, gt, extra)
         rewards.append(value)
         status.append(state)
-        correct.append(value if accuracy_fn is reward_fn else accuracy_fn(src, text, gt, extra)[0])
+        marks = value if accuracy_fn is reward_fn else accuracy_fn(src, text, gt, extra)[0]
+        correct.append(1.0 if marks >= 1.0 else 0.0)
     return (torch.tensor(rewards, dtype=torch.float32), torch.tensor(correct, dtype=torch.float32),
             torch.tensor(status, dtype=torch.long))
 

@@ -59,7 +59,13 @@ def read_history(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"{run_dir}: not a run folder (no metrics.jsonl)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:  # a line cut by a kill mid-write, or not a record: the report goes on without it
+            pass
+    return records
 
 
 def write_overlay(runs: dict[str, list[dict]], path: Path) -> None:

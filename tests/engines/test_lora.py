@@ -216,3 +216,23 @@ def test_a_lora_checkpoint_as_model_path_has_its_bases_skeleton_and_a_new_adapte
     with pytest.raises(ConfigError, match=r"^model.path='.*adapter': a LoRA checkpoint; a new adapter on it would be "
                                           r"saved against its base without it: merge it first"):
         check_inputs(load_config(None, [f"model.path={adapter}", "actor.lora_rank=4"]))
+
+
+def test_an_adapter_records_its_base_by_an_absolute_path(tmp_path, monkeypatch, random_model_dir):
+    """A run started with a relative model.path: its LoRA checkpoints still merge from any
+    folder (export, eval, a cluster's nodes)."""
+    import json
+    import os
+    import shutil
+
+    from distflow.engines.lora import adapter_base
+
+    shutil.copytree(random_model_dir, tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    settings = LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules="q_proj")
+    with_lora(load_causal_lm("base"), settings).save_pretrained(tmp_path / "adapter")
+    assert adapter_base(tmp_path / "adapter") == str(tmp_path / "base")
+    monkeypatch.chdir(os.path.dirname(tmp_path))
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] \
+        == str(tmp_path / "base")
+    load_causal_lm(str(tmp_path / "adapter"))  # merges from elsewhere

@@ -182,3 +182,23 @@ def test_replacing_a_checkpoint_leaves_a_complete_one_whenever_it_is_cut_short(t
     _complete(tmp_path / "step_40.replaced", 40)  # left by a crash; a later save is newer
     checkpoint._prune(tmp_path, keep_last=0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+def test_a_checkpoint_keeps_the_models_generation_config(tmp_path, random_model_dir):
+    """Its stop tokens and sampling defaults (a list of eos ids, as Llama-3-Instruct's),
+    which a skeleton rebuilt from config.json alone would lose."""
+    import shutil
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from distflow.engines.common import causal_lm_skeleton
+
+    base = tmp_path / "base"
+    shutil.copytree(random_model_dir, base)
+    GenerationConfig(eos_token_id=[2, 3], temperature=0.7, do_sample=True).save_pretrained(base)
+    actor = Actor(load_causal_lm(str(base)), OptimConfig(lr=1e-2), torch.device("cpu"))
+    checkpoint.save(tmp_path / "step_1", hf_skeleton=causal_lm_skeleton(str(base)),
+                    tokenizer=AutoTokenizer.from_pretrained(base), actor=actor, critic=None, step=1,
+                    loader_state={"epoch": 0, "offset": 4}, metrics_file=None, keep_last=0)
+    kept = GenerationConfig.from_pretrained(tmp_path / "step_1")
+    assert kept.eos_token_id == [2, 3] and kept.temperature == 0.7

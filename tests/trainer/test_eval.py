@@ -68,12 +68,46 @@ def test_mean_and_pass_at_k_and_slices_by_hand():
         "pass@3/data_source/a": 1 / 2, "pass@3/data_source/b": 1.0,
         "response_length/mean": (7 + 8 + 16) / 3, "response_length/max": 16.0,
         "response_length/clip_ratio": 1 / 3, "rows": 3.0,
+        # the reward function here is the accuracy's (the default, strict): the same numbers
+        "reward": 1 / 3, "reward/level_1": 1 / 2, "reward/level_2": 0.0, "reward/data_source/a": 1 / 2,
+        "reward/data_source/b": 0.0,
     }
     assert report == pytest.approx(expected, rel=1e-12)
     lines = table(report, 3).splitlines()
-    assert lines[0].split() == ["slice", "greedy", "mean@3", "pass@3"]
-    assert lines[1].split() == ["all", "33.3%", "33.3%", "66.7%"]
+    assert lines[0].split() == ["slice", "greedy", "reward", "mean@3", "pass@3"]
+    assert lines[1].split() == ["all", "33.3%", "0.333", "33.3%", "66.7%"]
     assert lines[-1] == "3 prompts; greedy responses: 10.3 tokens on average, at most 16, 33.3% cut at the token limit"
+
+
+def test_the_configured_reward_is_reported_beside_accuracy_which_takes_full_marks(tmp_path):
+    """A custom reward (a letter answer the rule-based scorer cannot read) is the report's
+    `reward`; a code answer passing 1 of 2 tests is not accurate (its reward is 0.5)."""
+    tok = build_tokenizer()
+    (tmp_path / "letters.py").write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return 1.0 if solution_str.strip().endswith(ground_truth) else 0.0\n")
+    letters = RewardRunner(f"{tmp_path / 'letters.py'}:score", 0)
+    rows = [PromptRow(index=0, messages=[{"role": "user", "content": "q"}], ground_truth="B", data_source="mcq")]
+    report = evaluate(ScriptedEngine(tok, ["the answer is B"], []), tok, rows, [[5, 6]], letters,
+                      RewardRunner(None, 0), EvalSettings(max_new_tokens=24))
+    assert (report["reward"], report["accuracy"]) == (1.0, 0.0)
+    cases = json.dumps({"inputs": ["1 2\n", "5 5\n"], "outputs": ["3\n", "11\n"]})
+    code = [PromptRow(index=0, messages=[{"role": "user", "content": "q"}], ground_truth=cases,
+                      data_source="codecontests")]
+    default = RewardRunner(None, 0)
+    program = "print(sum(map(int, input().split())))"
+    report = evaluate(ScriptedEngine(tok, [program], []), tok, code, [[5, 6]], default, default,
+                      EvalSettings(max_new_tokens=64))
+    assert (report["reward"], report["accuracy"]) == (0.5, 0.0)
+
+
+def test_a_report_of_no_prompts_is_said_and_written_as_valid_json(tmp_path):
+    from distflow.trainer.evaluation import write_report
+
+    report = {"accuracy": float("nan"), "rows": 0.0}
+    assert table(report, 2) == "no prompts were scored (every held-out row was dropped as bad or too long)"
+    write_report(tmp_path / "eval.json", report, {"k": 2})
+    assert json.loads((tmp_path / "eval.json").read_text())["metrics"] == {"accuracy": None, "rows": 0.0}
 
 
 def _cli(args, cwd, timeout=300):
@@ -95,7 +129,7 @@ def test_eval_on_one_and_two_workers_agrees(tmp_path):
         proc = _cli(["eval", "--k", "2", *common, f"runtime.num_workers={workers}", f"trainer.output_dir={out}"],
                     tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        assert proc.stdout.splitlines()[0].split() == ["slice", "greedy", "mean@2", "pass@2"]
+        assert proc.stdout.splitlines()[0].split() == ["slice", "greedy", "reward", "mean@2", "pass@2"]
         reports[workers] = json.loads((out / "eval.json").read_text())
     assert reports[1]["metrics"] == reports[2]["metrics"]
     metrics = reports[2]["metrics"]

@@ -137,3 +137,35 @@ def test_a_cluster_launch_names_local_files_by_absolute_paths(tmp_path, monkeypa
     agent = load_config(None, ["rollout.agent=my_pkg.agents:run"])  # a module: no path to make absolute
     with_absolute_paths(agent)
     assert agent.rollout.agent == "my_pkg.agents:run"
+
+
+def test_the_commands_around_a_run_take_what_users_give_them(tmp_path, monkeypatch, capsys):
+    """A metrics file cut mid-line, two runs of the same name plotted together, a plot into
+    a new folder, make-data to a file that is not parquet, export of a run folder or onto
+    a file, and eval with a training file that is not there (eval does not read it)."""
+    from distflow import cli
+    from distflow.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    for sweep in ("a", "b"):
+        run = tmp_path / "sweep" / sweep / "seed0"
+        run.mkdir(parents=True)
+        (run / "metrics.jsonl").write_text('{"step": 0, "val/accuracy": 0.2}\n{"step": 1, "reward/mean": 0.5}\n'
+                                           '{"step": 2, "rew')  # killed mid-write
+    assert main(["runs", str(tmp_path / "sweep" / "a")]) == 0
+    assert "seed0" in capsys.readouterr().out
+    from distflow.trainer import report
+
+    drawn, overlay = [], report.write_overlay
+    monkeypatch.setattr(report, "write_overlay", lambda runs, path: (drawn.append(list(runs)), overlay(runs, path)))
+    assert main(["plot", "sweep/a/seed0", "sweep/b/seed0", "--out", "plots/both.png"]) == 0
+    assert drawn == [["sweep/a/seed0", "sweep/b/seed0"]]  # both runs, by their paths (the same last name)
+    assert (tmp_path / "plots" / "both.png").stat().st_size > 0
+    assert main(["make-data", "--num", "2", "--out", "d.jsonl"]) == 2
+    assert "--out='d.jsonl': name the .parquet file to write" in capsys.readouterr().err
+    (tmp_path / "sweep" / "a" / "seed0" / "checkpoints").mkdir()
+    (tmp_path / "file").write_text("")
+    assert main(["export", "sweep/a/seed0", "--out", "x"]) == 2
+    assert "a run folder; export one of its checkpoints, e.g. sweep/a/seed0/checkpoints/final" in capsys.readouterr().err
+    assert main(["export", "sweep/a/seed0/checkpoints", "--out", "x"]) == 2  # no config.json and weights
+    cli.check_inputs(load_config(None, ["data.train_files=/nowhere/train.parquet"]), training=False)
