@@ -24,6 +24,7 @@ import re
 import shutil
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -168,10 +169,16 @@ def latest(folder: Path) -> Path | None:
     """The newest complete checkpoint under `folder` (`step_*` or `final`; one a crash
     left renamed aside while a newer was put in its place, where that one is not there),
     or None. One whose state file cannot be read (a disk that lost it) is skipped, saying so."""
-    if not folder.is_dir():
-        return None
-    found = []
-    for p in folder.iterdir():
+    found = [(state["step"], p.name.startswith("final"), not p.name.endswith(_ASIDE), p)
+             for p, state in _checkpoints(folder)]
+    return max(found)[3] if found else None
+
+
+def _checkpoints(folder: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """(path, trainer state) of each complete checkpoint in `folder` (`step_*`, `final`,
+    and one left aside by `put_in_place`); one whose state file cannot be read is skipped,
+    saying so."""
+    for p in sorted(folder.iterdir()) if folder.is_dir() else []:
         name = p.name.removesuffix(_ASIDE)
         if (p / STATE_FILE).is_file() and (_STEP_DIR.match(name) or name == "final"):
             try:
@@ -179,8 +186,7 @@ def latest(folder: Path) -> Path | None:
             except (OSError, ValueError) as e:
                 print(f"distflow: skipping checkpoint {p}: its {STATE_FILE} cannot be read ({e})", file=sys.stderr)
                 continue
-            found.append((read_state(p, state)["step"], name == "final", name == p.name, p))
-    return max(found)[3] if found else None
+            yield p, read_state(p, state)
 
 
 def set_aside_newer(folder: Path, step: int) -> list[Path]:
@@ -190,15 +196,8 @@ def set_aside_newer(folder: Path, step: int) -> list[Path]:
     `latest` and of `keep_last`'s pruning, which would otherwise keep them over the new
     branch's. Returns where they went."""
     moved = []
-    for p in sorted(folder.iterdir()) if folder.is_dir() else []:
-        name = p.name.removesuffix(_ASIDE)
-        if not ((p / STATE_FILE).is_file() and (_STEP_DIR.match(name) or name == "final")):
-            continue
-        try:
-            newer = read_state(p)["step"] > step
-        except CheckpointError:
-            continue
-        if newer:
+    for p, state in list(_checkpoints(folder)):
+        if state["step"] > step:
             out = folder.with_name(folder.name + "-abandoned") / p.name
             while out.exists():
                 out = out.with_name(out.name + "+")
