@@ -51,6 +51,9 @@ class ModelConfig:
     dtype: str = _spec("float32", choices=("float32", "bfloat16"),
                        doc="compute dtype: the rollout and the reference run in it, the actor and the critic "
                            "compute in it on fp32 master weights and AdamW state")
+    disable_dropout: bool = _spec(True, doc="the trained models (policy and critic) without dropout, as TRL's "
+                                            "disable_dropout: the policy that sampled is the one the update scores "
+                                            "(a LoRA adapter keeps actor.lora_dropout)")
 
 
 @dataclass(kw_only=True)

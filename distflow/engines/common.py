@@ -75,6 +75,19 @@ def load_causal_lm(path: str, dtype: str = "float32", device: torch.device | str
     return model.to(device)
 
 
+def without_dropout(model):
+    """`model` with every dropout off: its nn.Dropout modules and the attention dropout
+    that Llama-style layers apply as a number (TRL's disable_dropout, for those too)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    if isinstance(getattr(model.config, "attention_dropout", None), float):
+        model.config.attention_dropout = 0.0
+    return model
+
+
 def causal_lm_skeleton(path: str):
     """The model's class and config with no weights (meta device): what writes a HF
     folder from a state dict (`save_pretrained(dir, state_dict=...)`), with the folder's

@@ -35,7 +35,7 @@ from distflow.data.images import ImagePrompter, vision_token_ids
 from distflow.data.loader import ShardedSampler
 from distflow.engines.actor import Actor, OptimConfig, ReferenceModel, lr_factor
 from distflow.engines.common import (causal_lm_skeleton, checkpoints_activations, load_causal_lm, load_image_prompter,
-                                     load_tokenizer, resolve_model_path)
+                                     load_tokenizer, resolve_model_path, without_dropout)
 from distflow.engines.agent import EpisodeRunner, EpisodeSettings, ToolEnvironment, template_frames_tool_results
 from distflow.engines.critic import Critic
 from distflow.engines.openai_endpoint import AgentRunner, AgentSettings
@@ -298,7 +298,8 @@ class Trainer:
             ref = (AdapterDisabledReference(actor, cfg.rollout.temperature) if cfg.actor.lora_rank else
                    ReferenceModel(load_causal_lm(cfg.model.path, cfg.model.dtype), device, cfg.rollout.temperature,
                                   cfg.actor.forward_prompt_once, cfg.actor.output_head_chunk_tokens))
-        critic = (Critic(load_causal_lm(cfg.model.path), OptimConfig(lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip),
+        critic = (Critic(self._trained(load_causal_lm(cfg.model.path)),
+                         OptimConfig(lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip),
                          device, cfg.critic.strategy, compute_dtype, cfg.critic.gradient_checkpointing)
                   if roles & {"critic_forward", "critic_train"} else None)
         reward_fn, accuracy_fn = make_reward_runners(cfg)
@@ -337,11 +338,15 @@ class Trainer:
         with a new adapter, or the checkpoint's adapter."""
         a = self.cfg.actor
         if not a.lora_rank:
-            return load_causal_lm(policy_path)
+            return self._trained(load_causal_lm(policy_path))
         settings = LoraSettings(rank=a.lora_rank, alpha=a.lora_alpha, dropout=a.lora_dropout,
                                 target_modules=a.lora_target_modules)
-        return with_lora(load_causal_lm(self.cfg.model.path), settings,
+        return with_lora(self._trained(load_causal_lm(self.cfg.model.path)), settings,
                          adapter_path=self.resume_from if self.resume_from else None)
+
+    def _trained(self, model):
+        """A model to train (policy or critic), without dropout unless model.disable_dropout=false."""
+        return without_dropout(model) if self.cfg.model.disable_dropout else model
 
     def _resume(self, path: Path) -> None:
         """Optimizer, critic, RNG, dataloader position, the metrics so far and the run of

@@ -517,3 +517,26 @@ def test_grad_clip_zero_means_no_clipping_not_a_zero_update(random_model_dir):
     assert all(torch.equal(v, updated[1e9][1][k]) for k, v in updated[0.0][1].items())
     before = load_causal_lm(random_model_dir).state_dict()
     assert any(not torch.equal(v, before[k]) for k, v in updated[0.0][1].items())
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_trained_model_has_no_dropout_so_the_update_scores_the_policy_that_sampled(family):
+    """GPT-2 drops out through nn.Dropout modules, Llama-style layers through a number
+    they pass to attention: both are off, so two forwards in training mode agree."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from distflow.engines.common import without_dropout
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, resid_pdrop=0.5,
+                                           embd_pdrop=0.5, attn_pdrop=0.5))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                                             num_key_value_heads=2, intermediate_size=64, vocab_size=64,
+                                             attention_dropout=0.5, attn_implementation="eager"))
+    ids = torch.randint(0, 64, (2, 12))
+    model.train()
+    assert not torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)  # dropout on
+    without_dropout(model).train()
+    assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
