@@ -358,9 +358,9 @@ class Trainer:
         if self.prompts.sampler.next_step(state["dataloader"]) != self.start_step + 1:
             raise checkpoint.CheckpointError(f"checkpoint {path}: dataloader position {state['dataloader']} "
                                              f"does not match step {self.start_step}")
-        if self.rank == 0 and self.start_step < self.cfg.trainer.total_steps:  # done no more until it ends again
-            (self.run_dir / "summary.json").unlink(missing_ok=True)
         if self.rank == 0:
+            if self.start_step < self.cfg.trainer.total_steps:  # done no more until it ends again
+                (self.run_dir / "summary.json").unlink(missing_ok=True)
             for moved in checkpoint.set_aside_newer(self.run_dir / "checkpoints", self.start_step):
                 print(f"distflow: resumed from step {self.start_step}: the later checkpoint {moved.name} of this run "
                       f"folder is set aside in {moved.parent}", file=sys.stderr)
