@@ -195,7 +195,8 @@ class ActorConfig:
                                                         "rounding; refused for a model whose logits are capped or "
                                                         "scaled after its head (Gemma 2, Cohere, Granite)")
     use_dynamic_bsz: bool = _spec(False, doc="form micro-batches by token budget instead of count")
-    max_tokens_per_micro_batch: int = _spec(4096, min=1, doc="token budget with use_dynamic_bsz")
+    max_tokens_per_micro_batch: int = _spec(4096, min=1, doc="with use_dynamic_bsz: a micro-batch's padded tokens, "
+                                                             "rows x (widest prompt + widest response), at most")
     strategy: str = _spec("auto", choices=("auto", "fsdp2", "ddp"),
                           doc="ddp: a full replica per worker, gradients all-reduced once per mini-batch (the HF "
                               "rollout then shares its weights); fsdp2: sharded per decoder layer; auto: ddp when "

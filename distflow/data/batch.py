@@ -87,13 +87,26 @@ class Batch:
         return Batch({k: v.to(device) for k, v in self.tensors.items()}, dict(self.meta))
 
 
-def sequence_lengths(batch: Batch) -> list[int]:
-    """Tokens per sample (prompt, plus response once there is one, with the tool or
-    environment tokens of a multi-turn episode, which the forward attends to though
-    nothing trains on them): what the coordinator balances and micro-batches are
-    budgeted by."""
-    length = batch["prompt_mask"].sum(-1)
+def _token_counts(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's prompt tokens, and its response tokens once there is one (with the tool
+    or environment tokens of a multi-turn episode, which the forward attends to though
+    nothing trains on them)."""
+    prompt = batch["prompt_mask"].sum(-1)
+    response = torch.zeros_like(prompt)
     for attended in ("response_mask", "observation_mask"):
         if attended in batch:
-            length = length + batch[attended].sum(-1)
-    return length.tolist()
+            response = response + batch[attended].sum(-1)
+    return prompt, response
+
+
+def sequence_lengths(batch: Batch) -> list[int]:
+    """Tokens per sample, prompt and response: what the coordinator balances."""
+    prompt, response = _token_counts(batch)
+    return (prompt + response).tolist()
+
+
+def prompt_and_response_lengths(batch: Batch) -> list[tuple[int, int]]:
+    """(prompt tokens, response tokens) per sample: a padded forward's width is the widest
+    of each (token-budget micro-batches, `coordinator/microbatch.py`)."""
+    prompt, response = _token_counts(batch)
+    return list(zip(prompt.tolist(), response.tolist()))

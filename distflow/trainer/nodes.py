@@ -37,7 +37,7 @@ from distflow.algos.estimators import estimator_info, get_adv_estimator
 from distflow.collectives import all_reduce_sum
 from distflow.config import Config, response_token_budget
 from distflow.coordinator.microbatch import local_micro_batches, plan_micro_batches
-from distflow.data.batch import Batch, sequence_lengths
+from distflow.data.batch import Batch, prompt_and_response_lengths
 from distflow.data.dataset import DatasetError, PromptRow
 from distflow.data.images import IMAGE_FIELDS, ImagePrompter, attach_images, decode_image, image_fields
 from distflow.engines.actor import Actor
@@ -255,12 +255,12 @@ def _micro_policy(cfg: Config) -> dict[str, int]:
 
 def micro_batches(batch: Batch, cfg: Config) -> list[list[int]]:
     """The same number of micro-batches on every rank (FSDP's lockstep): a collective."""
-    return plan_micro_batches(sequence_lengths(batch), **_micro_policy(cfg))
+    return plan_micro_batches(prompt_and_response_lengths(batch), **_micro_policy(cfg))
 
 
 def ref_log_prob(ctx: WorkerContext, batch: Batch) -> Batch:
     """The replicated reference needs no lockstep, so its micro-batches are local."""
-    micro = local_micro_batches(sequence_lengths(batch), **_micro_policy(ctx.cfg))
+    micro = local_micro_batches(prompt_and_response_lengths(batch), **_micro_policy(ctx.cfg))
     return Batch({"ref_log_probs": ctx.ref.compute_log_probs(batch, micro)})
 
 
