@@ -13,6 +13,7 @@ and 2 workers produce the same training run.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -176,7 +177,9 @@ class _SwapWeightsBetweenTokens:
 class HFRolloutEngine:
     """`shares_trainer_weights`: `model` is the actor's own module (a DDP replica, or one
     worker's), so the engine always generates with the latest weights and a weight push
-    has nothing to copy.
+    has nothing to copy. Its weights are the fp32 master copy; `compute_dtype` (bf16)
+    generates on them under autocast, as the actor computes (an engine of its own loads
+    its weights in the run's dtype instead).
 
     `newer_weights` (rollout.partial): a function returning (version, weights) when newer
     weights than the engine's have arrived, else None; it is asked after every token, and
@@ -185,8 +188,10 @@ class HFRolloutEngine:
 
     newer_weights: Callable[[], tuple[int, Iterable[tuple[str, torch.Tensor]]] | None] | None = None
 
-    def __init__(self, model, tokenizer, micro_batch_size: int = 128, shares_trainer_weights: bool = False):
+    def __init__(self, model, tokenizer, micro_batch_size: int = 128, shares_trainer_weights: bool = False,
+                 compute_dtype: torch.dtype = torch.float32):
         self.model = model.eval()
+        self.compute_dtype = compute_dtype
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size
         self.shares_trainer_weights = shares_trainer_weights
@@ -213,9 +218,13 @@ class HFRolloutEngine:
         """The RolloutEngine contract: prompts, responses, masks and the engine's log-prob
         of each sampled token."""
         chunks = []
-        for start in range(0, len(prompts), self.micro_batch_size):
-            chunk_seeds = None if seeds is None else seeds[start: start + self.micro_batch_size]
-            chunks.append(self._generate_chunk(prompts[start: start + self.micro_batch_size], chunk_seeds, params))
+        device = next(self.model.parameters()).device
+        cast = (contextlib.nullcontext() if self.compute_dtype == torch.float32 else
+                torch.autocast(device.type, dtype=self.compute_dtype))
+        with cast:
+            for start in range(0, len(prompts), self.micro_batch_size):
+                chunk_seeds = None if seeds is None else seeds[start: start + self.micro_batch_size]
+                chunks.append(self._generate_chunk(prompts[start: start + self.micro_batch_size], chunk_seeds, params))
         batch = Batch.concat([Batch({"prompts": ids, "prompt_mask": mask, "responses": resp,
                                      "rollout_log_probs": log_probs} | extra) for ids, mask, resp, log_probs, extra in chunks])
         mask = response_mask_from(batch["responses"], self.tokenizer.eos_token_id)  # (B, R); re-padded prompts

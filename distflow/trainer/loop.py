@@ -167,7 +167,8 @@ def make_rollout_engine(cfg: Config, policy_path: str, tokenizer, device: torch.
     and on a disaggregated rollout worker), or a colocated vLLM engine."""
     r = cfg.rollout
     if r.engine == "hf" and actor is not None and actor.holds_full_weights:  # DDP or one worker: nothing to copy
-        return HFRolloutEngine(actor.module, tokenizer, r.micro_batch_size, shares_trainer_weights=True)
+        return HFRolloutEngine(actor.module, tokenizer, r.micro_batch_size, shares_trainer_weights=True,
+                               compute_dtype=actor.compute_dtype)
     if r.engine == "hf":
         return HFRolloutEngine(load_causal_lm(policy_path, cfg.model.dtype, device), tokenizer, r.micro_batch_size)
     from distflow.engines.vllm_rollout import VLLMRolloutEngine

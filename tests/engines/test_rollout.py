@@ -171,3 +171,24 @@ def test_partial_rollout_swaps_weights_between_tokens(random_model_dir):
     assert (swapped["rollout_log_probs"][:, 4:] - unchanged["rollout_log_probs"][:, 4:]).abs().max() > 1e-2
     for name, value in engine.model.state_dict().items():
         assert torch.equal(value, newer[name])
+
+
+def test_the_engine_on_the_actors_weights_generates_in_its_compute_dtype(random_model_dir):
+    """model.dtype=bfloat16 with the HF engine on the actor's own (fp32 master) weights: the
+    rollout computes in bf16, as the actor's forwards do (it generated in fp32, at twice the
+    memory traffic, and from a slightly different policy than the one the update scores)."""
+    from distflow.config import load_config
+    from distflow.engines.actor import Actor, OptimConfig
+    from distflow.trainer.loop import make_rollout_engine
+
+    cpu = torch.device("cpu")
+    actor = Actor(load_causal_lm(random_model_dir), OptimConfig(lr=1e-3), cpu, compute_dtype=torch.bfloat16)
+    tok = load_tokenizer(random_model_dir)
+    engine = make_rollout_engine(load_config(None, ["model.dtype=bfloat16"]), random_model_dir, tok, cpu, actor)
+    assert engine.model is actor.module
+    head_dtypes = []
+    actor.module.get_output_embeddings().register_forward_hook(lambda m, i, out: head_dtypes.append(out.dtype))
+    out = engine.generate(_prompts(tok, ["Ann has 3 pens.\nA: "] * 2), [1, 2], SamplingParams(max_new_tokens=6))
+    assert head_dtypes and set(head_dtypes) == {torch.bfloat16}
+    assert next(actor.module.parameters()).dtype == torch.float32  # the master weights stay fp32
+    assert out["rollout_log_probs"].dtype == torch.float32 and torch.isfinite(out["rollout_log_probs"]).all()
