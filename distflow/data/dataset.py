@@ -255,9 +255,10 @@ class PromptReader:
     `on_bad_row`: a malformed row (missing field, wrong type, empty prompt, non-UTF-8) is
     an error naming file and row, or is skipped. `on_long_prompt`: a prompt over
     `max_len` tokens is an error, skipped, or truncated from the left (the end of a
-    prompt holds the question and the assistant turn). A skipped row is replaced by a
-    row drawn from a stream seeded by (seed, row): every worker keeps its batch size (no
-    worker runs empty), and the replacement does not depend on the number of workers."""
+    prompt holds the question and the assistant turn). A skipped row is replaced (every
+    worker keeps its batch size; no worker runs empty) by a row outside the step's draw,
+    chosen by its position in the draw (`_Replacements`): the same on any number of
+    workers, and never the replacement of another position."""
 
     def __init__(self, data: ShardedDataset, max_len: int, on_bad_row: str = "error",
                  on_long_prompt: str = "error", seed: int = 0):
@@ -267,14 +268,18 @@ class PromptReader:
         self._reported = False
 
     def take(self, indices: list[int], encode: Callable[[PromptRow], list[int]], replace: bool = True,
-             drawn: frozenset[int] = frozenset()) -> tuple[list[tuple[PromptRow, list[int]]], Counter[str]]:
+             draw: Sequence[int] | None = None, positions: Sequence[int] | None = None
+             ) -> tuple[list[tuple[PromptRow, list[int]]], Counter[str]]:
         """One (row, ids) per index, and the counts of `skipped_rows` and
         `truncated_prompts`; under a skip policy a bad row is replaced (`replace`) or dropped.
-        A replacement is drawn from the bad row's seed alone (the same on any number of
-        workers), among the rows not in `drawn` (the whole draw's, on every worker alike):
-        it does not repeat a row of the same batch."""
+        `draw`: the step's whole draw, on every worker alike, and `positions`: each index's
+        position in it (by default `indices` are the whole draw). A replacement is a row not
+        in the draw, and each (position, attempt) gets a row of its own."""
+        if draw is None:
+            draw, positions = indices, range(len(indices))
+        replacements = _Replacements(len(self.data), draw, self.seed)
         out, counts = [], Counter()
-        for index in indices:
+        for index, position in zip(indices, positions):
             for attempt in range(MAX_REPLACEMENTS + 1):
                 try:
                     row, ids = self.data[index], None
@@ -308,26 +313,48 @@ class PromptReader:
                     self._report(e)
                     if not replace:
                         break
-                    index = self._replacement(index, attempt, drawn)
+                    index = replacements.row(position + attempt * len(draw))
             else:
                 raise DatasetError(f"{','.join(self.data.names)}: {MAX_REPLACEMENTS} replacement rows in a row "
                                    f"were bad as well; the dataset looks broken")
         return out, counts
-
-    def _replacement(self, bad: int, attempt: int, drawn: frozenset[int]) -> int:
-        rng = random.Random(f"{self.seed}-{bad}-{attempt}")
-        candidate = rng.randrange(len(self.data))
-        for _ in range(MAX_REPLACEMENTS):  # a dataset (nearly) all drawn keeps the last candidate
-            if candidate not in drawn:
-                break
-            candidate = rng.randrange(len(self.data))
-        return candidate
 
     def _report(self, error: Exception) -> None:
         if not self._reported:
             self._reported = True
             print(f"distflow: skipping a bad row (counted in data/skipped_rows; only the first is printed): "
                   f"{error}", file=sys.stderr, flush=True)
+
+
+class _Replacements:
+    """The rows outside a draw, in an order seeded by the run's seed and the draw (a
+    step's draw is the same on every worker, and each step orders them anew): `row(k)`
+    is the k-th of them, so distinct k give distinct rows (until the rows outside the draw
+    run out). The order is the permutation x -> (a x + b) mod n with a prime to n, so
+    finding the k-th row costs a sort of the draw, not a pass over the dataset."""
+
+    def __init__(self, num_rows: int, draw: Sequence[int], seed: int):
+        rng = random.Random(f"{seed}-{','.join(map(str, draw[:16]))}")
+        self.n = num_rows
+        self.a = rng.randrange(1, max(num_rows, 2))
+        while math.gcd(self.a, num_rows) != 1:
+            self.a = rng.randrange(1, num_rows)
+        self.b = rng.randrange(num_rows)
+        self.draw = draw
+        self._taken: list[int] | None = None  # the draw's positions in the order, sorted; made when first asked
+
+    def row(self, k: int) -> int:
+        if self._taken is None:
+            inverse = pow(self.a, -1, self.n) if self.n > 1 else 0
+            self._taken = sorted({(inverse * (d - self.b)) % self.n for d in self.draw})
+        free = self.n - len(self._taken)
+        if free <= 0:  # the draw holds every row: a repeat cannot be avoided
+            return (self.a * k + self.b) % self.n
+        k %= free
+        j = k  # the k-th position not taken: the fixed point of j = k + (taken positions <= j)
+        while (moved := k + bisect.bisect_right(self._taken, j)) != j:
+            j = moved
+        return (self.a * j + self.b) % self.n
 
 
 class PromptTooLong(DatasetError):

@@ -112,8 +112,8 @@ class PromptSource:
         """`positions` from `sampler`; a refill round's come after the step's own and earlier rounds'."""
         encode = partial(nodes.encode_prompt, tokenizer, images=self.images,
                          max_image_pixels=self.cfg.data.max_image_pixels)
-        taken, counts = self.reader.take([i for _, i in positions], encode,
-                                         drawn=frozenset(sampler.global_indices(step)))
+        taken, counts = self.reader.take([i for _, i in positions], encode, draw=sampler.global_indices(step),
+                                         positions=[p for p, _ in positions])
         if self.layout.tp_rank(self.rank) == 0:  # a TP group's members read the same rows
             with self.lock:
                 self.counts[step].update(counts)

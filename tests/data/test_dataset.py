@@ -148,23 +148,44 @@ def test_skipped_rows_are_counted_and_replaced_the_same_way_for_any_number_of_wo
     assert len(taken) == 20 and set(counts) == {"skipped_rows"} and counts["skipped_rows"] >= 4  # replacements may be bad too
     assert all(row.index not in bad and len(ids) <= 4 for row, ids in taken)
     assert all(row.index == i for i, (row, _) in zip(indices, taken) if i not in bad)
-    # two workers taking interleaved halves get exactly the rows of the whole
-    halves = [reader.take(indices[r::2], _words)[0] for r in range(2)]
+    # two workers taking interleaved halves (with their positions in the draw) get exactly the rows of the whole
+    halves = [reader.take(indices[r::2], _words, draw=indices, positions=range(r, 20, 2))[0] for r in range(2)]
     assert [row.index for row, _ in taken] == [row.index for pair in zip(*halves) for row, _ in pair]
-    # a draw of 8 rows: the replacement of its bad row is none of the 8 (on any number of workers);
-    # with seeds 5 and 11 the bad row's own draw lands on row 0, which the batch has
+    # a draw of 8 rows: the replacement of its bad row is none of the 8 (on any number of workers)
     draw = [0, 1, 2, 3, 4, 5, 6, 8]
     for seed in (5, 11):
         reader = PromptReader(ShardedDataset(str(_mixed_file(tmp_path))), max_len=4, on_bad_row="skip",
                               on_long_prompt="skip", seed=seed)
-        taken, _ = reader.take(draw, _words, drawn=frozenset(draw))
+        taken, _ = reader.take(draw, _words)
         replacement = taken[3][0].index
         assert replacement not in draw and replacement not in bad
-        assert [row.index for row, _ in reader.take(draw[1::2], _words, drawn=frozenset(draw))[0]][1] == replacement
+        assert [row.index for row, _ in reader.take(draw[1::2], _words, draw=draw, positions=range(1, 8, 2))[0]][1] \
+            == replacement
     # without replacement (held-out rows), bad rows are dropped
     kept, counts = reader.take(indices, _words, replace=False)
     assert [row.index for row, _ in kept] == [i for i in indices if i not in (3, 7, 11, 15)]
     assert counts == {"skipped_rows": 4}
+
+
+def test_replacements_never_repeat_a_row_of_the_step(tmp_path):
+    """10% of 2,000 rows are bad and a step draws 500: each replacement is a row of its
+    own, outside the draw (two bad rows once shared one: the same row, with the same
+    sampling seeds, twice in a step: a duplicated group), and workers agree on them."""
+    from distflow.data.dataset import PromptReader, ShardedDataset
+    from distflow.data.loader import ShardedSampler
+
+    path = tmp_path / "tenth_bad.jsonl"
+    path.write_text("\n".join(json.dumps(_verl_row(i, reward_model={}) if i % 10 == 3 else _verl_row(i))
+                              for i in range(2000)) + "\n")
+    reader = PromptReader(ShardedDataset(str(path)), max_len=8, on_bad_row="skip", seed=0)
+    sampler = ShardedSampler(2000, 500, 0, 1, seed=0)  # no step straddles two epochs
+    for step in range(1, 9):
+        draw = sampler.global_indices(step)
+        taken, counts = reader.take(draw, _words, draw=draw, positions=range(500))
+        rows = [row.index for row, _ in taken]
+        assert counts["skipped_rows"] >= 40 and len(set(rows)) == 500 and all(r % 10 != 3 for r in rows)
+        per_worker = [reader.take(draw[r::2], _words, draw=draw, positions=range(r, 500, 2))[0] for r in range(2)]
+        assert rows == [row.index for pair in zip(*per_worker) for row, _ in pair]
 
 
 def test_truncation_keeps_the_end_of_a_long_prompt(tmp_path):

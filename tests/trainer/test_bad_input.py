@@ -63,12 +63,10 @@ def test_a_reward_that_raises_or_hangs_scores_zero_and_the_run_goes_on(tmp_path)
         "    if not os.path.exists(HUNG):  # the first sample without a three hangs, whatever was sampled\n"
         "        open(HUNG, 'w').close()\n"
         "        time.sleep(600)\n"
-        "    if '5' in solution_str or '4' in solution_str:\n"
-        "        program = HOSTILE[len(solution_str) % len(HOSTILE)]\n"
-        "        value = code_score('code', program, json.dumps({'inputs': [''], 'outputs': ['ok']}))\n"
-        f"        open({str(tmp_path / 'hostile.log')!r}, 'a').write(f'{{value}}\\n')\n"
-        "        return value\n"
-        "    return 1.0 if '####' in solution_str else 0.0\n")
+        "    program = HOSTILE[len(solution_str) % len(HOSTILE)]  # every other sample: one of them\n"
+        "    value = code_score('code', program, json.dumps({'inputs': [''], 'outputs': ['ok']}))\n"
+        f"    open({str(tmp_path / 'hostile.log')!r}, 'a').write(f'{{value}}\\n')\n"
+        "    return value\n")
     out = tmp_path / "run"
     proc = _train(["trainer.total_steps=1", "data.val_max_samples=2", f"reward.custom_fn={tmp_path / 'flaky.py'}:score",
                    "reward.timeout_s=1", f"trainer.output_dir={out}", f"data.train_files={tmp_path / 'train.jsonl'}",
