@@ -130,7 +130,11 @@ def load_rows(spec: str, limit: int | None = None) -> list[PromptRow]:
 
 
 class _ParquetSource:
-    """Reads only the row groups that hold requested rows (the footer gives the layout)."""
+    """Reads only the row groups that hold requested rows (the footer gives the layout),
+    and of those only the columns a row is made of; the last group read is kept as Arrow
+    columns, and only the rows asked for become Python objects."""
+
+    COLUMNS = ("prompt", "reward_model", "data_source", "extra_info", "images")
 
     def __init__(self, path: str):
         import pyarrow.parquet as pq
@@ -145,16 +149,18 @@ class _ParquetSource:
         self.starts = [0]
         for g in range(meta.num_row_groups):
             self.starts.append(self.starts[-1] + meta.row_group(g).num_rows)
-        self.num_rows, self.rows_read, self._cache = self.starts[-1], 0, {}
+        self.columns = [c for c in self.COLUMNS if c in self.file.schema_arrow.names]
+        self.num_rows, self.rows_read, self._group, self._table = self.starts[-1], 0, None, None
         self._lock = threading.Lock()  # the prefetch thread and a refill round read alike
 
     def read(self, index: int) -> Any:
         group = bisect.bisect_right(self.starts, index) - 1
         with self._lock:
-            if group not in self._cache:
-                self._cache = {group: self.file.read_row_group(group).to_pylist()}  # keep one group
-                self.rows_read += len(self._cache[group])
-            return self._cache[group][index - self.starts[group]]
+            if group != self._group:
+                self._table = self.file.read_row_group(group, columns=self.columns)  # keep one group
+                self._group = group
+                self.rows_read += self._table.num_rows
+            return self._table.slice(index - self.starts[group], 1).to_pylist()[0]
 
 
 class _JsonlSource:
@@ -278,8 +284,9 @@ class PromptReader:
         if draw is None:
             draw, positions = indices, range(len(indices))
         replacements = _Replacements(len(self.data), draw, self.seed)
-        out, counts = [], Counter()
-        for index, position in zip(indices, positions):
+        taken, counts = {}, Counter()
+        for slot in sorted(range(len(indices)), key=indices.__getitem__):  # in file order: each row group once
+            index, position = indices[slot], positions[slot]
             for attempt in range(MAX_REPLACEMENTS + 1):
                 try:
                     row, ids = self.data[index], None
@@ -294,7 +301,7 @@ class PromptReader:
                     if len(ids) > self.max_len:
                         raise PromptTooLong(f"{self.data.locate(index)[1]}: the prompt has {len(ids)} tokens > "
                                             f"data.max_prompt_length={self.max_len}")
-                    out.append((row, ids))
+                    taken[slot] = (row, ids)
                     break
                 except DatasetError as e:
                     long = isinstance(e, PromptTooLong)
@@ -307,7 +314,7 @@ class PromptReader:
                                            f"data.max_prompt_length or use data.on_long_prompt=skip)") from None
                     if policy == "truncate":
                         counts["truncated_prompts"] += 1
-                        out.append((row, ids[-self.max_len:]))
+                        taken[slot] = (row, ids[-self.max_len:])
                         break
                     counts["skipped_rows"] += 1
                     self._report(e)
@@ -317,7 +324,7 @@ class PromptReader:
             else:
                 raise DatasetError(f"{','.join(self.data.names)}: {MAX_REPLACEMENTS} replacement rows in a row "
                                    f"were bad as well; the dataset looks broken")
-        return out, counts
+        return [taken[slot] for slot in sorted(taken)], counts
 
     def _report(self, error: Exception) -> None:
         if not self._reported:

@@ -90,6 +90,13 @@ def test_a_worker_reads_only_the_row_groups_of_its_shard(tmp_path):
     assert [r.ground_truth for r in rows] == ["12", "15", "57", "13"]
     assert data.rows_read == 20  # row groups 1 and 5 only
     assert [r.index for r in rows] == [12, 15, 57, 13]
+    # a step's rows come in shuffled order: each row group is still read once, with the row columns only
+    from distflow.data.dataset import PromptReader
+
+    data = ShardedDataset(str(path))
+    taken, _ = PromptReader(data, max_len=8).take([57, 12, 55, 15, 13, 58], _words)
+    assert [row.index for row, _ in taken] == [57, 12, 55, 15, 13, 58] and data.rows_read == 20
+    assert data.sources[0].columns == ["prompt", "reward_model", "data_source", "extra_info"]
 
 
 def test_jsonl_rows_are_parsed_on_demand(tmp_path):
