@@ -62,7 +62,7 @@ class DataConfig:
                                                         "(TASK: arith, arith-tools, dots)")
     val_files: str = _spec("builtin:arith:test", doc="comma-separated parquet/jsonl files or builtin:TASK:test")
     train_batch_size: int = _spec(16, min=1, doc="prompts per step, over all workers")
-    val_max_samples: int = _spec(256, min=1)
+    val_max_samples: int = _spec(256, min=-1, doc="held-out rows, spread evenly over val_files' rows; -1: all of them (verl's default)")
     max_prompt_length: int = _spec(192, min=1, doc="tokens; see on_long_prompt")
     on_bad_row: str = _spec("error", choices=("error", "skip"),
                             doc="a malformed row: stop naming file and row, or skip it (counted, replaced)")
@@ -521,6 +521,8 @@ def _validate_placement(cfg: Config) -> None:
 
 def _validate_cross(cfg: Config) -> None:
     _validate_placement(cfg)
+    if cfg.data.val_max_samples == 0:
+        raise ConfigError("data.val_max_samples=0: no held-out rows to evaluate; use a number of rows, or -1 for all")
     n_workers, batch = cfg.runtime.num_workers, cfg.data.train_batch_size
     workers = "num_workers"
     if cfg.runtime.placement == "disaggregated":  # the rollout side holds the replicas

@@ -140,7 +140,11 @@ def table(report: dict[str, float], k: int) -> str:
         if k:
             line += f" {report[f'mean@{k}{s}']:>8.1%} {report[f'pass@{k}{s}']:>8.1%}"
         lines.append(line)
-    lines.append(f"{int(report['rows'])} prompts; greedy responses: {report['response_length/mean']:.1f} tokens on "
+    scored = f"{int(report['rows'])} prompts"
+    if "rows_chosen" in report and report["rows_chosen"] < report["rows_in_files"]:
+        scored += (f" (data.val_max_samples={int(report['rows_chosen'])} of the {int(report['rows_in_files']):,} "
+                   "rows of data.val_files; -1: all)")
+    lines.append(f"{scored}; greedy responses: {report['response_length/mean']:.1f} tokens on "
                  f"average, at most {report['response_length/max']:.0f}, "
                  f"{report['response_length/clip_ratio']:.1%} cut at the token limit")
     return "\n".join(lines)

@@ -228,15 +228,19 @@ def close_reward_runners(*runners: RewardRunner) -> None:
 
 
 def heldout_rows(cfg: Config, tokenizer, images: ImagePrompter | None, rank: int,
-                 world: int) -> list[tuple[PromptRow, list[int]]]:
-    """This worker's held-out rows (every world-th of data.val_files' first val_max_samples) and their prompt ids,
-    under the bad-row policy (a bad row is dropped, not replaced)."""
+                 world: int) -> tuple[list[tuple[PromptRow, list[int]]], dict[str, int]]:
+    """This worker's held-out rows and their prompt ids, under the bad-row policy (a bad
+    row is dropped, not replaced), and how many rows were chosen of how many in the files
+    (`rows_chosen`, `rows_in_files`). The rows are
+    data.val_max_samples of them (-1: all) spread evenly over the files, every world-th
+    of those here."""
     data = ShardedDataset(cfg.data.val_files)
-    indices = list(range(min(len(data), cfg.data.val_max_samples)))[rank::world]
+    wanted = len(data) if cfg.data.val_max_samples < 0 else min(len(data), cfg.data.val_max_samples)
+    indices = [i * len(data) // wanted for i in range(wanted)][rank::world]
     encode = partial(nodes.encode_prompt, tokenizer, images=images, max_image_pixels=cfg.data.max_image_pixels)
     taken, _ = PromptReader(data, cfg.data.max_prompt_length, cfg.data.on_bad_row, cfg.data.on_long_prompt
                             ).take(indices, encode, replace=False)
-    return taken
+    return taken, {"rows_chosen": wanted, "rows_in_files": len(data)}
 
 
 def skipped_an_update(record: dict) -> bool:
@@ -278,7 +282,7 @@ class Trainer:
         self.rollout_layout = Layout(self.world, tp_size=cfg.rollout.replica_size)
         self.train_layout = Layout.data_parallel(self.world)
         self.prompts = PromptSource(cfg, self.rollout_layout, self.rank, self.tokenizer.pad_token_id)
-        self.val = heldout_rows(cfg, self.tokenizer, self.prompts.images, self.rank, self.world)
+        self.val, _ = heldout_rows(cfg, self.tokenizer, self.prompts.images, self.rank, self.world)
         roles = {n.role for n in self.graph.nodes}  # which engines this graph needs
         torch.manual_seed(cfg.trainer.seed)
         # resuming: the policy comes from the checkpoint (a HF folder), the reference from model.path
@@ -582,7 +586,7 @@ def run_eval_worker(cfg_dict: dict, report_path: str, k: int) -> dict | None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     device = worker_device(cfg)
     tokenizer = load_tokenizer(cfg.model.path)
-    taken = heldout_rows(cfg, tokenizer, load_image_prompter(cfg.model.path, tokenizer), rank, world)
+    taken, chosen = heldout_rows(cfg, tokenizer, load_image_prompter(cfg.model.path, tokenizer), rank, world)
     engine = make_rollout_engine(cfg, cfg.model.path, tokenizer, device, actor=None)
     episodes = make_episode_runner(cfg, engine, tokenizer)
     reward_fn, accuracy_fn = make_reward_runners(cfg)
@@ -599,6 +603,7 @@ def run_eval_worker(cfg_dict: dict, report_path: str, k: int) -> dict | None:
         close_reward_runners(reward_fn, accuracy_fn)
     if rank != 0:
         return None
+    report |= chosen
     write_report(Path(report_path), report, {"model": cfg.model.path, "files": cfg.data.val_files, "k": k,
                                              "temperature": cfg.rollout.temperature, "workers": world})
     return report

@@ -110,6 +110,30 @@ def test_a_report_of_no_prompts_is_said_and_written_as_valid_json(tmp_path):
     assert json.loads((tmp_path / "eval.json").read_text())["metrics"] == {"accuracy": None, "rows": 0.0}
 
 
+def test_held_out_rows_are_spread_over_every_file_and_minus_one_takes_all(tmp_path):
+    """data.val_max_samples rows are spread evenly over data.val_files (the first 256 of a
+    test set sorted by source, or of the first of two files, were all the report saw);
+    -1 takes every row, as verl's default; 0 is refused in one line."""
+    from distflow.config import ConfigError, load_config
+    from distflow.data.tasks import arith
+    from distflow.trainer.loop import heldout_rows
+
+    files = []
+    for name, n in (("gsm.jsonl", 30), ("math.jsonl", 10)):
+        rows = [r | {"data_source": name} for r in arith.verl_rows("test", n)]
+        (tmp_path / name).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        files.append(str(tmp_path / name))
+    tok = build_tokenizer()
+    for limit, chosen in ((8, 8), (-1, 40)):
+        cfg = load_config(None, [f"data.val_files={','.join(files)}", f"data.val_max_samples={limit}"])
+        halves = [heldout_rows(cfg, tok, None, rank, 2) for rank in range(2)]
+        assert [h[1] for h in halves] == [{"rows_chosen": chosen, "rows_in_files": 40}] * 2
+        sources = [row.data_source for half in halves for row, _ in half[0]]
+        assert len(sources) == chosen and sources.count("math.jsonl") == chosen // 4  # a quarter of the rows
+    with pytest.raises(ConfigError, match="data.val_max_samples=0: no held-out rows"):
+        load_config(None, ["data.val_max_samples=0"])
+
+
 def _cli(args, cwd, timeout=300):
     return subprocess.run([sys.executable, "-m", "distflow.cli", *args], cwd=cwd, capture_output=True, text=True,
                           env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=timeout)
@@ -130,6 +154,7 @@ def test_eval_on_one_and_two_workers_agrees(tmp_path):
                     tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout.splitlines()[0].split() == ["slice", "greedy", "reward", "mean@2", "pass@2"]
+        assert "48 prompts (data.val_max_samples=48 of the 256 rows of data.val_files; -1: all)" in proc.stdout
         reports[workers] = json.loads((out / "eval.json").read_text())
     assert reports[1]["metrics"] == reports[2]["metrics"]
     metrics = reports[2]["metrics"]
