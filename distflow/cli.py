@@ -89,7 +89,7 @@ def check_inputs(cfg: Config, training: bool = True) -> None:
     types, parquet footers, the run folder, the reward function's file or module, a
     checkpoint to resume from (contents are read by the workers). Without `training`
     (`distflow eval`), what only training reads is not looked at."""
-    from distflow.data.dataset import DatasetError, open_source
+    from distflow.data.dataset import DatasetError, has_a_line, open_source
     from distflow.plugins import check_callable
 
     for key in ("train_files", "val_files") if training else ("val_files",):
@@ -101,14 +101,20 @@ def check_inputs(cfg: Config, training: bool = True) -> None:
             if not os.path.isfile(os.path.expanduser(source)):
                 raise ConfigError(f"data.{key}={source!r}: no such file")
             if not source.endswith((".parquet", ".jsonl", ".json")):
-                raise ConfigError(f"data.{key}={source!r}: unknown file type; expected .parquet or .jsonl")
+                raise ConfigError(f"data.{key}={source!r}: unknown file type; expected .parquet, .jsonl or .json")
             if source.endswith(".parquet"):  # its footer only: a file that is not parquet stops here
                 try:
                     rows += open_source(source).num_rows
                 except DatasetError as e:
                     raise ConfigError(f"data.{key}: {e}") from None
-        if sources and all(s.endswith(".parquet") for s in sources) and not rows:
+            else:
+                rows += has_a_line(source)
+        if sources and not any(s.startswith("builtin:") for s in sources) and not rows:
             raise ConfigError(f"data.{key}={spec!r}: no rows in the dataset")
+    if not cfg.data.val_files:
+        raise ConfigError(f"data.val_files: not set, and data.train_files={cfg.data.train_files!r} is not a built-in "
+                          "task: name held-out files in the same format (data.val_files=FILE), on which the run's "
+                          "held-out accuracy is measured")
     run_dir = Path(cfg.trainer.output_dir or "").expanduser()
     if cfg.trainer.output_dir and run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"trainer.output_dir={cfg.trainer.output_dir!r}: exists and is not a folder")

@@ -60,7 +60,9 @@ class ModelConfig:
 class DataConfig:
     train_files: str = _spec("builtin:arith:train", doc="comma-separated parquet/jsonl files or builtin:TASK:train "
                                                         "(TASK: arith, arith-tools, dots)")
-    val_files: str = _spec("builtin:arith:test", doc="comma-separated parquet/jsonl files or builtin:TASK:test")
+    val_files: str = _spec("", doc="comma-separated parquet/jsonl files or builtin:TASK:test; empty: the test split "
+                                   "of the built-in task train_files names (your own train_files need held-out "
+                                   "files named here)")
     train_batch_size: int = _spec(16, min=1, doc="prompts per step, over all workers")
     val_max_samples: int = _spec(256, min=-1, doc="held-out rows, spread evenly over val_files' rows; -1: all of them (verl's default)")
     max_prompt_length: int = _spec(192, min=1, doc="tokens; see on_long_prompt")
@@ -519,8 +521,17 @@ def _validate_placement(cfg: Config) -> None:
     rt.num_workers = rt.train_workers + rt.rollout_workers
 
 
+def _held_out_of_builtin(cfg: Config) -> None:
+    """An empty data.val_files on a built-in training task is that task's test split."""
+    sources = [src.strip() for src in cfg.data.train_files.split(",") if src.strip()]
+    if not cfg.data.val_files and sources and all(src.startswith("builtin:") for src in sources):
+        tasks = dict.fromkeys(src.split(":")[1] for src in sources)
+        cfg.data.val_files = ",".join(f"builtin:{task}:test" for task in tasks)
+
+
 def _validate_cross(cfg: Config) -> None:
     _validate_placement(cfg)
+    _held_out_of_builtin(cfg)
     if cfg.data.val_max_samples == 0:
         raise ConfigError("data.val_max_samples=0: no held-out rows to evaluate; use a number of rows, or -1 for all")
     n_workers, batch = cfg.runtime.num_workers, cfg.data.train_batch_size

@@ -140,7 +140,7 @@ def _parquet(path, rows):
 
 
 @pytest.mark.parametrize("override, fragment", [
-    ("data.train_files={tmp}/rows.csv", "data.train_files='{tmp}/rows.csv': unknown file type; expected .parquet or .jsonl"),
+    ("data.train_files={tmp}/rows.csv", "data.train_files='{tmp}/rows.csv': unknown file type; expected .parquet, .jsonl or .json"),
     ("data.val_files={tmp}/empty.parquet", "data.val_files='{tmp}/empty.parquet': no rows in the dataset"),
     ("data.train_files={tmp}/empty.parquet,{tmp}/empty.parquet", "no rows in the dataset"),
     ("trainer.output_dir={tmp}/rows.csv", "trainer.output_dir='{tmp}/rows.csv': exists and is not a folder"),
@@ -168,9 +168,30 @@ def test_what_the_launcher_checks_passes_where_the_inputs_are_there(tmp_path):
     (tmp_path / "score.py").write_text("raise SystemExit('imported by the launcher')\n")  # found, never run
     one = _parquet(tmp_path / "one.parquet", [{"prompt": "hi"}])
     check_inputs(load_config(None, [f"data.train_files={_parquet(tmp_path / 'empty.parquet', [])},{one}",
+                                    f"data.val_files={one}",
                                     f"reward.custom_fn={tmp_path}/score.py:score",
                                     f"trainer.output_dir={tmp_path}/new", "trainer.resume=off"]))
     check_inputs(load_config(None, ["reward.custom_fn=json:loads"]))
+
+
+def test_held_out_files_default_to_the_builtin_tasks_test_split_and_own_data_needs_its_own(tmp_path):
+    """An empty data.val_files is the test split of the built-in task being trained on;
+    with your own training files it is one line before anything starts (the held-out
+    accuracy was measured on the built-in arithmetic test set, whatever the run trained on).
+    A JSON-lines file of no rows is one line too, as an empty parquet file is."""
+    from distflow.cli import check_inputs
+
+    assert load_config(None, []).data.val_files == "builtin:arith:test"
+    assert load_config(None, ["data.train_files=builtin:dots:train"]).data.val_files == "builtin:dots:test"
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"prompt": "hi", "reward_model": {"ground_truth": "1"}}) + "\n")
+    with pytest.raises(ConfigError, match=r"^data.val_files: not set, and data.train_files='.*one.jsonl' is not a "
+                                          r"built-in task: name held-out files"):
+        check_inputs(load_config(None, [f"data.train_files={one}"]))
+    check_inputs(load_config(None, [f"data.train_files={one}", f"data.val_files={one}"]))
+    (tmp_path / "blank.jsonl").write_text("\n  \n")
+    with pytest.raises(ConfigError, match=r"data.val_files='.*blank.jsonl': no rows in the dataset"):
+        check_inputs(load_config(None, [f"data.val_files={tmp_path / 'blank.jsonl'}"]))
 
 
 def test_a_relaunch_with_other_settings_keeps_the_earlier_config(tmp_path):

@@ -200,17 +200,40 @@ class _ListSource:
         return self.rows[index]
 
 
+def has_a_line(path: str) -> bool:
+    """Whether a text file has a line that is not blank (read up to the first one)."""
+    with open(os.path.expanduser(path), "rb") as f:
+        return any(line.strip() for line in f)
+
+
+def _json_array(path: str) -> _ListSource | None:
+    """A .json file holding one JSON array of rows (`json.dump(rows)`, pandas' `to_json(orient="records")`),
+    read whole; None for JSON lines."""
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    if not head.startswith(b"["):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            rows = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DatasetError(f"{path}: not a UTF-8 JSON array of rows ({type(e).__name__}: {e})") from None
+    return _ListSource(rows)
+
+
 def open_source(source: str):
     if source.startswith("builtin:"):
         return _ListSource(_builtin(source))
     path = os.path.expanduser(source)
     if path.endswith(".parquet"):
         return _ParquetSource(path)
+    if path.endswith(".json") and os.path.isfile(path) and (array := _json_array(path)) is not None:
+        return array
     if path.endswith((".jsonl", ".json")):
         return _JsonlSource(path)
     if not os.path.isfile(path):
         raise DatasetError(f"{path}: no such file")
-    raise DatasetError(f"{path}: unknown file type; expected .parquet or .jsonl")
+    raise DatasetError(f"{path}: unknown file type; expected .parquet, .jsonl or .json")
 
 
 class ShardedDataset:
@@ -234,8 +257,12 @@ class ShardedDataset:
         return sum(s.rows_read for s in self.sources)
 
     def locate(self, index: int) -> tuple[int, str]:
-        """(source number, "<file>: row <n>") of a dataset index."""
+        """(source number, "<file>: row <n>") of a dataset index: the row counted from 0, or in
+        a JSON-lines file its line, counted from 1 as editors do (as its parse errors say)."""
         which = bisect.bisect_right(self.starts, index) - 1
+        lines = getattr(self.sources[which], "line_numbers", None)
+        if lines is not None:
+            return which, f"{self.names[which]}: line {lines[index - self.starts[which]]}"
         return which, f"{self.names[which]}: row {index - self.starts[which]}"
 
     def __getitem__(self, index: int) -> PromptRow:

@@ -41,12 +41,12 @@ def test_limit():
 
 
 @pytest.mark.parametrize("bad, fragment", [
-    ({"prompt": []}, "row 1: 'prompt' must be a non-empty list"),
-    ({"prompt": [{"role": "user"}]}, "row 1: each prompt message needs"),
-    ({"reward_model": {}}, "row 1: missing 'reward_model.ground_truth'"),
-    ({"prompt": [{"role": "user", "content": "  "}]}, "row 1: the prompt is empty"),
-    ({"reward_model": {"ground_truth": ["4"]}}, "row 1: 'reward_model.ground_truth' must be a string or a number"),
-    ({"prompt": 7}, "row 1: 'prompt' must be a non-empty list"),
+    ({"prompt": []}, "line 2: 'prompt' must be a non-empty list"),
+    ({"prompt": [{"role": "user"}]}, "line 2: each prompt message needs"),
+    ({"reward_model": {}}, "line 2: missing 'reward_model.ground_truth'"),
+    ({"prompt": [{"role": "user", "content": "  "}]}, "line 2: the prompt is empty"),
+    ({"reward_model": {"ground_truth": ["4"]}}, "line 2: 'reward_model.ground_truth' must be a string or a number"),
+    ({"prompt": 7}, "line 2: 'prompt' must be a non-empty list"),
 ])
 def test_malformed_row_names_file_and_row(tmp_path, bad, fragment):
     path = tmp_path / "d.jsonl"
@@ -99,6 +99,23 @@ def test_a_worker_reads_only_the_row_groups_of_its_shard(tmp_path):
     assert data.sources[0].columns == ["prompt", "reward_model", "data_source", "extra_info"]
 
 
+def test_a_json_file_may_hold_one_array_of_rows(tmp_path):
+    """`json.dump(rows)` (indented or not) and pandas' `to_json(orient="records")` write one
+    array; each was read as JSON lines (one row of a list, or a parse error on line 1)."""
+    from distflow.data.dataset import ShardedDataset
+
+    rows = [_verl_row(i) for i in range(3)]
+    (tmp_path / "pretty.json").write_text(json.dumps(rows, indent=2))
+    (tmp_path / "flat.json").write_text(json.dumps(rows))
+    (tmp_path / "lines.json").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    for name in ("pretty.json", "flat.json", "lines.json"):
+        data = ShardedDataset(str(tmp_path / name))
+        assert [r.ground_truth for r in data.rows([0, 1, 2])] == ["0", "1", "2"]
+    (tmp_path / "cut.json").write_text(json.dumps(rows)[:-5])
+    with pytest.raises(DatasetError, match="cut.json: not a UTF-8 JSON array of rows"):
+        ShardedDataset(str(tmp_path / "cut.json"))
+
+
 def test_jsonl_rows_are_parsed_on_demand(tmp_path):
     from distflow.data.dataset import ShardedDataset
 
@@ -137,9 +154,9 @@ def test_bad_rows_are_errors_naming_file_row_and_the_policy_by_default(tmp_path)
 
     path = _mixed_file(tmp_path)
     reader = PromptReader(ShardedDataset(str(path)), max_len=4)
-    with pytest.raises(DatasetError, match=r"mixed.jsonl: row 3: missing .* \(data.on_bad_row=skip to go on\)"):
+    with pytest.raises(DatasetError, match=r"mixed.jsonl: line 4: missing .* \(data.on_bad_row=skip to go on\)"):
         reader.take([0, 3], _words)
-    with pytest.raises(DatasetError, match=r"row 15: the prompt has 12 tokens > data.max_prompt_length=4 "
+    with pytest.raises(DatasetError, match=r"line 16: the prompt has 12 tokens > data.max_prompt_length=4 "
                                            r"\(data.on_long_prompt=skip or truncate to go on\)"):
         PromptReader(ShardedDataset(str(path)), max_len=4, on_bad_row="skip").take([15], _words)
 
@@ -242,7 +259,7 @@ def test_a_prompt_the_chat_template_refuses_is_a_bad_row_under_the_policy(tmp_pa
 
     path = tmp_path / "rows.jsonl"
     path.write_text("\n".join(json.dumps(_verl_row(i)) for i in range(6)) + "\n")
-    with pytest.raises(DatasetError, match=r"rows.jsonl: row 2: the prompt could not be encoded \(RuntimeError: "
+    with pytest.raises(DatasetError, match=r"rows.jsonl: line 3: the prompt could not be encoded \(RuntimeError: "
                                            r"System role not supported\) \(data.on_bad_row=skip to go on\)"):
         PromptReader(ShardedDataset(str(path)), max_len=64).take([2], refusing)
     taken, counts = PromptReader(ShardedDataset(str(path)), max_len=64, on_bad_row="skip").take([1, 2], refusing)

@@ -70,6 +70,7 @@ def test_a_reward_that_raises_or_hangs_scores_zero_and_the_run_goes_on(tmp_path)
     out = tmp_path / "run"
     proc = _train(["trainer.total_steps=1", "data.val_max_samples=2", f"reward.custom_fn={tmp_path / 'flaky.py'}:score",
                    "reward.timeout_s=1", f"trainer.output_dir={out}", f"data.train_files={tmp_path / 'train.jsonl'}",
+                   "data.val_files=builtin:arith:test",
                    "data.on_bad_row=skip", "data.on_long_prompt=truncate"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
@@ -78,7 +79,7 @@ def test_a_reward_that_raises_or_hangs_scores_zero_and_the_run_goes_on(tmp_path)
     assert proc.stderr.count("reward function failed") <= 2
     assert not escape.exists()
     assert records[0]["data/skipped_rows"] > 0 and records[0]["data/truncated_prompts"] > 0
-    assert "skipping a bad row" in proc.stderr and "train.jsonl: row" in proc.stderr
+    assert "skipping a bad row" in proc.stderr and "train.jsonl: line" in proc.stderr
     scores = (tmp_path / "hostile.log").read_text().split()
     assert scores and set(scores) == {"0.0"}  # each hostile program ran, was contained and scored 0
 

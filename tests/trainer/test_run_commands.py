@@ -126,7 +126,8 @@ def test_a_cluster_launch_names_local_files_by_absolute_paths(tmp_path, monkeypa
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
     (tmp_path / "model" / "model.safetensors").write_text("")
-    cfg = load_config(None, ["data.train_files=train.jsonl,builtin:arith:train", "model.path=model",
+    cfg = load_config(None, ["data.train_files=train.jsonl,builtin:arith:train", "data.val_files=builtin:arith:test",
+                             "model.path=model",
                              "reward.custom_fn=reward.py:score", "rollout.env=env.py:Game",
                              "rollout.max_turns=2", "algorithm.graph=graph.yaml"])
     with_absolute_paths(cfg)
@@ -168,4 +169,5 @@ def test_the_commands_around_a_run_take_what_users_give_them(tmp_path, monkeypat
     assert main(["export", "sweep/a/seed0", "--out", "x"]) == 2
     assert "a run folder; export one of its checkpoints, e.g. sweep/a/seed0/checkpoints/final" in capsys.readouterr().err
     assert main(["export", "sweep/a/seed0/checkpoints", "--out", "x"]) == 2  # no config.json and weights
-    cli.check_inputs(load_config(None, ["data.train_files=/nowhere/train.parquet"]), training=False)
+    cli.check_inputs(load_config(None, ["data.train_files=/nowhere/train.parquet", "data.val_files=builtin:arith:test"]),
+                     training=False)
