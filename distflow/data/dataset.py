@@ -42,7 +42,7 @@ class PromptRow:
     messages: list[dict[str, str]]
     ground_truth: str
     data_source: str
-    extra_info: dict[str, Any] = field(default_factory=dict)
+    extra_info: Any = field(default_factory=dict)  # a mapping in verl's datasets; any JSON value passes
     images: list[Any] = field(default_factory=list)  # verl's `images` column, decoded when the row is encoded
 
 
@@ -65,7 +65,7 @@ def _row(raw: Any, index: int, where: str) -> PromptRow:
     if not isinstance(reward_model["ground_truth"], (str, int, float)):
         raise DatasetError(f"{where}: 'reward_model.ground_truth' must be a string or a number, "
                            f"not {type(reward_model['ground_truth']).__name__}")
-    extra = raw.get("extra_info") or {}
+    extra = raw.get("extra_info")
     images = raw.get("images")
     if images is not None and not isinstance(images, (list, tuple)):
         raise DatasetError(f"{where}: 'images' must be a list of images, not {type(images).__name__}")
@@ -74,7 +74,7 @@ def _row(raw: Any, index: int, where: str) -> PromptRow:
         messages=[{"role": str(m["role"]), "content": m["content"]} for m in messages],
         ground_truth=_as_text(reward_model["ground_truth"]),
         data_source=str(raw.get("data_source") or "unknown"),
-        extra_info=_json_values(extra, where) if isinstance(extra, dict) else {},
+        extra_info={} if extra is None else _json_values(extra, where),  # as verl passes it: any JSON value
         images=list(images or []),
     )
 
@@ -87,7 +87,7 @@ def _as_text(truth: Any) -> str:
     return str(truth)
 
 
-def _json_values(extra: dict, where: str) -> dict[str, Any]:
+def _json_values(extra: Any, where: str) -> Any:
     """`extra_info` as JSON gives it back (tuples as lists, keys as strings): rows that move
     between workers travel as JSON, so every row, moved or kept, reaches the reward
     function alike. A value JSON cannot hold is a bad row."""

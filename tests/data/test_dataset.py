@@ -245,6 +245,11 @@ def test_extra_info_reaches_every_worker_as_json_gives_it_back_and_other_values_
     pq.write_table(pa.Table.from_pylist([_verl_row(0, extra_info={"when": datetime.date(2026, 12, 6)})]), dated)
     with pytest.raises(DatasetError, match=r"dated.parquet: row 0: 'extra_info' must hold JSON values .*date"):
         load_rows(str(dated))
+    # an extra_info that is not a mapping reaches the reward function as it is, as verl passes it (it was {})
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("\n".join(json.dumps(_verl_row(i, extra_info=v)) for i, v in
+                               enumerate(['{"tests": [1, 2]}', [1, 2], None])) + "\n")
+    assert [r.extra_info for r in load_rows(str(texts))] == ['{"tests": [1, 2]}', [1, 2], {}]
 
 
 def test_a_prompt_the_chat_template_refuses_is_a_bad_row_under_the_policy(tmp_path):
