@@ -229,7 +229,8 @@ def dynamic_sampling(ctx: WorkerContext, batch: Batch) -> Batch:
 
 def greedy_baseline(ctx: WorkerContext, batch: Batch) -> Batch:
     """ReMax's baseline: one greedy response per prompt group on this worker, scored by
-    the run's reward function; every sample of the group gets that score."""
+    the run's reward function (and DAPO's overlong shaping, where the samples have it);
+    every sample of the group gets that score."""
     groups = batch["group"].tolist()
     first: dict[int, int] = {}  # group -> its first row here
     for row, group in enumerate(groups):
@@ -240,6 +241,10 @@ def greedy_baseline(ctx: WorkerContext, batch: Batch) -> Batch:
                                                              greedy=True))
     out.meta.update({k: [batch[k][i] for i in rows] for k in ("ground_truth", "data_source", "extra_info")})
     scores, _, _ = score_responses(ctx.tokenizer, out, ctx.reward_fn, ctx.reward_fn)
+    a = ctx.cfg.algorithm
+    if a.overlong_buffer_len:  # shaped as the samples' scores are (overlong_penalty)
+        scores = scores + core.overlong_reward_penalty(out["response_mask"].sum(-1), response_token_budget(ctx.cfg),
+                                                       a.overlong_buffer_len, a.overlong_penalty_factor)
     by_group = dict(zip(first, scores.tolist()))
     return Batch({"baseline_scores": torch.tensor([by_group[g] for g in groups], dtype=torch.float32)})
 

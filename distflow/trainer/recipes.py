@@ -88,6 +88,10 @@ def recipe_graph(cfg: Config) -> Graph:
     if episodes and "values" in info.needs:
         raise GraphError(f"rollout.max_turns={cfg.rollout.max_turns}: multi-turn episodes train critic-free "
                          f"recipes (grpo, dapo, rloo, reinforce_plus_plus, ...); {a.estimator!r} needs a critic")
+    if episodes and "baseline" in info.needs:  # its greedy baseline is one turn, scored by the text reward
+        raise GraphError(f"algorithm.estimator={a.estimator!r}: its greedy baseline is a single-turn response scored "
+                         "by the reward function, not an episode of the environment, tools or agent the samples "
+                         "run; use grpo, rloo or reinforce_plus_plus_baseline for multi-turn episodes")
     images = IMAGE_FIELDS if takes_images(cfg.model.path) else ()  # a VLM: every forward sees the pixels
     untested_with_images = {"an agent (rollout.agent)": agent, "rollout.engine=vllm": cfg.rollout.engine == "vllm"}
     if images and any(untested_with_images.values()):

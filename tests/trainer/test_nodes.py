@@ -178,12 +178,16 @@ def test_greedy_baseline_scores_one_greedy_response_per_group():
     engine = Engine()
     ctx = StepCtx({}, rollout=engine, tokenizer=Tokenizer(), reward_fn=reward_fn)
     prompts = torch.tensor([[0, 5, 7], [0, 5, 7], [4, 5, 9], [4, 5, 9]])
-    out = nodes.greedy_baseline(ctx, Batch({"prompts": prompts, "prompt_mask": (prompts > 0).long(),
-                                            "group": torch.tensor([3, 3, 8, 8])},
-                                           {"ground_truth": ["7", "7", "1", "1"], "data_source": ["a"] * 4,
-                                            "extra_info": [{}] * 4}))
+    batch = Batch({"prompts": prompts, "prompt_mask": (prompts > 0).long(), "group": torch.tensor([3, 3, 8, 8])},
+                  {"ground_truth": ["7", "7", "1", "1"], "data_source": ["a"] * 4, "extra_info": [{}] * 4})
+    out = nodes.greedy_baseline(ctx, batch)
     assert engine.calls == [([[5, 7], [4, 5, 9]], None, True)]  # one greedy prompt per group, padding removed
     assert out["baseline_scores"].tolist() == [1.0, 1.0, 0.0, 0.0]  # group 3 answers 7 (right), group 8 answers 9
+    # with DAPO's overlong shaping the baseline is shaped as the samples are: its 1 token is 1 into the
+    # 2-token buffer before the 2-token limit, -0.5
+    shaped = StepCtx({}, "rollout.max_new_tokens=2", "algorithm.overlong_buffer_len=2",
+                     "algorithm.overlong_penalty_factor=1.0", rollout=Engine(), tokenizer=Tokenizer(), reward_fn=reward_fn)
+    assert nodes.greedy_baseline(shaped, batch)["baseline_scores"].tolist() == [0.5, 0.5, -0.5, -0.5]
 
 
 def test_a_row_drawn_twice_in_one_step_samples_anew():

@@ -191,6 +191,9 @@ def test_tensor_parallelism_is_vllm_only_and_makes_the_replica():
 
 def test_kl_in_reward_and_remax_add_their_nodes():
     g = build_graph(load_config(None, ["algorithm.name=remax"]))
+    for episodes in (["rollout.max_turns=3", "rollout.tools=calculator"], ["rollout.agent=json:loads"]):
+        with pytest.raises(GraphError, match="its greedy baseline is a single-turn response"):
+            build_graph(load_config(None, ["algorithm.name=remax", *episodes]))
     assert g.order.index("greedy_baseline") < g.order.index("advantage")
     assert g.by_name["advantage"].inputs == ("token_rewards", "response_mask", "group", "baseline_scores")
     assert g.by_name["kl_in_reward"].collective and "ref_log_probs" not in g.by_name["actor_update"].inputs
