@@ -159,7 +159,9 @@ class AlgorithmConfig:
     entropy_coef: float = _spec(0.0, min=0.0)
     gamma: float = _spec(1.0, min=0.0, max=1.0, doc="discount (PPO's GAE, REINFORCE++)")
     lam: float = _spec(1.0, min=0.0, max=1.0, doc="GAE lambda")
-    max_refill_rounds: int = _spec(3, min=0, doc="dynamic sampling: extra generation rounds per step")
+    max_refill_rounds: int = _spec(3, min=0, doc="dynamic sampling: extra generation rounds per step; after them a "
+                                                  "batch short of passing groups is topped up with dropped ones "
+                                                  "(no signal; dynamic_sampling/passed_groups counts the others)")
     overlong_buffer_len: int = _spec(0, min=0, doc="overlong shaping (DAPO): tokens before the limit where the penalty ramps; 0 = off")
     overlong_penalty_factor: float = _spec(1.0, min=0.0)
 
@@ -532,6 +534,9 @@ def _held_out_of_builtin(cfg: Config) -> None:
 def _validate_cross(cfg: Config) -> None:
     _validate_placement(cfg)
     _held_out_of_builtin(cfg)
+    if cfg.algorithm.clip_ratio_low >= 1:
+        raise ConfigError(f"algorithm.clip_ratio_low={cfg.algorithm.clip_ratio_low}: must be < 1 (the ratio's lower "
+                          "clip, 1 - clip_ratio_low, must stay above 0)")
     if cfg.data.val_max_samples == 0:
         raise ConfigError("data.val_max_samples=0: no held-out rows to evaluate; use a number of rows, or -1 for all")
     n_workers, batch = cfg.runtime.num_workers, cfg.data.train_batch_size

@@ -51,6 +51,8 @@ def test_yaml_file_then_overrides(tmp_path):
     ("critic.grad_clip=inf", "critic.grad_clip=inf: must be a finite number"),
     ("trainer.trace_steps=2,abc", "trainer.trace_steps='2,abc': 'abc' is not a step"),
     ("trainer.trace_steps=0", "trainer.trace_steps='0': '0' is not a step"),
+    ("algorithm.clip_ratio_low=1.0", "algorithm.clip_ratio_low=1.0: must be < 1"),
+    ("data.val_max_samples=0", "data.val_max_samples=0: no held-out rows"),
 ])
 def test_bad_values_name_key_and_value(override, fragment):
     with pytest.raises(ConfigError) as err:
