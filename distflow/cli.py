@@ -89,7 +89,7 @@ def check_inputs(cfg: Config, training: bool = True) -> None:
     types, parquet footers, the run folder, the reward function's file or module, a
     checkpoint to resume from (contents are read by the workers). Without `training`
     (`distflow eval`), what only training reads is not looked at."""
-    from distflow.data.dataset import DatasetError, has_a_line, open_source
+    from distflow.data.dataset import DatasetError, has_a_line, open_source, parse_builtin
     from distflow.plugins import check_callable
 
     for key in ("train_files", "val_files") if training else ("val_files",):
@@ -97,6 +97,10 @@ def check_inputs(cfg: Config, training: bool = True) -> None:
         sources = [s.strip() for s in spec.split(",") if s.strip()]
         for source in sources:
             if source.startswith("builtin:"):
+                try:
+                    parse_builtin(source)
+                except DatasetError as e:
+                    raise ConfigError(f"data.{key}: {e}") from None
                 continue
             if not os.path.isfile(os.path.expanduser(source)):
                 raise ConfigError(f"data.{key}={source!r}: no such file")
@@ -191,7 +195,7 @@ class LauncherProgress:
             self.bar.close()
 
 
-def _graph(cfg: Config):
+def check_graph(cfg: Config):
     """The run's task graph, validated and its callables imported: fails before any worker starts."""
     from distflow.trainer.recipes import build_graph
 
@@ -241,7 +245,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if code is not None:
         return code
     try:
-        graph = _graph(cfg)
+        graph = check_graph(cfg)
         if cfg.runtime.mode == "centralized" and any(n.role == "filter" for n in graph.nodes):
             raise ConfigError(f"runtime.mode='centralized': the graph of {cfg.algorithm.name} has a filter "
                               f"(dynamic sampling); filters run in distributed mode only")
@@ -473,7 +477,7 @@ def cmd_dag_show(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + ([f"algorithm.name={args.algorithm}"] if args.algorithm else [])
     try:
         cfg = load_config(args.config, overrides)
-        graph = _graph(cfg)
+        graph = check_graph(cfg)
     except ValueError as e:
         return _fail(str(e))
     from distflow.trainer.recipes import describe_recipe
@@ -630,7 +634,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # section.key=value overrides may come anywhere, after --config or --k too (as Hydra's do);
+    # argparse gives a positional list only the run of them before the first option
+    args, rest = parser.parse_known_args(argv)
+    if rest and hasattr(args, "overrides") and all("=" in r and not r.startswith("-") for r in rest):
+        args.overrides = [*args.overrides, *rest]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.fn(args)
 
 

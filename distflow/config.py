@@ -10,7 +10,6 @@ value and what is allowed; the CLI prints it and exits with code 2.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import os
@@ -537,6 +536,11 @@ def _validate_cross(cfg: Config) -> None:
     if cfg.algorithm.clip_ratio_low >= 1:
         raise ConfigError(f"algorithm.clip_ratio_low={cfg.algorithm.clip_ratio_low}: must be < 1 (the ratio's lower "
                           "clip, 1 - clip_ratio_low, must stay above 0)")
+    longest = cfg.data.max_prompt_length + response_token_budget(cfg)
+    if cfg.actor.use_dynamic_bsz and cfg.actor.max_tokens_per_micro_batch < longest:
+        raise ConfigError(f"actor.max_tokens_per_micro_batch={cfg.actor.max_tokens_per_micro_batch}: smaller than "
+                          f"the longest sequence a step may hold, {longest} tokens (data.max_prompt_length and the "
+                          "response's budget, rollout.max_new_tokens or an episode's max_total_tokens); raise it")
     if cfg.data.val_max_samples == 0:
         raise ConfigError("data.val_max_samples=0: no held-out rows to evaluate; use a number of rows, or -1 for all")
     n_workers, batch = cfg.runtime.num_workers, cfg.data.train_batch_size
@@ -703,18 +707,6 @@ def load_recipe(name: str) -> Recipe:
         except ConfigError as e:
             raise ConfigError(f"{what}: {e}") from None
     return Recipe(path.stem, str(tree.get("description", "")), str(tree.get("paper", "")), tuple(settings))
-
-
-def with_recipe(cfg: Config, name: str) -> Config:
-    """A copy of `cfg` with every setting of recipe `name` applied (a YAML graph's `base:`)."""
-    if name == cfg.algorithm.name:
-        return cfg
-    validate_recipe_name(name)
-    out = copy.deepcopy(cfg)
-    out.algorithm.name = name
-    for key, value in load_recipe(name).settings:
-        _set(out, key, value)
-    return out
 
 
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -17,6 +17,7 @@ import sys
 
 import torch.distributed as dist
 
+from distflow.cli import check_graph, check_inputs
 from distflow.config import ConfigError, load_config
 from distflow.runtime.process_group import init_process_group, process_group_closed_on_exit
 
@@ -28,14 +29,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-k", type=int, default=None,
                         help="evaluate model.path instead of training (distflow eval): k samples per prompt")
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)  # overrides after --config too, as `distflow train` takes them
+    if any("=" not in r or r.startswith("-") for r in rest):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.overrides = [*args.overrides, *rest]
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     runs = json.loads(open(args.runs).read()) if args.runs else [[]]
     launch = [f"runtime.num_workers={world}", "runtime.launcher=torchrun"]
     try:
         configs = [load_config(args.config, [*args.overrides, *run, *launch]) for run in runs]
         check_sweep(configs)
-    except ConfigError as e:
+        for each in configs:  # what `distflow train` checks before it launches, on each worker here
+            check_inputs(each, training=args.eval_k is None)
+            if args.eval_k is None:
+                check_graph(each)
+    except ValueError as e:  # ConfigError, GraphError, DatasetError: one line
         if rank == 0:
             print(f"distflow: error: {e}", file=sys.stderr)
         return 2

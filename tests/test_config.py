@@ -53,6 +53,9 @@ def test_yaml_file_then_overrides(tmp_path):
     ("trainer.trace_steps=0", "trainer.trace_steps='0': '0' is not a step"),
     ("algorithm.clip_ratio_low=1.0", "algorithm.clip_ratio_low=1.0: must be < 1"),
     ("data.val_max_samples=0", "data.val_max_samples=0: no held-out rows"),
+    ("actor.use_dynamic_bsz=true actor.max_tokens_per_micro_batch=100 data.max_prompt_length=150 "
+     "rollout.max_new_tokens=50", "actor.max_tokens_per_micro_batch=100: smaller than the longest sequence a step "
+                                  "may hold, 200 tokens"),
 ])
 def test_bad_values_name_key_and_value(override, fragment):
     with pytest.raises(ConfigError) as err:
@@ -151,6 +154,8 @@ def _parquet(path, rows):
     ("reward.custom_fn=no_such_package.sub:score", "cannot import no_such_package.sub (no such module)"),
     ("reward.custom_fn={tmp}/missing.py:score", "reward.custom_fn='{tmp}/missing.py:score': no such file"),
     ("trainer.resume={tmp}", "trainer.resume='{tmp}': no complete checkpoint there"),
+    ("data.train_files=builtin:arith:tain", "data.train_files: builtin:arith:tain: unknown built-in dataset"),
+    ("data.val_files=builtin:arith:test:ten", "data.val_files: builtin:arith:test:ten: unknown built-in dataset"),
 ])
 def test_inputs_the_launcher_can_check_fail_before_anything_starts(override, fragment, tmp_path):
     """What `check_inputs` finds from the files' names, footers and folders alone."""

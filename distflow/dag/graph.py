@@ -284,10 +284,11 @@ def _relative_to(spec: Any, folder: Path) -> Any:
     return spec
 
 
-def load_graph_file(path: str | Path, base: Callable[[str], Graph]) -> Graph:
+def load_graph_file(path: str | Path, base: Callable[[str | None], Graph]) -> Graph:
     """A YAML graph: `nodes:` (a list of node mappings with `deps`), optionally on top of
     a recipe (`base: grpo`), where a node with a recipe node's name replaces it and
-    `remove:` drops recipe nodes. `base` builds a recipe by name."""
+    `remove:` drops recipe nodes. `base` builds a recipe by name (None: the run's own,
+    whose sources a graph of only its own nodes reads)."""
     path = Path(path)
     try:
         spec = yaml.safe_load(path.read_text())
@@ -307,4 +308,4 @@ def load_graph_file(path: str | Path, base: Callable[[str], Graph]) -> Graph:
         return graph.edited(add=nodes, remove=spec.get("remove", []))
     if spec.get("remove"):
         raise GraphError(f"graph file {path}: 'remove' needs a 'base' recipe")
-    return Graph(nodes, base("grpo").sources)
+    return Graph(nodes, base(None).sources)

@@ -98,13 +98,18 @@ def _json_values(extra: Any, where: str) -> Any:
                            f"mappings): {e}") from None
 
 
-def _builtin(spec: str) -> Sequence[Any]:
+def parse_builtin(spec: str) -> tuple[str, str, int]:
+    """(task, split, rows) of `builtin:TASK:SPLIT[:ROWS]`, without making a row."""
     name, _, rest = spec.removeprefix("builtin:").partition(":")
     split, _, size = rest.partition(":")
-    if name not in BUILTIN_TASKS or split not in BUILTIN_SIZES:
+    if name not in BUILTIN_TASKS or split not in BUILTIN_SIZES or (size and not size.isdigit()):
         raise DatasetError(f"{spec}: unknown built-in dataset; use builtin:TASK:train or builtin:TASK:test "
-                           f"with TASK one of {', '.join(BUILTIN_TASKS)}")
-    num = int(size) if size else BUILTIN_SIZES[split]
+                           f"(optionally :ROWS) with TASK one of {', '.join(BUILTIN_TASKS)}")
+    return name, split, int(size) if size else BUILTIN_SIZES[split]
+
+
+def _builtin(spec: str) -> Sequence[Any]:
+    name, split, num = parse_builtin(spec)
     try:
         return BUILTIN_TASKS[name](split, num)
     except ValueError as e:  # more rows than the task has

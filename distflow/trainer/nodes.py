@@ -402,7 +402,9 @@ def _mini_batches(ctx: WorkerContext, batch: Batch, engine, make_loss, prefix: s
             if not len(mini):  # none of this mini-batch's samples live here: run in lockstep on a masked row
                 mini = batch.select([0])
                 mini.tensors["response_mask"] = torch.zeros_like(mini["response_mask"])
-            sums = engine.train_mini_batch(mini, micro_batches(mini, cfg), make_loss(num_tokens, num_seqs))
+            micro = micro_batches(mini, cfg)
+            acc.add(f"{prefix}/micro_batches", float(len(micro)), 1.0)  # per update, the same on every rank
+            sums = engine.train_mini_batch(mini, micro, make_loss(num_tokens, num_seqs))
             for name, value in sums.items():
                 if name.endswith("_loss"):
                     acc.add_total(f"{prefix}/{name}", value / updates)

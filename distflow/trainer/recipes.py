@@ -32,7 +32,7 @@ The node implementations are the library in nodes.py; a user's YAML graph
 from __future__ import annotations
 
 from distflow.algos.core import get_policy_loss
-from distflow.config import ALGORITHMS, Config, Recipe, load_recipe, with_recipe
+from distflow.config import ALGORITHMS, Config, Recipe, load_recipe
 from distflow.dag.graph import Graph, GraphError, Node, load_graph_file
 from distflow.data.images import IMAGE_FIELDS
 from distflow.engines.agent import COUNTS as EPISODE_COUNTS
@@ -156,10 +156,19 @@ def recipe_graph(cfg: Config) -> Graph:
 
 
 def build_graph(cfg: Config) -> Graph:
-    """The run's graph: the recipe's, plus the user's YAML nodes (`algorithm.graph`)."""
+    """The run's graph: the recipe's, plus the user's YAML nodes (`algorithm.graph`). A
+    graph file's `base:` must be the run's recipe, whose settings the nodes read."""
     if cfg.algorithm.graph is None:
         return recipe_graph(cfg)
-    return load_graph_file(cfg.algorithm.graph, lambda name: recipe_graph(with_recipe(cfg, name)))
+
+    def run_recipe(name: str | None) -> Graph:
+        if name not in (None, cfg.algorithm.name):
+            raise GraphError(f"algorithm.graph={cfg.algorithm.graph}: its base recipe {name!r} is not "
+                             f"algorithm.name={cfg.algorithm.name!r}, whose settings the run has; set "
+                             f"algorithm.name={name}")
+        return recipe_graph(cfg)
+
+    return load_graph_file(cfg.algorithm.graph, run_recipe)
 
 
 # ---------------------------------------------------------------------------- documentation

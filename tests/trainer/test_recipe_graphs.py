@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from distflow.config import ALGORITHMS, load_config, with_recipe
-from distflow.dag.graph import GraphError, load_graph_file
+from distflow.config import ALGORITHMS, load_config
+from distflow.dag.graph import GraphError
 from distflow.trainer.recipes import SOURCES, build_graph, recipe_graph
 
 
@@ -75,10 +75,20 @@ nodes:
 def test_bad_yaml_graphs(tmp_path, text, message):
     path = tmp_path / "g.yaml"
     path.write_text(text)
-    cfg = load_config(None, [])
     with pytest.raises(GraphError, match=message) as info:
-        load_graph_file(path, lambda name: recipe_graph(with_recipe(cfg, name)))
+        build_graph(load_config(None, [f"algorithm.graph={path}"]))
     assert "\n" not in str(info.value)
+
+
+def test_a_graph_on_another_recipe_than_the_run_s_is_refused(tmp_path):
+    """`base: dapo` under algorithm.name=grpo made dapo's nodes read grpo's settings (an
+    overlong node with no buffer, a KL loss with no reference): it failed in the first step."""
+    path = tmp_path / "g.yaml"
+    path.write_text("base: dapo\nnodes: []\n")
+    with pytest.raises(GraphError, match=r"its base recipe 'dapo' is not algorithm.name='grpo', whose settings the "
+                                         r"run has; set algorithm.name=dapo"):
+        build_graph(load_config(None, [f"algorithm.graph={path}"]))
+    assert "dynamic_sampling" in build_graph(load_config(None, [f"algorithm.graph={path}", "algorithm.name=dapo"])).by_name
 
 
 def test_pictures_name_every_node():

@@ -6,6 +6,8 @@ import json
 import os
 import time
 
+import pytest
+
 from distflow.cli import main
 from distflow.trainer.metrics import progress_postfix
 
@@ -171,3 +173,19 @@ def test_the_commands_around_a_run_take_what_users_give_them(tmp_path, monkeypat
     assert main(["export", "sweep/a/seed0/checkpoints", "--out", "x"]) == 2  # no config.json and weights
     cli.check_inputs(load_config(None, ["data.train_files=/nowhere/train.parquet", "data.val_files=builtin:arith:test"]),
                      training=False)
+
+
+def test_overrides_may_come_after_the_options(monkeypatch, capsys):
+    """`distflow train trainer.seed=3 --config c.yaml trainer.total_steps=7` (Hydra's and
+    verl's users put overrides anywhere): argparse refused the ones after an option."""
+    from distflow import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "cmd_train", lambda args: seen.append((args.config, args.overrides)) or 0)
+    monkeypatch.setattr(cli, "cmd_eval", lambda args: seen.append((args.k, args.overrides)) or 0)
+    assert cli.main(["train", "trainer.seed=3", "--config", "c.yaml", "trainer.total_steps=7"]) == 0
+    assert cli.main(["eval", "model.path=m", "--k", "4", "data.val_files=v.parquet"]) == 0
+    assert seen == [("c.yaml", ["trainer.seed=3", "trainer.total_steps=7"]), (4, ["model.path=m", "data.val_files=v.parquet"])]
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--config", "c.yaml", "--colour"])
+    assert "unrecognized arguments: --colour" in capsys.readouterr().err
