@@ -203,7 +203,7 @@ class ActorConfig:
     strategy: str = _spec("auto", choices=("auto", "fsdp2", "ddp"),
                           doc="ddp: a full replica per worker, gradients all-reduced once per mini-batch (the HF "
                               "rollout then shares its weights); fsdp2: sharded per decoder layer; auto: ddp when "
-                              "16 bytes a parameter fit in a quarter of a worker's memory")
+                              "16 bytes a parameter fit in a quarter of a worker's memory (always with LoRA)")
     lora_rank: int = _spec(0, min=0, doc="LoRA adapters of this rank on the policy (peft), the base frozen; "
                                          "0 = full fine-tuning")
     lora_alpha: float = _spec(16.0, min=0.0, doc="LoRA's scale is lora_alpha / lora_rank")

@@ -122,11 +122,14 @@ def resolve_strategy(strategy: str, model, device: torch.device) -> str:
     (parameters, gradients and optimizer state sharded per decoder layer). `auto` takes
     DDP when weights, gradients and AdamW's two moments (16 bytes a parameter in fp32) fit
     in a quarter of the device's memory (a GPU's, or a CPU worker's share of the host's),
-    FSDP2 otherwise."""
+    FSDP2 otherwise. A LoRA model (frozen base, a small adapter) is always DDP: its
+    weight pushes, checkpoints and adapter-off reference need replicas."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return "none"
     if strategy != "auto":
         return strategy
+    if is_lora(model):
+        return "ddp"
     need = 16 * sum(p.numel() for p in model.parameters())
     if device.type == "cuda":
         memory = torch.cuda.get_device_properties(device).total_memory

@@ -236,3 +236,26 @@ def test_an_adapter_records_its_base_by_an_absolute_path(tmp_path, monkeypatch, 
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] \
         == str(tmp_path / "base")
     load_causal_lm(str(tmp_path / "adapter"))  # merges from elsewhere
+
+
+def _auto_strategy_on_a_small_host(rank, world, model_dir):
+    """actor.strategy=auto where the model's training state (16 bytes a parameter) does not
+    fit a quarter of a worker's share of memory (the host's pages stood in as few)."""
+    from distflow.engines.actor import resolve_strategy
+
+    real = os.sysconf
+    os.sysconf = lambda name: 64 if name == "SC_PHYS_PAGES" else real(name)
+    try:
+        whole = resolve_strategy("auto", load_causal_lm(model_dir), torch.device("cpu"))
+        adapted = resolve_strategy("auto", with_lora(load_causal_lm(model_dir), SETTINGS), torch.device("cpu"))
+    finally:
+        os.sysconf = real
+    return whole, adapted
+
+
+def test_lora_under_auto_is_ddp_where_a_whole_model_would_be_sharded(random_model_dir):
+    """auto chose FSDP2 by the frozen base's size too, and LoRA under FSDP2 failed at the
+    first weight push (sharded base tensors merged and copied as if whole)."""
+    from helpers import run_gloo
+
+    assert run_gloo(_auto_strategy_on_a_small_host, 2, random_model_dir) == [("fsdp2", "ddp")] * 2
