@@ -70,6 +70,8 @@ class ImagePrompter:
     def __init__(self, processor, tokenizer, config):
         self.processor = processor
         self.merge = int(getattr(processor, "merge_size", 1)) ** 2  # patches per image token
+        # the values of one patch (RGB x frames x pixels): pixel_values' width
+        self.patch_width = 3 * int(getattr(processor, "temporal_patch_size", 1)) * int(processor.patch_size) ** 2
         names = tokenizer.convert_ids_to_tokens([config.vision_start_token_id, config.image_token_id,
                                                  config.vision_end_token_id])
         self.start, self.pad, self.end = names
@@ -101,14 +103,17 @@ def vision_token_ids(config) -> list[int]:
     return sorted({getattr(config, n) for n in names if getattr(config, n, None) is not None})
 
 
-def image_fields(prompts: list[list[int]]) -> dict[str, torch.Tensor]:
-    """The batch fields of the prompts' images, padded per sample ({} when none has any)."""
+def image_fields(prompts: list[list[int]], patch_width: int | None = None) -> dict[str, torch.Tensor]:
+    """The batch fields of the prompts' images, padded per sample. Where none has any:
+    {}, or with `patch_width` (a vision-language run's, whose every batch carries the
+    fields) one all-zero padding image per sample."""
     with_images = [p for p in prompts if getattr(p, "pixel_values", None) is not None]
-    if not with_images:
+    if not with_images and patch_width is None:
         return {}
-    features, dtype = with_images[0].pixel_values.shape[1], with_images[0].pixel_values.dtype
-    patches = max(p.pixel_values.shape[0] for p in with_images)
-    images = max(p.image_grid_thw.shape[0] for p in with_images)
+    features = with_images[0].pixel_values.shape[1] if with_images else patch_width
+    dtype = with_images[0].pixel_values.dtype if with_images else torch.float32
+    patches = max((p.pixel_values.shape[0] for p in with_images), default=1)
+    images = max((p.image_grid_thw.shape[0] for p in with_images), default=1)
     pixels = torch.zeros((len(prompts), patches, features), dtype=dtype)
     grids = torch.zeros((len(prompts), images, 3), dtype=torch.long)
     for i, p in enumerate(prompts):
@@ -133,19 +138,22 @@ def attach_images(prompts: list[list[int]], fields: dict[str, torch.Tensor]) -> 
     return out
 
 
+def holds_images(fields: dict[str, torch.Tensor]) -> bool:
+    """Whether the padded per-sample fields hold a real image (padding grids are all zero)."""
+    return "image_grid_thw" in fields and bool(fields["image_grid_thw"].prod(-1).sum() > 0)
+
+
 def model_inputs(fields: dict[str, torch.Tensor], input_ids: torch.Tensor,
                  image_token_id: int) -> dict[str, torch.Tensor]:
     """The padded per-sample fields as the model's forward takes them beside `input_ids`
     (B, L): every real patch in sample order (patches, D), every real image's grid
     (images, 3), and which tokens are image tokens (`mm_token_type_ids`, for M-RoPE);
     {} without images."""
-    if "image_grid_thw" not in fields:
+    if not holds_images(fields):
         return {}
     grids, pixels = fields["image_grid_thw"], fields["pixel_values"]
     real = grids.prod(-1) > 0  # (B, I): padding rows are all zero
     counts = grids.prod(-1).sum(-1).tolist()  # patches per sample
-    if not any(counts):
-        return {}
     flat = torch.cat([pixels[i, :n] for i, n in enumerate(counts) if n])
     return {"pixel_values": flat, "image_grid_thw": grids[real],
             "mm_token_type_ids": (input_ids == image_token_id).int()}

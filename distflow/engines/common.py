@@ -15,7 +15,7 @@ import torch
 
 from distflow.algos.core import entropy_from_logits, log_probs_from_hidden, log_probs_from_logits
 from distflow.config import BUILTIN_MODELS, ConfigError
-from distflow.data.images import ImagePrompter, model_inputs
+from distflow.data.images import ImagePrompter, holds_images, model_inputs
 
 
 def resolve_model_path(path: str) -> str:
@@ -198,6 +198,36 @@ def trim_padding(prompts: torch.Tensor, prompt_mask: torch.Tensor,
             responses[:, :keep_right], response_mask[:, :keep_right])
 
 
+@contextlib.contextmanager
+def vision_tower_always_runs(owner, images: dict[str, torch.Tensor] | None) -> Iterator[None]:
+    """A vision-language model's forward on rows without an image still runs its vision
+    tower: on one blank image (the patches of one merged token), times 0, added to the
+    token embeddings (verl adds the same zero). DDP expects a gradient for every parameter
+    in every backward, and FSDP2 gathers the tower's shards in collectives every rank
+    joins in the same order: at the embeddings in the forward, last in the backward, as
+    a forward with images does; a micro-batch of text-only rows on one rank failed the
+    step. `owner`: the module with `get_image_features` and the input embeddings (the
+    causal LM, or the critic's body)."""
+    if holds_images(images or {}) or not is_vision_language(owner.config):
+        yield
+        return
+    vision = owner.config.vision_config
+    merge = vision.spatial_merge_size
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+
+    def add_zero(module, args, embeddings):
+        pixels = torch.zeros(merge * merge, width, device=embeddings.device)
+        grid = torch.tensor([[1, merge, merge]], device=embeddings.device)
+        features = owner.get_image_features(pixel_values=pixels, image_grid_thw=grid).pooler_output
+        return embeddings + 0.0 * sum(f.sum() for f in features).to(embeddings.dtype)
+
+    handle = owner.get_input_embeddings().register_forward_hook(add_zero)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def forward_response(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
                      responses: torch.Tensor, response_mask: torch.Tensor,
                      with_entropy: bool = False, temperature: float = 1.0,
@@ -213,7 +243,7 @@ def forward_response(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
     the generated ones (`response_mask`, the loss mask). `images`: the rows' padded
     `pixel_values` and `image_grid_thw` (data/images.py); the model then places the
     image tokens itself (Qwen2-VL's M-RoPE), as its generation does. `prompt_once`: rows
-    with the same prompt share one forward of it (`_states_prompt_once`); not with images.
+    with the same prompt share one forward of it (`_states_prompt_once`); not on a vision-language model.
     `head_chunk_tokens` > 0: the model's forward runs its output head on nothing, and the
     head's input, the final hidden states (`_head_inputs`), goes through the head that many
     tokens at a time (`log_probs_from_hidden`), its logits never kept whole; the model
@@ -223,8 +253,9 @@ def forward_response(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
     seen = response_mask if observation_mask is None else response_mask + observation_mask  # (B, R)
     p, pm, r, rm = trim_padding(prompts, prompt_mask, responses, seen)
     hidden = head_chunk_tokens > 0
-    with _head_inputs(model, hidden) as head_inputs:
-        states = _states_prompt_once(model, p, pm, r, rm, head_inputs) if prompt_once and not images else None
+    vlm = is_vision_language(unwrapped(model).config)  # its rows with and without images run alike
+    with _head_inputs(model, hidden) as head_inputs, vision_tower_always_runs(unwrapped(model), images):
+        states = _states_prompt_once(model, p, pm, r, rm, head_inputs) if prompt_once and not vlm else None
         if states is None:
             input_ids = torch.cat([p, r], dim=1)  # (B, P + R')
             attention = torch.cat([pm, rm], dim=1).long()

@@ -13,7 +13,7 @@ import torch
 from distflow.data.batch import Batch
 from distflow.data.images import IMAGE_FIELDS, model_inputs
 from distflow.engines.actor import DataParallelTrainable, MicroBatches
-from distflow.engines.common import is_vision_language, trim_padding, unwrapped
+from distflow.engines.common import is_vision_language, trim_padding, unwrapped, vision_tower_always_runs
 
 
 class ValueModel(torch.nn.Module):
@@ -47,7 +47,8 @@ def value_forward(model, micro: Batch, train: bool):
     input_ids, attention = torch.cat([p, r], dim=1), torch.cat([pm, rm], dim=1).long()
     images = {k: micro.tensors[k] for k in IMAGE_FIELDS if k in micro.tensors}
     vision = model_inputs(images, input_ids, unwrapped(model).image_token_id) if images else {}
-    values = model(input_ids, attention, None if vision else (attention.cumsum(-1) - 1).clamp(min=0), **vision)
+    with vision_tower_always_runs(unwrapped(model).body, images):
+        values = model(input_ids, attention, None if vision else (attention.cumsum(-1) - 1).clamp(min=0), **vision)
     values = values[:, p.shape[1] - 1: p.shape[1] - 1 + r.shape[1]]  # (B, R')
     return torch.nn.functional.pad(values, (0, full_width - values.shape[1])), None
 

@@ -23,7 +23,7 @@ import torch
 
 from distflow.data.batch import Batch
 from distflow.data.images import image_fields, model_inputs, vision_token_ids
-from distflow.engines.common import cache_arguments, distinct_prompts
+from distflow.engines.common import cache_arguments, distinct_prompts, is_vision_language
 
 
 def sample_seed(*parts: int) -> int:
@@ -279,7 +279,8 @@ class HFRolloutEngine:
             images = {k: v.to(device) for k, v in
                       model_inputs(image_fields(prompts), ids, self.model.config.image_token_id).items()}
         ids, mask = ids.to(device), mask.to(device)
-        cache = {} if images else self._shared_prompt_cache(ids, mask)
+        # a VLM's M-RoPE positions after a handed-in cache come from its previous call's state (another batch's)
+        cache = {} if is_vision_language(self.model.config) else self._shared_prompt_cache(ids, mask)
         out = self.model.generate(input_ids=ids, attention_mask=mask,
                                   generation_config=config, logits_processor=processors, **images, **cache)
         resp = out[:, ids.shape[1]:].cpu()  # (B, R')

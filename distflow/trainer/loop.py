@@ -121,7 +121,7 @@ class PromptSource:
         rows = [(offset + pos, (sampler.epoch_of(step, pos), refill_round), row, ids)
                 for (pos, _), (row, ids) in zip(positions, taken)]
         share = (self.layout.tp_rank(self.rank), self.layout.tp_size)
-        return nodes.source_batch(rows, self.cfg, self.pad_id, share)
+        return nodes.source_batch(rows, self.cfg, self.pad_id, share, self.images.patch_width if self.images else None)
 
     def prepare(self, step: int) -> Batch:
         """The step's prompts, tokenised."""

@@ -240,3 +240,65 @@ def test_a_tool_result_that_writes_an_image_token_is_not_an_image_in_the_episode
     observed = out["responses"][out["observation_mask"].bool()].tolist()
     assert observed and model.config.image_token_id not in observed
     assert "result:  ok" in tokenizer.decode(out["responses"][0][out["observation_mask"][0].bool()])
+
+
+def _one_rank_without_images(rank, world, strategy):
+    """Two updates of the tiny VLM where rank 0's rows have images and rank 1's have none
+    (a dataset mixing text-only prompts): the global gradient norm, the same on both."""
+    from distflow.config import load_config
+    from distflow.data.batch import Batch
+    from distflow.engines.actor import Actor, OptimConfig
+    from distflow.engines.common import load_causal_lm, load_image_prompter, load_tokenizer
+    from distflow.trainer.nodes import make_policy_loss
+
+    path = "builtin:tiny-dots-vl"
+    tokenizer, model = load_tokenizer(path), load_causal_lm(path)
+    if rank == 0:
+        prompts = _prompts(tokenizer, load_image_prompter(path, tokenizer), dots.generate("test", 2))
+    else:
+        prompts = [tokenizer("How many dots?\nA: ", add_special_tokens=False)["input_ids"]] * 2
+    ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+    g = torch.Generator().manual_seed(rank)
+    responses = torch.randint(3, 100, (2, 6), generator=g)
+    batch = Batch({"prompts": ids, "prompt_mask": mask, "responses": responses,
+                   "response_mask": torch.ones_like(responses), "advantages": torch.randn(2, 6, generator=g),
+                   **image_fields(prompts)})
+    cfg = load_config(None, ["algorithm.use_kl_loss=false"])
+    actor = Actor(model, OptimConfig(lr=1e-3), torch.device("cpu"), strategy=strategy)
+    norms = [actor.train_mini_batch(batch, [[0, 1]], make_policy_loss(cfg, 24.0, 4.0))["grad_norm"] for _ in range(2)]
+    return norms, any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in actor.module.named_parameters()
+                      if n.startswith("model.visual."))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_a_rank_whose_rows_have_no_image_trains_beside_one_whose_rows_do(strategy):
+    """Its forward skipped the vision tower: DDP failed in the next step (a parameter with no
+    gradient), FSDP2 in the first (a collective the other rank never joined). The tower now
+    runs on a blank image times 0, as verl does; the gradient is the images' alone."""
+    from helpers import run_gloo
+
+    (norms0, visual0), (norms1, visual1) = run_gloo(_one_rank_without_images, 2, strategy, timeout=300)
+    assert norms0 == norms1 and all(n > 0 for n in norms0)
+    assert visual0 and visual1  # the images' gradient reaches the tower, on both ranks (reduced)
+
+
+def test_text_only_rows_of_a_vlm_run_generate_after_image_rows_and_carry_image_fields(vlm):
+    """A dataset mixing text-only prompts into a VLM run: a step whose rows on a worker have
+    no image still carries the (all-padding) image fields its nodes read, and generating
+    them after a batch with images works (rows sharing a prompt were handed a prefilled
+    cache, and Qwen2-VL then placed them by the previous batch's M-RoPE offsets)."""
+    from distflow.config import load_config
+    from distflow.data.dataset import PromptRow
+    from distflow.trainer.nodes import source_batch
+
+    tokenizer, model, prompter = vlm
+    engine = HFRolloutEngine(model, tokenizer, shares_trainer_weights=True)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6)
+    engine.generate(_prompts(tokenizer, prompter, dots.generate("test", 4)), [1, 2, 3, 4], params)
+    text = tokenizer("How many dots?\nA: ", add_special_tokens=False)["input_ids"]
+    out = engine.generate([text, text], [5, 6], params)  # GRPO's two samples of one prompt
+    assert out["responses"].shape == (2, 6)
+    row = PromptRow(0, [{"role": "user", "content": "How many dots?"}], "3", "text")
+    batch = source_batch([(0, (0, 0), row, text)], load_config(None, ["algorithm.group_size=2"]), 0,
+                         patch_width=prompter.patch_width)
+    assert batch["pixel_values"].shape == (2, 1, 1176) and not batch["image_grid_thw"].any()
