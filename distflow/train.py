@@ -39,14 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         configs = [load_config(args.config, [*args.overrides, *run, *launch]) for run in runs]
         check_sweep(configs)
-        for each in configs:  # what `distflow train` checks before it launches, on each worker here
-            check_inputs(each, training=args.eval_k is None)
-            if args.eval_k is None:
-                check_graph(each)
-    except ValueError as e:  # ConfigError, GraphError, DatasetError: one line
-        if rank == 0:
-            print(f"distflow: error: {e}", file=sys.stderr)
-        return 2
+    except ConfigError as e:
+        return _refused(e, rank)
     cfg = configs[0]
     init_process_group(rank, world, os.environ.get("MASTER_ADDR", "127.0.0.1"),
                        int(os.environ.get("MASTER_PORT", 29500)), cfg.runtime.device,
@@ -56,9 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         from distflow.trainer.loop import run_eval_worker, run_worker
 
         if args.eval_k is not None:
-            return _evaluate(cfg, args.eval_k, rank, run_eval_worker)
+            return _refused_inputs(cfg, rank, training=False) or _evaluate(cfg, args.eval_k, rank, run_eval_worker)
 
         for cfg in configs:
+            if code := _refused_inputs(cfg, rank):  # checked when its turn comes: it may resume an earlier run's
+                return code
             holder = [str(new_run_dir(cfg)) if rank == 0 else None]
             dist.broadcast_object_list(holder, src=0)  # one folder for all ranks
             cfg.trainer.output_dir = holder[0]
@@ -66,6 +62,24 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 print(f"heldout_accuracy_initial={summary['heldout_accuracy_initial']:.3f} "
                       f"heldout_accuracy_final={summary['heldout_accuracy_final']:.3f} run folder: {holder[0]}")
+    return 0
+
+
+def _refused(error: Exception, rank: int) -> int:
+    if rank == 0:
+        print(f"distflow: error: {error}", file=sys.stderr)
+    return 2
+
+
+def _refused_inputs(cfg, rank: int, training: bool = True) -> int:
+    """What `distflow train` checks before it launches, checked on every worker here (so
+    all refuse alike): 2 and one line where something is wrong, else 0."""
+    try:
+        check_inputs(cfg, training=training)
+        if training:
+            check_graph(cfg)
+    except ValueError as e:  # ConfigError, GraphError: one line
+        return _refused(e, rank)
     return 0
 
 

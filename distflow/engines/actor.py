@@ -281,10 +281,10 @@ class ReferenceModel:
     cheaper than the all-gathers of a sharded forward."""
 
     def __init__(self, model, device: torch.device, temperature: float = 1.0, prompt_once: bool = False,
-                 head_chunk_tokens: int = 0):
+                 head_chunk_tokens: int = 0, compute_dtype: torch.dtype = torch.float32):
         if head_chunk_tokens:
             check_head_chunking(model)
-        self.device = device
+        self.device, self.compute_dtype = device, compute_dtype
         self.forward = partial(policy_forward, temperature=temperature, prompt_once=prompt_once,
                                head_chunk_tokens=head_chunk_tokens)
         self.model = model.to(device).eval()
@@ -293,4 +293,8 @@ class ReferenceModel:
 
     @torch.no_grad()
     def compute_log_probs(self, batch: Batch, micro_batches: MicroBatches) -> torch.Tensor:
-        return _gather_rows(batch.to_device(self.device), self.model, micro_batches, self.forward)
+        """`compute_dtype` (bf16): the weights as they are, under autocast, as the actor computes."""
+        cast = (contextlib.nullcontext() if self.compute_dtype == torch.float32 else
+                torch.autocast(self.device.type, dtype=self.compute_dtype))
+        with cast:
+            return _gather_rows(batch.to_device(self.device), self.model, micro_batches, self.forward)

@@ -227,6 +227,19 @@ def close_reward_runners(*runners: RewardRunner) -> None:
         runner.close()
 
 
+def reference_model(cfg: Config, actor: Actor, device: torch.device) -> ReferenceModel | AdapterDisabledReference:
+    """The frozen policy for the KL terms, computing as the actor does, so their KL is 0
+    before the first update: with LoRA the actor's own base (its adapter off, no second
+    copy); beside a DDP or one-worker actor, fp32 weights under the actor's autocast;
+    beside FSDP2, whose forwards run on weights cast to model.dtype, weights loaded in it."""
+    if cfg.actor.lora_rank:
+        return AdapterDisabledReference(actor, cfg.rollout.temperature)
+    sharded = actor.strategy == "fsdp2"
+    model = load_causal_lm(cfg.model.path, cfg.model.dtype) if sharded else load_causal_lm(cfg.model.path)
+    return ReferenceModel(model, device, cfg.rollout.temperature, cfg.actor.forward_prompt_once,
+                          cfg.actor.output_head_chunk_tokens, torch.float32 if sharded else actor.compute_dtype)
+
+
 def heldout_rows(cfg: Config, tokenizer, images: ImagePrompter | None, rank: int,
                  world: int) -> tuple[list[tuple[PromptRow, list[int]]], dict[str, int]]:
     """This worker's held-out rows and their prompt ids, under the bad-row policy (a bad
@@ -298,11 +311,7 @@ class Trainer:
         rollout = make_rollout_engine(cfg, policy_path, self.tokenizer, device, actor)
         self._parts.callback(rollout.close)
         self.policy_skeleton = causal_lm_skeleton(cfg.model.path)  # what writes the policy into a checkpoint
-        ref = None
-        if "reference" in roles:  # with LoRA: the actor's own base (its adapter off), no second copy
-            ref = (AdapterDisabledReference(actor, cfg.rollout.temperature) if cfg.actor.lora_rank else
-                   ReferenceModel(load_causal_lm(cfg.model.path, cfg.model.dtype), device, cfg.rollout.temperature,
-                                  cfg.actor.forward_prompt_once, cfg.actor.output_head_chunk_tokens))
+        ref = reference_model(cfg, actor, device) if "reference" in roles else None
         critic = (Critic(self._trained(load_causal_lm(cfg.model.path)),
                          OptimConfig(lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip),
                          device, cfg.critic.strategy, compute_dtype, cfg.critic.gradient_checkpointing)

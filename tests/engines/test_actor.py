@@ -218,6 +218,27 @@ def test_bf16_compute_keeps_fp32_master_weights_and_moments(two_ranks, strategy)
         assert out["dtypes"] == {torch.float32} and out["moments"] == {torch.float32}
 
 
+def test_the_reference_computes_as_the_actor_under_bf16(random_model_dir):
+    """model.dtype=bfloat16 beside a DDP or one-worker actor (fp32 weights under bf16
+    autocast): the reference's log-probs are the actor's before any update, so the KL
+    starts at 0 (a reference of bf16 weights without autocast differed by up to 0.07 nats
+    a token: a KL pulling the policy to bf16 rounding). Beside FSDP2, whose forwards run
+    on weights cast to bf16, the reference holds bf16 weights."""
+    from distflow.config import load_config
+    from distflow.trainer.loop import reference_model
+
+    cfg = load_config(None, [f"model.path={random_model_dir}", "model.dtype=bfloat16"])
+    actor = Actor(load_causal_lm(random_model_dir), OptimConfig(lr=1e-3), torch.device("cpu"),
+                  compute_dtype=torch.bfloat16)
+    ref = reference_model(cfg, actor, torch.device("cpu"))
+    batch = _batch(random_model_dir)
+    micro = [[0, 1], [2, 3]]
+    assert torch.equal(ref.compute_log_probs(batch, micro), actor.compute_log_probs(batch, micro))
+    assert next(ref.model.parameters()).dtype == torch.float32
+    actor.strategy = "fsdp2"  # stood in: what the choice is made from
+    assert next(reference_model(cfg, actor, torch.device("cpu")).model.parameters()).dtype == torch.bfloat16
+
+
 def _same_gradient(shared: torch.Tensor, alone: torch.Tensor) -> bool:
     """A shared prompt's gradient sums its rows' float32 contributions in another order:
     here within 1e-6 of the gradient's largest entry (1-3 threads), but a few 1e-6 off in

@@ -189,3 +189,20 @@ def test_overrides_may_come_after_the_options(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         cli.main(["train", "--config", "c.yaml", "--colour"])
     assert "unrecognized arguments: --colour" in capsys.readouterr().err
+
+
+def test_the_torchrun_entry_checks_what_distflow_train_checks(tmp_path):
+    """`torchrun -m distflow.train` (the README's equivalent launch) skipped the launcher's
+    checks: a misspelled dataset failed inside the workers."""
+    import subprocess
+    import sys
+
+    from helpers import free_port
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, "-m", "distflow.train", "data.train_files=builtin:arith:tain"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == ("distflow: error: data.train_files: builtin:arith:tain: unknown "
+                                                    "built-in dataset; use builtin:TASK:train or builtin:TASK:test "
+                                                    "(optionally :ROWS) with TASK one of arith, arith-tools, dots")
