@@ -290,8 +290,8 @@ def _check_cluster(cfg: Config) -> None:
 def with_absolute_paths(cfg: Config) -> None:
     """The relative paths of local files and folders in `cfg` made absolute (data files,
     model.path, algorithm.graph, trainer.resume, and the file.py of reward.custom_fn,
-    rollout.env and rollout.agent); names that are no local path (builtin:..., modules)
-    stay as they are."""
+    rollout.env, rollout.agent and algorithm.estimator); names that are no local path
+    (builtin:..., modules, registered names) stay as they are."""
     def absolute(path: str) -> str:
         local = os.path.expanduser(path.strip())
         return os.path.abspath(local) if os.path.exists(local) else path
@@ -313,6 +313,7 @@ def with_absolute_paths(cfg: Config) -> None:
         cfg.trainer.resume = absolute(cfg.trainer.resume)
     cfg.reward.custom_fn = file_of(cfg.reward.custom_fn)
     cfg.rollout.env, cfg.rollout.agent = file_of(cfg.rollout.env), file_of(cfg.rollout.agent)
+    cfg.algorithm.estimator = file_of(cfg.algorithm.estimator)
 
 
 def _launch(cfg: Config, run_dir: Path, entry: str, entry_args: tuple, on_poll, meter, centralized=None):
@@ -411,7 +412,7 @@ def cmd_build_tiny_model(args: argparse.Namespace) -> int:
     from distflow.engines.tiny_model import ASSET_DIR, TOOL_SFT, SFTSpec, build_tiny_model
 
     if args.tools and args.vision:
-        raise SystemExit("distflow: error: build-tiny-model takes --tools or --vision, not both")
+        return _fail("build-tiny-model takes --tools or --vision, not both")
     if args.tools:  # continues from the shipped default model
         sft = TOOL_SFT if args.steps is None else dataclasses.replace(TOOL_SFT, steps=args.steps)
         record = build_tiny_model(args.out, sft=sft, base=ASSET_DIR)

@@ -247,8 +247,9 @@ class TrainerConfig:
     seed: int = _spec(1, min=0)
     output_dir: str | None = _spec(None, doc="run folder; default runs/<time>-<algorithm>")
     eval_every: int = _spec(10, min=0, doc="steps between held-out evaluations; 0 = start and end only")
-    save_every: int = _spec(0, min=0, doc="steps between checkpoints; 0 = only at the end")
-    save_final: bool = _spec(True)
+    save_every: int = _spec(0, min=0, doc="steps between checkpoints (step_N); 0 = only at the end")
+    save_final: bool = _spec(True, doc="a checkpoint `final` after the last step (then the last step_N is not "
+                                       "written twice)")
     max_bad_steps: int = _spec(3, min=1, doc="stop after this many steps in a row with a non-finite loss or gradient")
     keep_last: int = _spec(0, min=0, doc="keep only the newest M step_* checkpoints; 0 = keep all")
     resume: str = _spec("auto", doc="auto (the run folder's latest checkpoint, if any) | off | PATH")
@@ -402,7 +403,8 @@ def _validate_engine(cfg: Config) -> None:
     a = cfg.algorithm
     if a.rollout_correction == "auto":  # wherever the sampler's probabilities are not the trainer's own
         stale = a.max_staleness > 0 and a.old_log_probs_from == "recompute"
-        a.rollout_correction = "token_tis" if r.engine == "vllm" or stale else "off"
+        differ = (r.engine == "vllm" or stale) and a.old_log_probs_from == "recompute"  # rollout: the sampler's own
+        a.rollout_correction = "token_tis" if differ else "off"
     if a.old_log_probs_from == "rollout" and a.rollout_correction != "off":
         raise ConfigError(f"algorithm.rollout_correction={a.rollout_correction!r}: with "
                           "algorithm.old_log_probs_from=rollout the old policy is the sampler's, nothing to correct; "
@@ -626,6 +628,8 @@ def _flatten(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
     items = []
     for key, value in tree.items():
         dotted = f"{prefix}{key}"
+        if key in SECTIONS and not prefix and value is None:  # a section whose keys are all commented out
+            continue
         if isinstance(value, dict) and (prefix or key in SECTIONS):
             items.extend(_flatten(value, dotted + "."))
         else:
@@ -634,14 +638,28 @@ def _flatten(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
+    """`section.key=value`: the value read as YAML (numbers, booleans, null), except for
+    a text key, which takes the text as typed (YAML 1.1 made `0755` 493, `12:30` 750 and
+    `1.10` 1.1); null still clears an optional one."""
     if "=" not in text:
         raise ConfigError(f"bad override '{text}': expected key=value, e.g. trainer.total_steps=50")
     key, raw = text.split("=", 1)
+    key = key.strip()
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
-    return key.strip(), value
+    if value is not None and not isinstance(value, str) and _takes_text_only(key):
+        value = raw.strip()
+    return key, value
+
+
+def _takes_text_only(dotted: str) -> bool:
+    section, _, name = dotted.partition(".")
+    if section not in SECTIONS or name not in _section_fields(section):
+        return False
+    allowed = _allowed_types(typing.get_type_hints(type(getattr(Config(), section)))[name])
+    return str in allowed and not {bool, int, float} & set(allowed)
 
 
 def _read_yaml(path: str | Path, what: str) -> dict:
@@ -650,8 +668,10 @@ def _read_yaml(path: str | Path, what: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             tree = yaml.safe_load(f) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{what}: not valid YAML ({str(e).splitlines()[0]})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{what}: not UTF-8 text (a YAML file is)") from None
+    except yaml.YAMLError as e:  # its message, where it says it, names the line and column
+        raise ConfigError(f"{what}: not valid YAML ({' '.join(str(e).split())})") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{what}: top level must be a mapping")
     return tree
@@ -677,12 +697,15 @@ def _default(dotted: str) -> Any:
     return getattr(getattr(Config(), section), name)
 
 
-def _beside(value: Any, folder: Path) -> Any:
-    """`file.py:function` in a recipe file means the file beside the recipe."""
+def _beside(key: str, value: Any, folder: Path) -> Any:
+    """`file.py:function` and a relative `algorithm.graph` in a recipe file mean the file
+    beside the recipe."""
     if isinstance(value, str) and ".py:" in value:
         target, _, fn = value.rpartition(":")
         if not Path(target).expanduser().is_absolute():
             return f"{(folder / target).resolve()}:{fn}"
+    if key == "algorithm.graph" and isinstance(value, str) and not Path(value).expanduser().is_absolute():
+        return str((folder / value).resolve())
     return value
 
 
@@ -696,7 +719,7 @@ def load_recipe(name: str) -> Recipe:
     unknown = sorted(set(tree) - {"description", "paper"} - set(SECTIONS))
     if unknown:
         raise ConfigError(f"{what}: unknown key(s) {unknown} (keys: description, paper, {', '.join(SECTIONS)})")
-    settings = [(k, _beside(v, path.parent)) for k, v in _flatten({k: v for k, v in tree.items() if k in SECTIONS})]
+    settings = [(k, _beside(k, v, path.parent)) for k, v in _flatten({k: v for k, v in tree.items() if k in SECTIONS})]
     probe = Config()
     for key, value in settings:
         if key == "algorithm.name":

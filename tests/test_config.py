@@ -20,6 +20,11 @@ def test_dotted_overrides_are_typed():
     assert cfg.actor.lr == 1e-5
     assert cfg.trainer.save_final is False
     assert cfg.rollout.temperature == 1.0 and isinstance(cfg.rollout.temperature, float)
+    # a text key takes the text as typed: YAML 1.1 read these as an octal, a base-60 number and a float
+    text = load_config(None, ["trainer.output_dir=0755", "trainer.experiment_name=12:30", "trainer.project_name=1.10",
+                              "reward.custom_fn=null"])
+    assert (text.trainer.output_dir, text.trainer.experiment_name, text.trainer.project_name) == ("0755", "12:30", "1.10")
+    assert text.reward.custom_fn is None
 
 
 def test_yaml_file_then_overrides(tmp_path):
@@ -27,6 +32,15 @@ def test_yaml_file_then_overrides(tmp_path):
     path.write_text("algorithm:\n  group_size: 4\ntrainer:\n  total_steps: 7\n")
     cfg = load_config(str(path), ["trainer.total_steps=9"])
     assert cfg.algorithm.group_size == 4 and cfg.trainer.total_steps == 9
+    # a section whose keys are all commented out is empty; a file that is not YAML says where, or that it is not text
+    path.write_text("algorithm:\n  # name: dapo\ntrainer:\n  total_steps: 7\n")
+    assert load_config(str(path)).trainer.total_steps == 7
+    path.write_text("trainer:\n  total_steps: 7\n\tseed: 3\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: not valid YAML \(.*line 3, column 1\)$"):
+        load_config(str(path))
+    path.write_bytes(b"\xc2\x00\xff")
+    with pytest.raises(ConfigError, match=r"c.yaml: not UTF-8 text"):
+        load_config(str(path))
 
 
 @pytest.mark.parametrize("override, fragment", [

@@ -484,7 +484,8 @@ class Trainer:
                 final = metrics["val/accuracy"]
             self._log(metrics)
             self._check_bad_steps(step, metrics)
-            if cfg.trainer.save_every and step % cfg.trainer.save_every == 0 and step != total:
+            last_is_final = step == total and cfg.trainer.save_final  # then its checkpoint is `final`
+            if cfg.trainer.save_every and step % cfg.trainer.save_every == 0 and not last_is_final:
                 self._save(f"step_{step}", step)
             if bar is not None:
                 bar.update(1)

@@ -104,7 +104,8 @@ def test_ray_launcher_run_leaves_summary_plot_checkpoint_and_no_payload(tmp_path
 
 
 def test_any_local_model_parquet_data_custom_reward_and_periodic_checkpoints(tmp_path, random_model_dir):
-    """The non-default path: model.path, verl parquet files, reward.custom_fn, save_every."""
+    """The non-default path: model.path, verl parquet files, reward.custom_fn, save_every
+    without save_final (the last step's step_N was skipped, as if `final` stood for it)."""
     from distflow.data.dataset import write_builtin_parquet
 
     train = write_builtin_parquet(str(tmp_path / "train.parquet"), "arith", "train", 64)
@@ -116,13 +117,13 @@ def test_any_local_model_parquet_data_custom_reward_and_periodic_checkpoints(tmp
     distflow_train([*SMALL, "trainer.total_steps=2", "runtime.launcher=torchrun", "runtime.num_workers=1",
                f"model.path={random_model_dir}", f"data.train_files={train}", f"data.val_files={val}",
                f"reward.custom_fn={tmp_path / 'length_reward.py'}:score", "trainer.save_every=1",
-               f"trainer.output_dir={out}"], tmp_path)
+               "trainer.save_final=false", f"trainer.output_dir={out}"], tmp_path)
     records = run_metrics(out)
     # the custom reward is used for training (an untrained model never solves a problem,
     # but its responses have length), the rule-based accuracy is still reported
     assert records[1]["reward/mean"] > 0 and records[1]["reward/accuracy"] == 0.0
-    assert (out / "checkpoints" / "step_1" / "model.safetensors").exists()
-    assert (out / "checkpoints" / "final" / "model.safetensors").exists()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_1", "step_2"]
+    assert (out / "checkpoints" / "step_2" / "model.safetensors").exists()
 
 
 # Runs on 2 torchrun workers that differ only in their settings share one launch

@@ -197,6 +197,9 @@ def test_tensor_parallelism_is_vllm_only_and_makes_the_replica():
     assert load_config(None, []).algorithm.rollout_correction == "off"  # the HF engine samples the trainer's forward
     assert load_config(None, ["rollout.engine=vllm", "algorithm.rollout_correction=off"]
                        ).algorithm.rollout_correction == "off"
+    # the update's old policy being the engine's own (old_log_probs_from=rollout), auto has nothing to correct
+    assert load_config(None, ["rollout.engine=vllm", "algorithm.old_log_probs_from=rollout"]
+                       ).algorithm.rollout_correction == "off"
 
 
 def test_kl_in_reward_and_remax_add_their_nodes():

@@ -123,7 +123,7 @@ def test_a_cluster_launch_names_local_files_by_absolute_paths(tmp_path, monkeypa
     from distflow.config import load_config
 
     monkeypatch.chdir(tmp_path)
-    for name in ("train.jsonl", "reward.py", "env.py", "graph.yaml"):
+    for name in ("train.jsonl", "reward.py", "env.py", "graph.yaml", "est.py"):
         (tmp_path / name).write_text("")
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
@@ -131,15 +131,22 @@ def test_a_cluster_launch_names_local_files_by_absolute_paths(tmp_path, monkeypa
     cfg = load_config(None, ["data.train_files=train.jsonl,builtin:arith:train", "data.val_files=builtin:arith:test",
                              "model.path=model",
                              "reward.custom_fn=reward.py:score", "rollout.env=env.py:Game",
-                             "rollout.max_turns=2", "algorithm.graph=graph.yaml"])
+                             "rollout.max_turns=2", "algorithm.graph=graph.yaml", "algorithm.estimator=est.py:fn"])
     with_absolute_paths(cfg)
     assert cfg.data.train_files == f"{tmp_path / 'train.jsonl'},builtin:arith:train"
     assert cfg.data.val_files == "builtin:arith:test" and cfg.model.path == str(tmp_path / "model")
     assert cfg.reward.custom_fn == f"{tmp_path / 'reward.py'}:score"
     assert cfg.rollout.env == f"{tmp_path / 'env.py'}:Game" and cfg.algorithm.graph == str(tmp_path / "graph.yaml")
+    assert cfg.algorithm.estimator == f"{tmp_path / 'est.py'}:fn"
     agent = load_config(None, ["rollout.agent=my_pkg.agents:run"])  # a module: no path to make absolute
     with_absolute_paths(agent)
-    assert agent.rollout.agent == "my_pkg.agents:run"
+    assert agent.rollout.agent == "my_pkg.agents:run" and agent.algorithm.estimator == "grpo"
+    # a recipe file's graph is beside the recipe, as its file.py:function values are
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "mine.yaml").write_text("algorithm:\n  graph: g.yaml\n")
+    (tmp_path / "recipes" / "g.yaml").write_text("nodes: []\n")
+    mine = load_config(None, ["algorithm.name=recipes/mine.yaml"])
+    assert mine.algorithm.graph == str(tmp_path / "recipes" / "g.yaml")
 
 
 def test_the_commands_around_a_run_take_what_users_give_them(tmp_path, monkeypatch, capsys):
