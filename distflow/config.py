@@ -365,7 +365,49 @@ def _section_fields(section: str) -> dict[str, dataclasses.Field]:
 
 
 
+# verl's names for keys DistFlow has under another name: an unknown key that is one of them says so
+VERL_KEYS = {
+    "trainer.n_gpus_per_node": "runtime.num_workers (workers over all nodes, one GPU each)",
+    "trainer.nnodes": "runtime.num_workers (workers over all nodes) with runtime.ray_address",
+    "trainer.total_epochs": "trainer.total_steps (training is counted in steps)",
+    "trainer.total_training_steps": "trainer.total_steps",
+    "trainer.test_freq": "trainer.eval_every",
+    "trainer.save_freq": "trainer.save_every",
+    "trainer.default_local_dir": "trainer.output_dir",
+    "trainer.resume_mode": "trainer.resume (auto, off or a checkpoint path)",
+    "data.max_response_length": "rollout.max_new_tokens",
+    "algorithm.adv_estimator": "algorithm.estimator",
+    "actor_rollout_ref.model.path": "model.path",
+    "actor_rollout_ref.actor.optim.lr": "actor.lr",
+    "actor_rollout_ref.actor.ppo_mini_batch_size": "actor.ppo_mini_batch_size",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "actor.micro_batch_size",
+    "actor_rollout_ref.actor.use_dynamic_bsz": "actor.use_dynamic_bsz",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "actor.max_tokens_per_micro_batch",
+    "actor_rollout_ref.actor.ppo_epochs": "actor.ppo_epochs",
+    "actor_rollout_ref.actor.use_kl_loss": "algorithm.use_kl_loss",
+    "actor_rollout_ref.actor.kl_loss_coef": "algorithm.kl_coef",
+    "actor_rollout_ref.actor.kl_loss_type": "algorithm.kl_type",
+    "actor_rollout_ref.actor.entropy_coeff": "algorithm.entropy_coef",
+    "actor_rollout_ref.actor.loss_agg_mode": "algorithm.loss_agg_mode",
+    "actor_rollout_ref.actor.clip_ratio_low": "algorithm.clip_ratio_low",
+    "actor_rollout_ref.actor.clip_ratio_high": "algorithm.clip_ratio_high",
+    "actor_rollout_ref.rollout.n": "algorithm.group_size",
+    "actor_rollout_ref.rollout.name": "rollout.engine (hf or vllm)",
+    "actor_rollout_ref.rollout.temperature": "rollout.temperature",
+    "actor_rollout_ref.rollout.top_p": "rollout.top_p",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": "rollout.tensor_parallel_size",
+    "actor_rollout_ref.rollout.gpu_memory_utilization": "rollout.gpu_memory_utilization",
+    "custom_reward_function.path": "reward.custom_fn=path.py:function",
+    "custom_reward_function.name": "reward.custom_fn=path.py:function",
+}
+
+
 def _set(cfg: Config, dotted: str, value: Any) -> None:
+    if dotted.startswith("+"):
+        raise ConfigError(f"unknown config key '{dotted}': drop the '+' (Hydra's syntax for a new key; "
+                          "DistFlow's keys all exist already)")
+    if dotted in VERL_KEYS:
+        raise ConfigError(f"unknown config key '{dotted}': verl's name; here it is {VERL_KEYS[dotted]}")
     parts = dotted.split(".")
     if parts[0] not in SECTIONS:
         raise ConfigError(f"unknown config key '{dotted}': sections are {', '.join(SECTIONS)}")
@@ -649,9 +691,14 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
+    if isinstance(value, list) and key in COMMA_SEPARATED:  # verl's list syntax: trainer.logger=[jsonl,wandb]
+        value = ",".join(str(v) for v in value)
     if value is not None and not isinstance(value, str) and _takes_text_only(key):
         value = raw.strip()
     return key, value
+
+
+COMMA_SEPARATED = ("data.train_files", "data.val_files", "trainer.logger", "trainer.trace_steps")
 
 
 def _takes_text_only(dotted: str) -> bool:

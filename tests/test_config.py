@@ -25,6 +25,9 @@ def test_dotted_overrides_are_typed():
                               "reward.custom_fn=null"])
     assert (text.trainer.output_dir, text.trainer.experiment_name, text.trainer.project_name) == ("0755", "12:30", "1.10")
     assert text.reward.custom_fn is None
+    # verl's list syntax for the comma-separated keys
+    listed = load_config(None, ["trainer.logger=[jsonl,tensorboard]", "data.val_files=['builtin:arith:test']"])
+    assert (listed.trainer.logger, listed.data.val_files) == ("jsonl,tensorboard", "builtin:arith:test")
 
 
 def test_yaml_file_then_overrides(tmp_path):
@@ -66,6 +69,9 @@ def test_yaml_file_then_overrides(tmp_path):
     ("trainer.trace_steps=2,abc", "trainer.trace_steps='2,abc': 'abc' is not a step"),
     ("trainer.trace_steps=0", "trainer.trace_steps='0': '0' is not a step"),
     ("algorithm.clip_ratio_low=1.0", "algorithm.clip_ratio_low=1.0: must be < 1"),
+    ("actor_rollout_ref.rollout.n=8", "'actor_rollout_ref.rollout.n': verl's name; here it is algorithm.group_size"),
+    ("data.max_response_length=512", "'data.max_response_length': verl's name; here it is rollout.max_new_tokens"),
+    ("+trainer.total_steps=5", "'+trainer.total_steps': drop the '+'"),
     ("data.val_max_samples=0", "data.val_max_samples=0: no held-out rows"),
     ("actor.use_dynamic_bsz=true actor.max_tokens_per_micro_batch=100 data.max_prompt_length=150 "
      "rollout.max_new_tokens=50", "actor.max_tokens_per_micro_batch=100: smaller than the longest sequence a step "
