@@ -63,7 +63,8 @@ class DataConfig:
                                    "of the built-in task train_files names (your own train_files need held-out "
                                    "files named here)")
     train_batch_size: int = _spec(16, min=1, doc="prompts per step, over all workers")
-    val_max_samples: int = _spec(256, min=-1, doc="held-out rows, spread evenly over val_files' rows; -1: all of them (verl's default)")
+    val_max_samples: int = _spec(256, min=-1, doc="held-out rows: a sample of val_files' rows drawn with a fixed seed "
+                                                  "(the same rows every run); -1: all of them (verl's default)")
     max_prompt_length: int = _spec(192, min=1, doc="tokens; see on_long_prompt")
     on_bad_row: str = _spec("error", choices=("error", "skip"),
                             doc="a malformed row: stop naming file and row, or skip it (counted, replaced)")
@@ -601,6 +602,11 @@ def _validate_cross(cfg: Config) -> None:
     if batch % (n_workers // size):
         raise ConfigError(f"data.train_batch_size={batch}: must be divisible by the number of rollout "
                           f"replicas, runtime.{workers} / rollout.replica_size = {n_workers // size}")
+    per_replica = batch // (n_workers // size) * cfg.algorithm.group_size
+    if per_replica < size:
+        raise ConfigError(f"rollout.replica_size={size}: a replica's {per_replica} sequences a step (data.train_batch_size"
+                          f" / replicas x algorithm.group_size) leave a member without any; raise the batch or group "
+                          "size, or use a smaller replica")
     if cfg.runtime.placement == "disaggregated" and batch % cfg.runtime.train_workers:
         raise ConfigError(f"data.train_batch_size={batch}: must be divisible by runtime.train_workers="
                           f"{cfg.runtime.train_workers} (the train side's loader splits each step's prompts evenly)")

@@ -72,6 +72,8 @@ def test_yaml_file_then_overrides(tmp_path):
     ("actor_rollout_ref.rollout.n=8", "'actor_rollout_ref.rollout.n': verl's name; here it is algorithm.group_size"),
     ("data.max_response_length=512", "'data.max_response_length': verl's name; here it is rollout.max_new_tokens"),
     ("+trainer.total_steps=5", "'+trainer.total_steps': drop the '+'"),
+    ("runtime.num_workers=8 rollout.replica_size=4 data.train_batch_size=2 actor.ppo_mini_batch_size=2 "
+     "algorithm.group_size=1", "rollout.replica_size=4: a replica's 1 sequences a step"),
     ("data.val_max_samples=0", "data.val_max_samples=0: no held-out rows"),
     ("actor.use_dynamic_bsz=true actor.max_tokens_per_micro_batch=100 data.max_prompt_length=150 "
      "rollout.max_new_tokens=50", "actor.max_tokens_per_micro_batch=100: smaller than the longest sequence a step "

@@ -275,8 +275,9 @@ class _Assembler:
     disjoint subset of `ids`): every piece's rows are copied once, straight to their final
     positions, into memory reused from earlier batches (`host_buffers`). Fields of
     different widths (dimension 1) are padded with 0 to the widest, on the left
-    for LEFT_PADDED fields (as `Batch.concat` does); a piece wider than the ones before it
-    widens that field (one more copy of it)."""
+    for LEFT_PADDED fields, and of different dtypes promoted (as `Batch.concat` does); a
+    piece wider than the ones before it, or of a wider dtype, widens that field (one more
+    copy of it)."""
 
     def __init__(self, ids: list[int]):
         self.ids = ids
@@ -307,6 +308,11 @@ class _Assembler:
             self.tensors = dict(zip(piece.tensors, carve(BUFFERS.take(carved_bytes(shapes)), shapes)))
         for name, part in piece.tensors.items():
             out = self.tensors[name]
+            if part.dtype != out.dtype:  # promoted, as torch.cat does (0/1 rewards as int64 on one rank)
+                dtype = torch.promote_types(out.dtype, part.dtype)
+                if dtype != out.dtype:
+                    out = self.tensors[name] = out.to(dtype)
+                part = part.to(dtype)
             if part.dim() >= 2 and part.shape[1] > out.shape[1]:
                 wider = torch.zeros((n, *part.shape[1:]), dtype=out.dtype)
                 self._columns(wider, out.shape[1], name).copy_(out)

@@ -207,11 +207,18 @@ def _stay_put(dst: Layout, samples: SampleTable, balance: str, equal_count: bool
     group_of = group[np.searchsorted(samples.holder_row, np.arange(len(samples.ids)))]
     if not np.array_equal(group, group_of[samples.holder_row]):
         return None  # a sample held in two groups
-    if balance != "none" and _largest_bin(group_of, samples.lens, dst.dp_size) > \
-            _bound(dst, samples.lens) * (1.0 + tolerance):
+    if balance != "none" and (_largest_bin(group_of, samples.lens, dst.dp_size) >
+                              _bound(dst, samples.lens) * (1.0 + tolerance) or not _fills(group_of, dst.dp_size)):
         return None
     bins = [samples.ids[rows].tolist() for rows in _rows_by_label(group_of, dst.dp_size)]
     return ReshardPlan(bins, _NO_MOVES, samples)
+
+
+def _fills(bin_of: np.ndarray, k: int) -> bool:
+    """Every one of the k bins gets a sample (a training rank with none has no row to run
+    its lockstep passes on). Staying put, or a repair, within the token bound can leave
+    one empty where a sample is longer than a bin's share."""
+    return bool(np.bincount(bin_of, minlength=k).min() > 0)
 
 
 def _bound(dst: Layout, lens: np.ndarray) -> int:
@@ -273,16 +280,17 @@ def _plan(src: Layout, dst: Layout, samples: SampleTable, balance: str, equal_co
     bound = _bound(dst, samples.lens)
     stay = _locality_bins(votes, samples.lens, equal_count, limit=bound * (1.0 + tolerance))
     group_of, stay_largest = stay, _largest_bin(stay, samples.lens, dst.dp_size)
-    if balance != "none" and stay_largest > bound * (1.0 + tolerance):
+    filled = _fills(stay, dst.dp_size)
+    if balance != "none" and (stay_largest > bound * (1.0 + tolerance) or not filled):
         repaired = None if equal_count else _repaired(stay, lens, dst.dp_size, bound * (1.0 + tolerance))
-        if repaired is not None:  # a few samples moved, the rest stays: within the tolerance of the bound
+        if repaired is not None and _fills(repaired, dst.dp_size):  # a few samples moved, the rest stays
             return _route(_match_bins(repaired, votes, samples.lens), dst, samples)
         split = karmarkar_karp if balance == "kk" else greedy_lpt
         balanced = np.empty(len(lens), dtype=np.int64)
         for b, rows in enumerate(split(lens, dst.dp_size, equal_count)):
             balanced[rows] = b
-        # Staying put costs no bytes, so the balancer must be strictly better to win.
-        if _largest_bin(balanced, samples.lens, dst.dp_size) * (1.0 + tolerance) < stay_largest:
+        # Staying put costs no bytes, so the balancer must be strictly better to win (or fill a bin).
+        if not filled or _largest_bin(balanced, samples.lens, dst.dp_size) * (1.0 + tolerance) < stay_largest:
             group_of = balanced
     return _route(_match_bins(group_of, votes, samples.lens), dst, samples)
 

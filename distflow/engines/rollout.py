@@ -216,7 +216,9 @@ class HFRolloutEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seeds: list[int] | None, params: SamplingParams) -> Batch:
         """The RolloutEngine contract: prompts, responses, masks and the engine's log-prob
-        of each sampled token."""
+        of each sampled token (an empty batch for no prompts)."""
+        if not prompts:
+            return Batch()
         chunks = []
         device = next(self.model.parameters()).device
         cast = (contextlib.nullcontext() if self.compute_dtype == torch.float32 else

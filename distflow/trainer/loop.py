@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import sys
 import threading
 import time
@@ -245,11 +246,12 @@ def heldout_rows(cfg: Config, tokenizer, images: ImagePrompter | None, rank: int
     """This worker's held-out rows and their prompt ids, under the bad-row policy (a bad
     row is dropped, not replaced), and how many rows were chosen of how many in the files
     (`rows_chosen`, `rows_in_files`). The rows are
-    data.val_max_samples of them (-1: all) spread evenly over the files, every world-th
-    of those here."""
+    data.val_max_samples of them (-1: all), a sample of the files' rows drawn with a fixed
+    seed (the same rows for every run, and no stride that a file's order could alias with),
+    in file order, every world-th of those here."""
     data = ShardedDataset(cfg.data.val_files)
     wanted = len(data) if cfg.data.val_max_samples < 0 else min(len(data), cfg.data.val_max_samples)
-    indices = [i * len(data) // wanted for i in range(wanted)][rank::world]
+    indices = sorted(random.Random(0).sample(range(len(data)), wanted))[rank::world]
     encode = partial(nodes.encode_prompt, tokenizer, images=images, max_image_pixels=cfg.data.max_image_pixels)
     taken, _ = PromptReader(data, cfg.data.max_prompt_length, cfg.data.on_bad_row, cfg.data.on_long_prompt
                             ).take(indices, encode, replace=False)

@@ -239,8 +239,11 @@ def greedy_baseline(ctx: WorkerContext, batch: Batch) -> Batch:
         first.setdefault(group, row)
     rows = list(first.values())
     prompts = unpad_prompts(batch.select(rows))
+    # every rank asks, with no rows too (a rank the filter emptied): a tensor-parallel engine gathers its replica's
     out = ctx.rollout.generate(prompts, None, SamplingParams(max_new_tokens=ctx.cfg.rollout.max_new_tokens,
                                                              greedy=True))
+    if not rows:
+        return Batch({"baseline_scores": torch.zeros(0, dtype=torch.float32)})
     out.meta.update({k: [batch[k][i] for i in rows] for k in ("ground_truth", "data_source", "extra_info")})
     scores, _, _ = score_responses(ctx.tokenizer, out, ctx.reward_fn, ctx.reward_fn)
     a = ctx.cfg.algorithm
@@ -394,7 +397,8 @@ def _mini_batches(ctx: WorkerContext, batch: Batch, engine, make_loss, prefix: s
     do not depend on the number of workers or the layout."""
     cfg, acc = ctx.cfg, ctx.acc
     num_minibatches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
-    updates = num_minibatches * cfg.actor.ppo_epochs
+    losses: dict[str, float] = {}  # summed over the updates that ran (a mini-batch with no tokens anywhere is skipped)
+    updates = 0
     for _ in range(cfg.actor.ppo_epochs):
         for index in range(num_minibatches):
             mini = batch.select((batch["mini_batch"] == index).nonzero().flatten())
@@ -407,15 +411,18 @@ def _mini_batches(ctx: WorkerContext, batch: Batch, engine, make_loss, prefix: s
             micro = micro_batches(mini, cfg)
             acc.add(f"{prefix}/micro_batches", float(len(micro)), 1.0)  # per update, the same on every rank
             sums = engine.train_mini_batch(mini, micro, make_loss(num_tokens, num_seqs))
+            updates += 1
             for name, value in sums.items():
                 if name.endswith("_loss"):
-                    acc.add_total(f"{prefix}/{name}", value / updates)
+                    losses[name] = losses.get(name, 0.0) + value
                 elif name in ("grad_norm", "skipped"):  # identical on every rank
                     acc.add(f"{prefix}/{name}_updates" if name == "skipped" else f"{prefix}/{name}", value, 1.0)
                 elif name.endswith("_max"):  # the largest over micro-batches, then over ranks
                     acc.add_max(name if "/" in name else f"{prefix}/{name}", value)
                 elif name != "tokens":
                     acc.add(name if "/" in name else f"{prefix}/{name}", value, sums["tokens"])
+    for name, total in losses.items():  # the mean over the updates that ran, the same count on every rank
+        acc.add_total(f"{prefix}/{name}", total / updates)
 
 
 def actor_update(ctx: WorkerContext, batch: Batch) -> None:

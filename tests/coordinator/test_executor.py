@@ -171,6 +171,14 @@ def test_assembler_places_pieces_in_any_order_and_pads_like_concat():
         assert set(got.tensors) == set(expected.tensors) and got.meta == expected.meta
         for k, v in expected.tensors.items():
             assert torch.equal(got[k], v), (case, k)
+    # a field whose dtype differs between pieces (a user node's 0/1 rewards as int64 on one rank) is
+    # promoted, whichever piece comes first and whether rows land as a block or scattered
+    for first, second in ((0, 1), (1, 0)):
+        pieces = [(Batch({"scores": torch.tensor([1, 0])}, {}), [1, 3]), (Batch({"scores": torch.tensor([0.5])}, {}), [2])]
+        mixed = _Assembler([1, 2, 3])
+        for piece, piece_ids in (pieces[first], pieces[second]):
+            mixed.add(piece, piece_ids)
+        assert mixed.result(0)["scores"].tolist() == [1.0, 0.5, 0.0]
     partial = _Assembler([1, 2, 3])
     partial.add(Batch({"scores": torch.ones(2)}, {}), [3, 1])
     with pytest.raises(AssertionError, match="assembled 2 of the 3 samples"):

@@ -552,3 +552,26 @@ def test_distinct_vote_rows_match_a_plain_grouping_even_when_two_share_a_key():
         assert patterns.tolist() == [list(t) for t in sorted(set(map(tuple, dense.tolist())), key=lambda t: t[::-1])]
         assert patterns[index].tolist() == dense.tolist()
     assert len(patterns) == 3  # the colliding rows stayed apart
+
+
+@pytest.mark.parametrize("balance", ["kk", "lpt"])
+def test_no_training_rank_is_left_without_a_sample(balance):
+    """A rank that holds nothing (its groups filtered out) stayed empty where one sample
+    is longer than a rank's share of the tokens: staying put was within the bound, and
+    its training nodes then had no row for their lockstep passes (the step crashed there
+    while the other ranks waited)."""
+    lay = Layout(2)
+    plan = plan_reshard(lay, lay, {0: [0, 1, 2], 1: []}, {0: 1000, 1: 10, 2: 10}, balance=balance, tolerance=0.02)
+    assert all(plan.holdings(2)[r] for r in range(2)) and sorted(plan.holdings(2)[0] + plan.holdings(2)[1]) == [0, 1, 2]
+    # 8 ranks, 4 of them emptied, one sample of 4,200 tokens among groups of 250-450
+    rng = random.Random(0)
+    holdings, lengths, sample = {r: [] for r in range(8)}, {}, 0
+    for r in range(4):
+        for _ in range(8):
+            holdings[r].append(sample)
+            lengths[sample] = rng.randint(250, 450)
+            sample += 1
+    lengths[5] = 4200
+    lay = Layout(8)
+    plan = plan_reshard(lay, lay, holdings, lengths, balance=balance, tolerance=0.02)
+    assert all(plan.holdings(8)[r] for r in range(8))

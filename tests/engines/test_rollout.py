@@ -29,6 +29,7 @@ def test_sampling_is_placement_invariant(random_model_dir):
     assert torch.equal(again["responses"], together["responses"])
     other = engine.generate(prompts, [s + 1 for s in seeds], params)
     assert not torch.equal(other["responses"], together["responses"])
+    assert len(engine.generate([], [], params)) == 0  # a rank with no prompts (it failed in Batch.concat)
 
 
 def test_rows_sharing_a_prompt_prefill_it_once_and_sample_as_alone(random_model_dir):

@@ -188,6 +188,9 @@ def test_greedy_baseline_scores_one_greedy_response_per_group():
     shaped = StepCtx({}, "rollout.max_new_tokens=2", "algorithm.overlong_buffer_len=2",
                      "algorithm.overlong_penalty_factor=1.0", rollout=Engine(), tokenizer=Tokenizer(), reward_fn=reward_fn)
     assert nodes.greedy_baseline(shaped, batch)["baseline_scores"].tolist() == [0.5, 0.5, -0.5, -0.5]
+    # a rank the filter left without rows still asks (a tensor-parallel engine gathers its replica's prompts)
+    empty = nodes.greedy_baseline(ctx, batch.select([]))
+    assert engine.calls[-1] == ([], None, True) and empty["baseline_scores"].shape == (0,)
 
 
 def test_a_row_drawn_twice_in_one_step_samples_anew():
@@ -210,3 +213,19 @@ def test_a_row_drawn_twice_in_one_step_samples_anew():
     first = [i for i, d in enumerate(step["draw"]) if d == [0, 0]]
     assert [nodes.sample_seeds(cfg, 2, step)[i] for i in first] == \
         [sample_seed(cfg.trainer.seed, 2, step["uid"][i], step["sample_k"][i]) for i in first]
+
+
+def test_the_loss_metric_is_the_mean_over_the_updates_that_ran():
+    """Two mini-batches, the second's responses all empty (a refill's renumbering or a
+    filter can leave one so): it is skipped, and the loss shown is the one update's, not
+    half of it."""
+    class Engine:
+        def train_mini_batch(self, mini, micro, loss_fn):
+            return {"pg_loss": 3.0, "grad_norm": 1.0, "tokens": float(mini["response_mask"].sum())}
+
+    ctx = StepCtx({}, "data.train_batch_size=2", "actor.ppo_mini_batch_size=1", "algorithm.group_size=1")
+    batch = Batch({"prompts": torch.ones(2, 2, dtype=torch.long), "prompt_mask": torch.ones(2, 2, dtype=torch.long),
+                   "response_mask": torch.tensor([[1, 1], [0, 0]]), "mini_batch": torch.tensor([0, 1])})
+    nodes._mini_batches(ctx, batch, Engine(), lambda tokens, seqs: None, "actor")
+    metrics = ctx.acc.reduce()
+    assert metrics["actor/pg_loss"] == 3.0 and metrics["actor/grad_norm"] == 1.0
