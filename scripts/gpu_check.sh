@@ -5,8 +5,8 @@
 #
 #   bash scripts/gpu_check.sh            # OUT=folder keeps the logs and run folders there
 #
-# Runs: the default task for 10 steps with rollout.engine=hf and =vllm, 1 worker and 2
-# workers sharing the GPU; the engines benchmark (HF vs vLLM tokens/s, start-up, weight
+# Runs: the default task for 10 steps with rollout.engine=hf and =vllm, on 1 worker, and on
+# 2 where the machine has 2 GPUs (a worker needs a GPU of its own); the engines benchmark (HF vs vLLM tokens/s, start-up, weight
 # sync per 100 MB); a worker SIGKILLed mid-step under NCCL (Ray and torchrun), which must
 # be reported within 30 s. Per run: held-out accuracy before/after, tokens/s, mean
 # weight-sync seconds and the peak GPU memory torch allocated in a step (metrics perf/gpu_peak_allocated_gb).
@@ -55,11 +55,15 @@ note "install: $(( $(date +%s) - start )) s; $(python -c 'import torch, vllm; pr
 TRAIN=(trainer.total_steps=10 trainer.eval_every=10 trainer.progress=false trainer.save_final=false
        runtime.device=cuda)
 step hf-1w 150 distflow train "${TRAIN[@]}" runtime.num_workers=1 trainer.output_dir="$OUT/hf-1w"
-step hf-2w 150 distflow train "${TRAIN[@]}" runtime.num_workers=2 trainer.output_dir="$OUT/hf-2w"
 step vllm-1w 180 distflow train "${TRAIN[@]}" rollout.engine=vllm rollout.gpu_memory_utilization=0.3 \
     runtime.num_workers=1 trainer.output_dir="$OUT/vllm-1w"
-step vllm-2w 180 distflow train "${TRAIN[@]}" rollout.engine=vllm rollout.gpu_memory_utilization=0.2 \
-    runtime.num_workers=2 trainer.output_dir="$OUT/vllm-2w"
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    step hf-2w 150 distflow train "${TRAIN[@]}" runtime.num_workers=2 trainer.output_dir="$OUT/hf-2w"
+    step vllm-2w 180 distflow train "${TRAIN[@]}" rollout.engine=vllm rollout.gpu_memory_utilization=0.3 \
+        runtime.num_workers=2 trainer.output_dir="$OUT/vllm-2w"
+else
+    note "hf-2w, vllm-2w: not run (one GPU; runtime.device=cuda gives each worker a GPU of its own)"
+fi
 step engines 150 distflow bench engines --quick --json "$OUT/engines.jsonl"
 step worker-killed 150 python -m pytest -q -p no:cacheprovider tests/trainer/test_failures.py \
     -k "sigkilled_worker_is_named or torchrun_worker_killed"
@@ -72,7 +76,8 @@ out = Path(sys.argv[1])
 for name in ("hf-1w", "hf-2w", "vllm-1w", "vllm-2w"):
     folder = out / name
     if not (folder / "summary.json").exists():
-        print(f"{name}: no summary (see {out / name}.log)")
+        if (out / f"{name}.log").exists():
+            print(f"{name}: no summary (see {out / name}.log)")
         continue
     s = json.loads((folder / "summary.json").read_text())
     steps = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]

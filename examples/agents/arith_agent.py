@@ -1,11 +1,11 @@
-"""An agent written against the OpenAI client, trained by DistFlow (README: agents):
+"""An agent written against the OpenAI client, trained by DistFlow (README: Multi-turn rollouts with tools):
 
     distflow train rollout.agent=examples/agents/arith_agent.py:run rollout.max_turns=2 \
         rollout.max_total_tokens=96
 
 It asks the row's question; when the reply has no `#### <answer>` line it asks once more
-for one. Its reward is the task's own rule on the last reply. Nothing here knows about
-DistFlow: the same function runs against any OpenAI-compatible server.
+for one. Its reward is the task's own rule on the last reply (DistFlow's scorer, the one
+import from it); the agent itself runs against any OpenAI-compatible server.
 """
 
 from __future__ import annotations
