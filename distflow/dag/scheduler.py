@@ -316,7 +316,23 @@ class Scheduler:
                 self.timed(f"{node.name}_refill", lambda: self._refill(ctx, store, node))
                 self._placed = None
             return
-        store.replace(store.all().select(keep[node.outputs[0]].bool().nonzero().flatten()))
+        kept = keep[node.outputs[0]].bool()
+        if top_level and "response_mask" in store and self._too_few_to_train(node, kept):
+            # Fewer rows kept over all workers than training ranks, each of which needs one: the rows
+            # stay, the dropped ones with no response tokens, so the update trains on the kept ones alone
+            # (none: no update), as one worker does with the kept rows.
+            mask = store.all().tensors["response_mask"]
+            store.all().tensors["response_mask"] = mask * kept.unsqueeze(-1).to(mask.dtype)
+            self.counters[f"{node.name}/masked_instead_of_dropped"] = 1.0
+            return
+        store.replace(store.all().select(kept.nonzero().flatten()))
+
+    def _too_few_to_train(self, node: Node, kept: torch.Tensor) -> bool:
+        """Whether the rows kept over all workers (a replica's counted once) are fewer than
+        the training layout's ranks: a collective, on every worker alike."""
+        if self.placement.train.world_size == 1:
+            return False
+        return all_reduce_int(int(kept.sum()) if self._counts_rows(node) else 0) < self.placement.train.dp_size
 
     def _refill(self, ctx: Any, store: LocalStore, node: Node) -> None:
         """Re-run the filter's ancestors on new prompts until enough groups pass over all

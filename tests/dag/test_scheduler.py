@@ -252,3 +252,44 @@ def test_a_refill_counts_and_chooses_each_group_once_where_a_replica_s_members_a
     assert [groups for groups, _ in alone] == [[1, 11], [3, 13]]
     assert [groups for groups, _ in shared] == [[1, 3, 11, 13]] * 2
     assert all(counters == {"f/refill_rounds": 1.0, "f/passed_groups": 4.0} for _, counters in alone + shared)
+
+
+def _keep_the_first_row_of_rank_0(ctx, batch):
+    return Batch({"keep": batch["sample_id"] == 0})
+
+
+def _keep_none(ctx, batch):
+    return Batch({"keep": batch["sample_id"] < 0})
+
+
+def _response_tokens(ctx, batch):
+    return Batch({"n": batch["response_mask"].sum(-1)})
+
+
+def _filter_leaving_fewer_rows_than_ranks(rank, world, keep):
+    """Each rank holds 4 rows; the filter keeps `keep` rows over both ranks, then a node
+    runs in the training layout."""
+    g = Graph([Node(name="f", role="filter", fn=keep, inputs=("sample_id",), outputs=("keep",)),
+               Node(name="t", role="custom", fn=_response_tokens, inputs=("response_mask",), outputs=("n",),
+                    layout="train")],
+              ["x", "group", "prompt_mask", "sample_id", "response_mask"])
+    store = LocalStore()
+    ids = torch.arange(4) + 4 * rank
+    store.put(Batch({"x": ids.float(), "group": ids // 2, "prompt_mask": torch.ones(4, 2, dtype=torch.long),
+                     "sample_id": ids, "response_mask": torch.ones(4, 3, dtype=torch.long)}))
+    sched = Scheduler(g, placement=Placement(Layout(world), Layout.data_parallel(world)), overlap=False)
+    try:
+        sched.run(Ctx(), store, step=1)
+    finally:
+        sched.close()
+    return len(store), int(store.get("n")["n"].sum()), sched.counters
+
+
+@pytest.mark.parametrize("keep, tokens", [(_keep_the_first_row_of_rank_0, 3), (_keep_none, 0)])
+def test_a_filter_that_keeps_fewer_rows_than_training_ranks_masks_the_others(keep, tokens):
+    """One row (or none) kept over 2 ranks: the move to the training layout could not give
+    each rank a row and the run stopped. The rows stay, the dropped ones without response
+    tokens, so the update trains on the kept row alone (none: no update), as one worker does."""
+    ranks = run_gloo(_filter_leaving_fewer_rows_than_ranks, 2, keep)
+    assert sum(rows for rows, _, _ in ranks) == 8 and sum(n for _, n, _ in ranks) == tokens
+    assert all(counters == {"f/masked_instead_of_dropped": 1.0} for _, _, counters in ranks)
