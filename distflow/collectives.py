@@ -14,6 +14,11 @@ import torch
 import torch.distributed as dist
 
 
+def is_first_rank() -> bool:
+    """Rank 0, or the only process: where a value every rank holds alike is counted once."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def all_reduce_sum(*values: float) -> list[float]:
     """Every rank's `values` summed element-wise, in float64."""
     t = torch.tensor(values, dtype=torch.float64)

@@ -539,7 +539,7 @@ def _pack_sends(plan: ReshardPlan, batch: Batch, row_of: dict[int, int], rank: i
         if got is not None:
             packing.fill(got[1])
             sizes[peer, 1:] = torch.tensor([packing.nbytes, got[0]])
-            stats.shm_sent += packing.nbytes
+            stats.shm_sent += packing.nbytes - packing.start  # the payload's part, as payload_sent counts it
         else:
             wired[peer] = packing
             sizes[peer, 0] = packing.nbytes

@@ -71,8 +71,12 @@ def _scored(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[l
     out.meta.update({"ground_truth": [r.ground_truth for r in rows], "data_source": [r.data_source for r in rows],
                      "extra_info": [r.extra_info for r in rows]})
     rewards, correct, _ = score_responses(tokenizer, out, reward_fn, accuracy_fn)
-    lengths = out["response_mask"].sum(-1)
-    ended = (out["responses"] == tokenizer.eos_token_id).any(-1)
+    mask = out["response_mask"]
+    lengths = mask.sum(-1)
+    # ended: the last generated token is the end of sequence (an earlier turn's end does not end an episode
+    # whose last turn was cut; padding after the response is not the model's)
+    last = (mask.cumsum(-1) == lengths.unsqueeze(-1)) & mask.bool()
+    ended = ((out["responses"] == tokenizer.eos_token_id) & last).any(-1)
     return rewards, correct, lengths, ended
 
 

@@ -466,10 +466,12 @@ class Trainer:
         else:  # resumed: the held-out numbers so far come from the checkpoint's metrics
             vals = [r["val/accuracy"] for r in self.history if "val/accuracy" in r] or [float("nan")]
             initial, final = vals[0], vals[-1]
-        bar = self._progress_bar(total)
-        if bar is not None:
-            bar.update(self.start_step)
-        tokens, train_seconds, ready = 0.0, 0.0, time.perf_counter()
+        bar = self._progress_bar(total, self.start_step)
+        # the steps a resumed run restored count in its throughput as they did when they ran
+        done = [r for r in self.history if "time/step" in r]
+        tokens = sum(r["tokens/total"] for r in done)
+        train_seconds = sum(r["time/step"] + r.get("time/wait_for_samples", 0.0) for r in done)
+        ready = time.perf_counter()
         # the next step's prompts are read and tokenised while this step computes
         for index, seqs in DoubleBuffer(lambda i: self.prepare(first + i), max(total - self.start_step, 0)):
             step = first + index
@@ -557,12 +559,13 @@ class Trainer:
                             if self.ctx.reward_kl is not None else None,
                             image_processor=self.prompts.images.processor if self.prompts.images else None)
 
-    def _progress_bar(self, total: int):
+    def _progress_bar(self, total: int, done: int):
+        """`done`: the steps a resumed run restored, which the rate and ETA leave out."""
         if not self.progress:
             return None
         from tqdm import tqdm
 
-        return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+        return tqdm(total=total, initial=done, desc="train", unit="step", dynamic_ncols=True)
 
 
 def run_worker(cfg_dict: dict, run_dir: str, progress: bool = False, relay=None) -> dict:

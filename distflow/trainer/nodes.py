@@ -34,7 +34,7 @@ from distflow.algos import core, kl
 from distflow.algos.correction import rollout_correction
 from distflow.algos.estimators import ADV_ESTIMATORS, ESTIMATOR_INFO, AdvantageInputs, Estimator, EstimatorInfo
 from distflow.algos.estimators import estimator_info, get_adv_estimator
-from distflow.collectives import all_reduce_sum
+from distflow.collectives import all_reduce_sum, is_first_rank
 from distflow.config import Config, response_token_budget
 from distflow.coordinator.microbatch import local_micro_batches, plan_micro_batches
 from distflow.data.batch import Batch, prompt_and_response_lengths
@@ -201,6 +201,9 @@ def reward(ctx: WorkerContext, batch: Batch) -> Batch:
     for given in ("agent_scores", "env_scores"):  # rollout.agent's return value / reward.from_env's sum of
         if given in batch:                       # the environment's rewards is the reward; accuracy as always
             scores, status = batch[given], torch.zeros_like(status)
+    if ctx.counts_rows:  # every sample scored, a refill round's and those a filter drops later too
+        ctx.acc.add_total("reward/failed", float((status == FAILED).sum()))
+        ctx.acc.add_total("reward/timed_out", float((status == TIMED_OUT).sum()))
     return Batch({"scores": scores, "accuracy": correct, "reward_status": status})
 
 
@@ -415,8 +418,11 @@ def _mini_batches(ctx: WorkerContext, batch: Batch, engine, make_loss, prefix: s
             for name, value in sums.items():
                 if name.endswith("_loss"):
                     losses[name] = losses.get(name, 0.0) + value
-                elif name in ("grad_norm", "skipped"):  # identical on every rank
-                    acc.add(f"{prefix}/{name}_updates" if name == "skipped" else f"{prefix}/{name}", value, 1.0)
+                elif name == "grad_norm":  # identical on every rank; a skipped update's (non-finite) is left out
+                    if not sums["skipped"]:
+                        acc.add(f"{prefix}/grad_norm", value, 1.0)
+                elif name == "skipped":  # a count, from one rank (the same on every rank)
+                    acc.add_total(f"{prefix}/skipped_updates", value if is_first_rank() else 0.0)
                 elif name.endswith("_max"):  # the largest over micro-batches, then over ranks
                     acc.add_max(name if "/" in name else f"{prefix}/{name}", value)
                 elif name != "tokens":
@@ -442,16 +448,14 @@ def record_rollout_metrics(batch: Batch, acc: MeanAccumulator, episodes: bool = 
     reward_field = "shaped_scores" if "shaped_scores" in batch else "scores"
     acc.add("reward/mean", float(batch[reward_field].sum()) if n else 0.0, n)
     acc.add("reward/accuracy", float(batch["accuracy"].sum()) if n else 0.0, n)
-    lengths = batch["response_mask"].sum(-1).float() if n else torch.zeros(1)
+    # a response's tokens: a multi-turn episode's tool and environment tokens too, as the forward sees them
+    lengths = torch.tensor([r for _, r in prompt_and_response_lengths(batch)] if n else [0], dtype=torch.float32)
     acc.add("response/length_mean", float(lengths.sum()), n)
     acc.add_max("response/length_max", float(lengths.max()))
     acc.add_total("tokens/total", float(lengths.sum() + (batch["prompt_mask"].sum() if n else 0)))
     if "pixel_values" in batch:  # a VLM's: the bytes the step's images take in the batch (padded per sample)
         acc.add_total("images/batch_bytes", float(sum(batch[f].numel() * batch[f].element_size()
                                                       for f in IMAGE_FIELDS)))
-    status = batch["reward_status"] if n else torch.zeros(0)
-    acc.add_total("reward/failed", float((status == FAILED).sum()))
-    acc.add_total("reward/timed_out", float((status == TIMED_OUT).sum()))
     if episodes:  # multi-turn: turns (or an agent's calls) per sample, tool calls, errors and timeouts of the step
         acc.add("turns/mean", float(batch["num_turns"].sum()) if n else 0.0, n)
         for name in (*EPISODE_COUNTS, "agent_tool_calls", "agent_failed"):

@@ -346,6 +346,7 @@ def test_reused_slots_a_full_shm_and_an_unsatisfiable_plan(tmp_path):
         assert not leftovers, leftovers  # names are unlinked once mapped
         assert all(r["payload"] > 0 for r in rounds)
         assert all(r["shm_sent"] > 0 for r in rounds[:4])
+        assert all(r["shm_sent"] == r["payload"] for r in rounds[:4])  # one host: all of it (not the headers too)
         assert not rounds[2]["slots_unchanged"] and rounds[3]["slots_unchanged"]  # round 2 grew them
         if mounted:  # 64 KiB of /dev/shm cannot hold the last round: it went over the wire
             assert rounds[4]["shm_sent"] < rounds[4]["payload"]

@@ -79,6 +79,38 @@ def test_mean_and_pass_at_k_and_slices_by_hand():
     assert lines[-1] == "3 prompts; greedy responses: 10.3 tokens on average, at most 16, 33.3% cut at the token limit"
 
 
+class EpisodeEngine:
+    """Two episodes of a turn, a tool's reply (observation) and a second turn: the first ends its
+    last turn with EOS, the second's last turn is cut at the budget."""
+
+    weight_version, tensor_parallel_size = 0, 1
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+
+    def generate(self, prompts, seeds, params):
+        eos, word = self.tok.eos_token_id, self.tok("#### 4", add_special_tokens=False)["input_ids"]
+        rows = [word + [eos] + [7, 7] + word + [eos], word + [eos] + [7, 7] + word + word]
+        width = max(map(len, rows))
+        resp = torch.tensor([r + [self.tok.pad_token_id] * (width - len(r)) for r in rows])
+        mask = torch.zeros_like(resp)
+        for i, r in enumerate(rows):
+            mask[i, :len(r)] = 1
+            mask[i, len(word) + 1: len(word) + 3] = 0  # the tool's tokens
+        p, m = left_pad(prompts, self.tok.pad_token_id)
+        return Batch({"prompts": p, "prompt_mask": m, "responses": resp, "response_mask": mask})
+
+
+def test_a_multi_turn_episode_is_cut_where_its_last_turn_is():
+    """An earlier turn's EOS made every episode count as ended: the clip ratio of a
+    multi-turn evaluation read 0 whatever the budget cut."""
+    tok = build_tokenizer()
+    runner = RewardRunner(None, 0)
+    report = evaluate(EpisodeEngine(tok), tok, [_row(0, 4, 1, "a"), _row(1, 4, 1, "a")], [[5, 6]] * 2, runner, runner,
+                      EvalSettings(max_new_tokens=32))
+    assert report["response_length/clip_ratio"] == 0.5
+
+
 def test_the_configured_reward_is_reported_beside_accuracy_which_takes_full_marks(tmp_path):
     """A custom reward (a letter answer the rule-based scorer cannot read) is the report's
     `reward`; a code answer passing 1 of 2 tests is not accurate (its reward is 0.5)."""

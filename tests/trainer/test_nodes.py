@@ -216,16 +216,55 @@ def test_a_row_drawn_twice_in_one_step_samples_anew():
 
 
 def test_the_loss_metric_is_the_mean_over_the_updates_that_ran():
-    """Two mini-batches, the second's responses all empty (a refill's renumbering or a
-    filter can leave one so): it is skipped, and the loss shown is the one update's, not
-    half of it."""
+    """Four mini-batches, the second's responses all empty (a refill's renumbering or a
+    filter can leave one so): it is skipped, and the loss shown is the mean of the updates
+    that ran; an update skipped for a non-finite gradient is counted, and its norm is not
+    averaged in."""
     class Engine:
-        def train_mini_batch(self, mini, micro, loss_fn):
-            return {"pg_loss": 3.0, "grad_norm": 1.0, "tokens": float(mini["response_mask"].sum())}
+        def __init__(self):
+            self.calls = 0
 
-    ctx = StepCtx({}, "data.train_batch_size=2", "actor.ppo_mini_batch_size=1", "algorithm.group_size=1")
-    batch = Batch({"prompts": torch.ones(2, 2, dtype=torch.long), "prompt_mask": torch.ones(2, 2, dtype=torch.long),
-                   "response_mask": torch.tensor([[1, 1], [0, 0]]), "mini_batch": torch.tensor([0, 1])})
+        def train_mini_batch(self, mini, micro, loss_fn):
+            self.calls += 1
+            skipped = self.calls == 3  # a non-finite gradient: the update is skipped, its norm reads 0
+            return {"pg_loss": 3.0, "grad_norm": 0.0 if skipped else 2.0, "skipped": float(skipped),
+                    "tokens": float(mini["response_mask"].sum())}
+
+    ctx = StepCtx({}, "data.train_batch_size=4", "actor.ppo_mini_batch_size=1", "algorithm.group_size=1")
+    batch = Batch({"prompts": torch.ones(4, 2, dtype=torch.long), "prompt_mask": torch.ones(4, 2, dtype=torch.long),
+                   "response_mask": torch.tensor([[1, 1], [0, 0], [1, 0], [1, 1]]), "mini_batch": torch.arange(4)})
     nodes._mini_batches(ctx, batch, Engine(), lambda tokens, seqs: None, "actor")
     metrics = ctx.acc.reduce()
-    assert metrics["actor/pg_loss"] == 3.0 and metrics["actor/grad_norm"] == 1.0
+    assert metrics["actor/pg_loss"] == 3.0  # over the 3 updates that ran, not the 4 mini-batches
+    assert metrics["actor/grad_norm"] == 2.0  # the skipped update's 0 left out (it read 1.33)
+    assert metrics["actor/skipped_updates"] == 1.0  # a count (it read 0.25)
+
+
+def test_failed_rewards_are_counted_where_they_are_scored_and_episode_lengths_hold_their_observations():
+    """A DAPO filter drops a group whose reward function failed on every sample (all 0:
+    no signal): counted at the end of the step, from the kept rows, the failures never
+    showed. And a multi-turn episode's length is its turns and the tool's tokens between
+    them, as the forward (and the overlong budget) sees it."""
+    from distflow.engines.reward import FAILED, OK
+    from distflow.trainer.metrics import MeanAccumulator
+
+    class Tokenizer:
+        pad_token_id = 0
+
+        def batch_decode(self, ids, skip_special_tokens):
+            return ["x"] * len(ids)
+
+    status = iter([FAILED, FAILED, OK])
+    ctx = StepCtx({}, tokenizer=Tokenizer(), reward_fn=lambda *args: (0.0, next(status)))
+    ctx.accuracy_fn = ctx.reward_fn
+    batch = Batch({"responses": torch.ones(3, 2, dtype=torch.long), "response_mask": torch.ones(3, 2, dtype=torch.long)},
+                  {"ground_truth": ["1"] * 3, "data_source": ["a"] * 3, "extra_info": [{}] * 3})
+    nodes.reward(ctx, batch)
+    assert ctx.acc.reduce()["reward/failed"] == 2.0
+    acc = MeanAccumulator()
+    episode = Batch({"prompt_mask": torch.ones(1, 10, dtype=torch.long), "response_mask": torch.tensor([[1] * 5 + [0] * 6 + [1] * 5]),
+                     "observation_mask": torch.tensor([[0] * 5 + [1] * 6 + [0] * 5]), "scores": torch.ones(1),
+                     "accuracy": torch.ones(1), "num_turns": torch.tensor([2])})
+    nodes.record_rollout_metrics(episode, acc, episodes=True)
+    metrics = acc.reduce()
+    assert metrics["response/length_mean"] == 16 and metrics["tokens/total"] == 26
