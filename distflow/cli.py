@@ -89,7 +89,7 @@ def check_inputs(cfg: Config, training: bool = True) -> None:
     types, parquet footers, the run folder, the reward function's file or module, a
     checkpoint to resume from (contents are read by the workers). Without `training`
     (`distflow eval`), what only training reads is not looked at."""
-    from distflow.data.dataset import DatasetError, has_a_line, open_source, parse_builtin
+    from distflow.data.dataset import DatasetError, has_a_row, open_source, parse_builtin
     from distflow.plugins import check_callable
 
     for key in ("train_files", "val_files") if training else ("val_files",):
@@ -112,7 +112,7 @@ def check_inputs(cfg: Config, training: bool = True) -> None:
                 except DatasetError as e:
                     raise ConfigError(f"data.{key}: {e}") from None
             else:
-                rows += has_a_line(source)
+                rows += has_a_row(source)
         if sources and not any(s.startswith("builtin:") for s in sources) and not rows:
             raise ConfigError(f"data.{key}={spec!r}: no rows in the dataset")
     if not cfg.data.val_files:

@@ -143,8 +143,9 @@ class AlgorithmConfig:
     rollout_correction: str = _spec("auto", choices=("auto", "off", "token_tis", "seq_tis", "token_mask", "seq_mask"),
                                     doc="re-weight the policy loss by exp(old - rollout log-probs), the trainer's "
                                         "over the engine's: truncated (tis) or masked, per token or per sequence "
-                                        "(distflow.algos.correction); auto: token_tis with rollout.engine=vllm, "
-                                        "off with hf (its sampler is the trainer's own forward)")
+                                        "(distflow.algos.correction); auto: token_tis with rollout.engine=vllm "
+                                        "(off where old_log_probs_from=rollout), off with hf (its sampler is the "
+                                        "trainer's own forward)")
     rollout_correction_cap: float = _spec(2.0, min=1.0, doc="the truncation cap / the mask's [1/cap, cap] band")
     old_log_probs_from: str = _spec("recompute", choices=("recompute", "rollout"),
                                     doc="the PPO ratio's old policy: recompute (the trainer's weights before the "
@@ -182,7 +183,8 @@ class ActorConfig:
     forward_prompt_once: bool = _spec(True, doc="rows of a micro-batch with the same prompt (a GRPO group) run "
                                                 "its tokens once and their responses on its cached keys and "
                                                 "values: the same log-probs and gradients, less compute; the "
-                                                "actor and the reference; not with images or actor.strategy=fsdp2")
+                                                "actor and the reference; not on a vision-language model or "
+                                                "with actor.strategy=fsdp2")
     gradient_checkpointing: bool = _spec(False, doc="recompute each decoder layer's activations in the backward "
                                                     "instead of keeping them from the forward (HF's activation "
                                                     "checkpointing, verl's enable_gradient_checkpointing): one "
@@ -676,7 +678,7 @@ def _flatten(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
     items = []
     for key, value in tree.items():
         dotted = f"{prefix}{key}"
-        if key in SECTIONS and not prefix and value is None:  # a section whose keys are all commented out
+        if key in SECTIONS and not prefix and value in (None, ""):  # a section whose keys are all commented out
             continue
         if isinstance(value, dict) and (prefix or key in SECTIONS):
             items.extend(_flatten(value, dotted + "."))
@@ -686,13 +688,18 @@ def _flatten(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """`section.key=value`: the value read as YAML (numbers, booleans, null), except for
-    a text key, which takes the text as typed (YAML 1.1 made `0755` 493, `12:30` 750 and
-    `1.10` 1.1); null still clears an optional one."""
+    """`section.key=value`, its value as `_typed` reads it."""
     if "=" not in text:
         raise ConfigError(f"bad override '{text}': expected key=value, e.g. trainer.total_steps=50")
     key, raw = text.split("=", 1)
-    key = key.strip()
+    return key.strip(), _typed(key.strip(), raw)
+
+
+def _typed(key: str, raw: str) -> Any:
+    """A value as written (an override's text, or a config file's scalar): read as YAML
+    (numbers, booleans, null), except for a text key, which takes the text as written
+    (YAML 1.1 made `0755` 493, `12:30` 750 and `1.10` 1.1); null still clears an
+    optional one, and verl's list syntax gives a comma-separated key its text."""
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:
@@ -701,10 +708,24 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = ",".join(str(v) for v in value)
     if value is not None and not isinstance(value, str) and _takes_text_only(key):
         value = raw.strip()
-    return key, value
+    return value
 
 
-COMMA_SEPARATED = ("data.train_files", "data.val_files", "trainer.logger", "trainer.trace_steps")
+def _typed_items(tree: dict) -> list[tuple[str, Any]]:
+    """A config or recipe file's (section.key, value) pairs, each value as `_typed` reads
+    it (the file is read with every scalar as its text: `_read_yaml`)."""
+    out = []
+    for key, value in _flatten(tree):
+        if isinstance(value, list):
+            value = ",".join(value) if key in COMMA_SEPARATED else [_typed(key, v) for v in value]
+        elif isinstance(value, str):
+            value = _typed(key, value)
+        out.append((key, value))
+    return out
+
+
+COMMA_SEPARATED = ("data.train_files", "data.val_files", "trainer.logger", "trainer.trace_steps", "rollout.tools",
+                   "actor.lora_target_modules")
 
 
 def _takes_text_only(dotted: str) -> bool:
@@ -720,7 +741,7 @@ def _read_yaml(path: str | Path, what: str) -> dict:
         raise ConfigError(f"{what}: no such file")
     try:
         with open(path, encoding="utf-8") as f:
-            tree = yaml.safe_load(f) or {}
+            tree = yaml.load(f, Loader=yaml.BaseLoader) or {}  # every scalar as its text; `_typed_items` types it
     except UnicodeDecodeError:
         raise ConfigError(f"{what}: not UTF-8 text (a YAML file is)") from None
     except yaml.YAMLError as e:  # its message, where it says it, names the line and column
@@ -772,7 +793,8 @@ def load_recipe(name: str) -> Recipe:
     unknown = sorted(set(tree) - {"description", "paper"} - set(SECTIONS))
     if unknown:
         raise ConfigError(f"{what}: unknown key(s) {unknown} (keys: description, paper, {', '.join(SECTIONS)})")
-    settings = [(k, _beside(k, v, path.parent)) for k, v in _flatten({k: v for k, v in tree.items() if k in SECTIONS})]
+    settings = [(k, _beside(k, v, path.parent))
+                for k, v in _typed_items({k: v for k, v in tree.items() if k in SECTIONS})]
     probe = Config()
     for key, value in settings:
         if key == "algorithm.name":
@@ -788,7 +810,7 @@ def load_recipe(name: str) -> Recipe:
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     cfg, given = Config(), set()
     if path is not None:
-        for key, value in _flatten(_read_yaml(path, f"--config {path}")):
+        for key, value in _typed_items(_read_yaml(path, f"--config {path}")):
             _set(cfg, key, value)
             given.add(key)
     for text in overrides:

@@ -35,6 +35,12 @@ def test_yaml_file_then_overrides(tmp_path):
     path.write_text("algorithm:\n  group_size: 4\ntrainer:\n  total_steps: 7\n")
     cfg = load_config(str(path), ["trainer.total_steps=9"])
     assert cfg.algorithm.group_size == 4 and cfg.trainer.total_steps == 9
+    # a text key in a file takes its text as written too, as an override does
+    path.write_text("trainer:\n  output_dir: 0755\n  experiment_name: 12:30\n  total_steps: '7'\n"
+                    "  logger: [jsonl, tensorboard]\nrollout:\n  temperature: 1\n")
+    typed = load_config(str(path))
+    assert (typed.trainer.output_dir, typed.trainer.experiment_name, typed.trainer.total_steps) == ("0755", "12:30", 7)
+    assert typed.trainer.logger == "jsonl,tensorboard" and typed.rollout.temperature == 1.0
     # a section whose keys are all commented out is empty; a file that is not YAML says where, or that it is not text
     path.write_text("algorithm:\n  # name: dapo\ntrainer:\n  total_steps: 7\n")
     assert load_config(str(path)).trainer.total_steps == 7
@@ -219,8 +225,10 @@ def test_held_out_files_default_to_the_builtin_tasks_test_split_and_own_data_nee
         check_inputs(load_config(None, [f"data.train_files={one}"]))
     check_inputs(load_config(None, [f"data.train_files={one}", f"data.val_files={one}"]))
     (tmp_path / "blank.jsonl").write_text("\n  \n")
-    with pytest.raises(ConfigError, match=r"data.val_files='.*blank.jsonl': no rows in the dataset"):
-        check_inputs(load_config(None, [f"data.val_files={tmp_path / 'blank.jsonl'}"]))
+    (tmp_path / "empty.json").write_text(" [ ]\n")
+    for name in ("blank.jsonl", "empty.json"):
+        with pytest.raises(ConfigError, match=rf"data.val_files='.*{name}': no rows in the dataset"):
+            check_inputs(load_config(None, [f"data.val_files={tmp_path / name}"]))
 
 
 def test_a_relaunch_with_other_settings_keeps_the_earlier_config(tmp_path):

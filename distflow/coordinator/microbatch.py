@@ -1,4 +1,4 @@
-"""Micro-batches that keep ranks in lockstep and balanced.
+"""Micro-batches that keep ranks in lockstep.
 
 FSDP runs collectives inside every forward and backward, so every rank must run the
 same number of micro-batches. The count is agreed with one all-reduce (MAX); a rank
@@ -9,8 +9,9 @@ forward on a masked row. Two policies:
 * token budget (`max_tokens`, verl's `use_dynamic_bsz`): the forward runs a micro-batch
   padded to its widest prompt and its widest response (there is no padding removal), so
   the budget bounds those padded tokens, rows x (widest prompt + widest response), which
-  is what the forward's activations scale with. Rows go longest first into as few
-  micro-batches as fit, so rows of like length share one and little of it is padding.
+  is what the forward's activations scale with. Rows go longest first, each into the
+  micro-batch being filled or a new one, so rows of like length share one and little of
+  it is padding.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _split_to(parts: list[list[int]], k: int) -> list[list[int]]:
     """Up to k micro-batches, halving the one with the most rows while there are fewer:
     each half computes fewer padded tokens than the whole, so it stays in the budget."""
     parts = list(parts)
-    while len(parts) < k:
+    while parts and len(parts) < k:
         biggest = max(range(len(parts)), key=lambda j: len(parts[j]))
         rows = parts[biggest]
         if len(rows) < 2:

@@ -25,8 +25,9 @@ Partition, then match (``plan_reshard``)
     of groups, for up to 8 groups; greedily beyond). What this does *not* do is pick,
     among equally balanced partitions, the one with the most locality; so the planner
     first builds the "stay put" partition (``balance="none"``) and keeps it when its
-    largest bin is within the tolerance of the bound no partition can beat, so an
-    already balanced placement moves nothing; failing that it repairs it, moving single
+    largest bin is within the tolerance of the bound no partition can beat and no bin
+    is empty (a training rank needs a sample), so an already balanced placement moves
+    nothing; failing that it repairs it, moving single
     samples from the heaviest bin to the lightest until it is (``_repaired``: a few
     samples move instead of most); only where that cannot get there does the balancer
     partition afresh. In the stay-put partition a sample that several groups hold

@@ -33,7 +33,7 @@ from distflow.coordinator.layout import LAYOUT_ORDER
 from distflow.coordinator.placement import Placement
 from distflow.coordinator.store import LocalStore
 from distflow.dag.graph import Graph, Node
-from distflow.data.batch import Batch
+from distflow.data.batch import FILTERED_OUT, Batch
 
 
 class NodeFailed(RuntimeError):
@@ -317,15 +317,25 @@ class Scheduler:
                 self._placed = None
             return
         kept = keep[node.outputs[0]].bool()
-        if top_level and "response_mask" in store and self._too_few_to_train(node, kept):
+        if top_level and self._after_responses(node) and self._too_few_to_train(node, kept):
             # Fewer rows kept over all workers than training ranks, each of which needs one: the rows
-            # stay, the dropped ones with no response tokens, so the update trains on the kept ones alone
-            # (none: no update), as one worker does with the kept rows.
-            mask = store.all().tensors["response_mask"]
-            store.all().tensors["response_mask"] = mask * kept.unsqueeze(-1).to(mask.dtype)
+            # stay, the dropped ones with no response tokens (and flagged, for the metrics), so the
+            # update trains on the kept ones alone (none: no update), as one worker does with the kept rows.
+            if len(store):
+                batch = store.all()
+                mask = batch.tensors["response_mask"]
+                batch.tensors["response_mask"] = mask * kept.unsqueeze(-1).to(mask.dtype)
+                dropped = batch.tensors.get(FILTERED_OUT, torch.zeros_like(kept))
+                batch.tensors[FILTERED_OUT] = dropped | ~kept
             self.counters[f"{node.name}/masked_instead_of_dropped"] = 1.0
             return
         store.replace(store.all().select(kept.nonzero().flatten()))
+
+    def _after_responses(self, node: Node) -> bool:
+        """Whether the graph has responses before `node` (decided from the graph, the same on
+        every worker, whatever rows each holds)."""
+        return "response_mask" in self.graph.sources or any(
+            "response_mask" in self.graph.by_name[a].outputs for a in self.graph.ancestors(node.name))
 
     def _too_few_to_train(self, node: Node, kept: torch.Tensor) -> bool:
         """Whether the rows kept over all workers (a replica's counted once) are fewer than

@@ -87,6 +87,11 @@ class Batch:
         return Batch({k: v.to(device) for k, v in self.tensors.items()}, dict(self.meta))
 
 
+# a boolean field: rows a filter left in the batch with their responses masked out (dag/scheduler.py), which
+# the step's metrics leave out as they leave out dropped rows
+FILTERED_OUT = "filtered_out"
+
+
 def _token_counts(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sample's prompt tokens, and its response tokens once there is one (with the tool
     or environment tokens of a multi-turn episode, which the forward attends to though

@@ -205,8 +205,21 @@ class _ListSource:
         return self.rows[index]
 
 
-def has_a_line(path: str) -> bool:
-    """Whether a text file has a line that is not blank (read up to the first one)."""
+_BOM = b"\xef\xbb\xbf"
+
+
+def _head(path: str) -> bytes:
+    """A file's first bytes, without a UTF-8 byte-order mark and leading white space."""
+    with open(os.path.expanduser(path), "rb") as f:
+        return f.read(4096).removeprefix(_BOM).lstrip()
+
+
+def has_a_row(path: str) -> bool:
+    """Whether a JSON-lines file has a line that is not blank (read up to the first one),
+    or a JSON array an element (`[]` has none), without reading the file through."""
+    head = _head(path)
+    if head.startswith(b"["):
+        return not head[1:].lstrip().startswith(b"]")
     with open(os.path.expanduser(path), "rb") as f:
         return any(line.strip() for line in f)
 
@@ -214,12 +227,10 @@ def has_a_line(path: str) -> bool:
 def _json_array(path: str) -> _ListSource | None:
     """A .json file holding one JSON array of rows (`json.dump(rows)`, pandas' `to_json(orient="records")`),
     read whole; None for JSON lines."""
-    with open(path, "rb") as f:
-        head = f.read(4096).lstrip()
-    if not head.startswith(b"["):
+    if not _head(path).startswith(b"["):
         return None
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             rows = json.load(f)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DatasetError(f"{path}: not a UTF-8 JSON array of rows ({type(e).__name__}: {e})") from None

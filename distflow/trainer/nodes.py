@@ -37,7 +37,7 @@ from distflow.algos.estimators import estimator_info, get_adv_estimator
 from distflow.collectives import all_reduce_sum, is_first_rank
 from distflow.config import Config, response_token_budget
 from distflow.coordinator.microbatch import local_micro_batches, plan_micro_batches
-from distflow.data.batch import Batch, prompt_and_response_lengths
+from distflow.data.batch import FILTERED_OUT, Batch, prompt_and_response_lengths
 from distflow.data.dataset import DatasetError, PromptRow
 from distflow.data.images import IMAGE_FIELDS, ImagePrompter, attach_images, decode_image, image_fields
 from distflow.engines.actor import Actor
@@ -405,7 +405,9 @@ def _mini_batches(ctx: WorkerContext, batch: Batch, engine, make_loss, prefix: s
     for _ in range(cfg.actor.ppo_epochs):
         for index in range(num_minibatches):
             mini = batch.select((batch["mini_batch"] == index).nonzero().flatten())
-            num_tokens, num_seqs = all_reduce_sum(float(mini["response_mask"].sum()), float(len(mini)))
+            # sequences as agg_loss counts them: rows with a token (a filter's masked rows have none)
+            num_tokens, num_seqs = all_reduce_sum(float(mini["response_mask"].sum()),
+                                                  float((mini["response_mask"].sum(-1) > 0).sum()))
             if not num_tokens:  # nothing to learn from anywhere (every response empty)
                 continue
             if not len(mini):  # none of this mini-batch's samples live here: run in lockstep on a masked row
@@ -444,6 +446,10 @@ def critic_update(ctx: WorkerContext, batch: Batch) -> None:
 
 
 def record_rollout_metrics(batch: Batch, acc: MeanAccumulator, episodes: bool = False) -> None:
+    """The step's rows as they trained: those a filter masked instead of dropping them
+    (`FILTERED_OUT`, dag/scheduler.py) are left out, as dropped rows are."""
+    if FILTERED_OUT in batch:
+        batch = batch.select((~batch[FILTERED_OUT]).nonzero().flatten().tolist())
     n = len(batch)
     reward_field = "shaped_scores" if "shaped_scores" in batch else "scores"
     acc.add("reward/mean", float(batch[reward_field].sum()) if n else 0.0, n)

@@ -282,7 +282,7 @@ def _filter_leaving_fewer_rows_than_ranks(rank, world, keep):
         sched.run(Ctx(), store, step=1)
     finally:
         sched.close()
-    return len(store), int(store.get("n")["n"].sum()), sched.counters
+    return len(store), int(store.get("n")["n"].sum()), sched.counters, int(store.get("filtered_out")["filtered_out"].sum())
 
 
 @pytest.mark.parametrize("keep, tokens", [(_keep_the_first_row_of_rank_0, 3), (_keep_none, 0)])
@@ -291,5 +291,6 @@ def test_a_filter_that_keeps_fewer_rows_than_training_ranks_masks_the_others(kee
     each rank a row and the run stopped. The rows stay, the dropped ones without response
     tokens, so the update trains on the kept row alone (none: no update), as one worker does."""
     ranks = run_gloo(_filter_leaving_fewer_rows_than_ranks, 2, keep)
-    assert sum(rows for rows, _, _ in ranks) == 8 and sum(n for _, n, _ in ranks) == tokens
-    assert all(counters == {"f/masked_instead_of_dropped": 1.0} for _, _, counters in ranks)
+    assert sum(rows for rows, _, _, _ in ranks) == 8 and sum(n for _, n, _, _ in ranks) == tokens
+    assert all(counters == {"f/masked_instead_of_dropped": 1.0} for _, _, counters, _ in ranks)
+    assert sum(out for _, _, _, out in ranks) == 8 - tokens // 3  # flagged for the metrics, which leave them out

@@ -233,8 +233,10 @@ def test_the_loss_metric_is_the_mean_over_the_updates_that_ran():
     ctx = StepCtx({}, "data.train_batch_size=4", "actor.ppo_mini_batch_size=1", "algorithm.group_size=1")
     batch = Batch({"prompts": torch.ones(4, 2, dtype=torch.long), "prompt_mask": torch.ones(4, 2, dtype=torch.long),
                    "response_mask": torch.tensor([[1, 1], [0, 0], [1, 0], [1, 1]]), "mini_batch": torch.arange(4)})
-    nodes._mini_batches(ctx, batch, Engine(), lambda tokens, seqs: None, "actor")
+    normalisers = []
+    nodes._mini_batches(ctx, batch, Engine(), lambda tokens, seqs: normalisers.append((tokens, seqs)), "actor")
     metrics = ctx.acc.reduce()
+    assert normalisers == [(2.0, 1.0), (1.0, 1.0), (2.0, 1.0)]  # a row without tokens is no sequence, as in agg_loss
     assert metrics["actor/pg_loss"] == 3.0  # over the 3 updates that ran, not the 4 mini-batches
     assert metrics["actor/grad_norm"] == 2.0  # the skipped update's 0 left out (it read 1.33)
     assert metrics["actor/skipped_updates"] == 1.0  # a count (it read 0.25)
@@ -268,3 +270,12 @@ def test_failed_rewards_are_counted_where_they_are_scored_and_episode_lengths_ho
     nodes.record_rollout_metrics(episode, acc, episodes=True)
     metrics = acc.reduce()
     assert metrics["response/length_mean"] == 16 and metrics["tokens/total"] == 26
+    # rows a filter masked instead of dropping (too few kept for the training ranks) are left out, as dropped rows are
+    from distflow.data.batch import FILTERED_OUT
+
+    acc = MeanAccumulator()
+    two = Batch.concat([episode, episode])
+    two.tensors["scores"] = torch.tensor([1.0, 0.0])
+    two.tensors[FILTERED_OUT] = torch.tensor([False, True])
+    nodes.record_rollout_metrics(two, acc, episodes=True)
+    assert acc.reduce()["reward/mean"] == 1.0
