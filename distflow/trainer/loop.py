@@ -251,7 +251,8 @@ def heldout_rows(cfg: Config, tokenizer, images: ImagePrompter | None, rank: int
     in file order, every world-th of those here."""
     data = ShardedDataset(cfg.data.val_files)
     wanted = len(data) if cfg.data.val_max_samples < 0 else min(len(data), cfg.data.val_max_samples)
-    indices = sorted(random.Random(0).sample(range(len(data)), wanted))[rank::world]
+    chosen = range(len(data)) if wanted == len(data) else sorted(random.Random(0).sample(range(len(data)), wanted))
+    indices = list(chosen)[rank::world]
     encode = partial(nodes.encode_prompt, tokenizer, images=images, max_image_pixels=cfg.data.max_image_pixels)
     taken, _ = PromptReader(data, cfg.data.max_prompt_length, cfg.data.on_bad_row, cfg.data.on_long_prompt
                             ).take(indices, encode, replace=False)
