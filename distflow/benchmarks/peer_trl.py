@@ -119,7 +119,10 @@ def run_trl(work: Path, model: str, train: str, budget_s: float) -> dict:
                         learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, beta=KL,
                         loss_type="dapo", scale_rewards="group", max_steps=100000, logging_steps=1,
                         save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=1,
-                        dataloader_num_workers=0, disable_tqdm=True)
+                        dataloader_num_workers=0, disable_tqdm=True,
+                        # TRL's default recomputes each layer's activations in the backward; DistFlow's
+                        # (actor.gradient_checkpointing) keeps them: the same on both sides
+                        gradient_checkpointing=False)
     budget = WallBudget()
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model), reward_funcs=strict_reward, args=config,
                           train_dataset=data, processing_class=tok, callbacks=[budget])

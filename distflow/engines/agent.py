@@ -93,16 +93,25 @@ def template_frames_tool_results(tokenizer) -> bool:
     return "<tool_response>" in text
 
 
-def observation_ids(tokenizer, messages: Messages) -> list[int]:
-    """The tokens of `messages` as the turn after an assistant message, up to the next
-    assistant turn's opening: the chat template's rendering of a conversation that ends
-    with them, minus its rendering without them (the template may add a system prompt
-    or other framing at the start, which must not be repeated mid-episode)."""
+def observation_ids(tokenizer, messages: Messages, turn: list[int]) -> list[int]:
+    """The tokens of `messages` after the assistant's `turn`, up to the next assistant
+    turn's opening: the chat template's rendering of a conversation that ends with them,
+    minus its rendering without them (the template may add a system prompt or other
+    framing at the start, which must not be repeated mid-episode). Where the template
+    closes an assistant message with the end-of-turn token and more (Qwen's
+    `<|im_end|>\n`), what follows that token comes first, as the whole conversation
+    renders it; after a turn cut short of that token, the token too (verl's #6501)."""
     base = tokenizer.apply_chat_template(_BEFORE, tokenize=False)
     full = tokenizer.apply_chat_template(_BEFORE + messages, add_generation_prompt=True, tokenize=False)
-    text = full[len(base):] if full.startswith(base) else \
-        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not full.startswith(base):
+        return tokenizer(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                         add_special_tokens=False)["input_ids"]
+    eos, closing = tokenizer.eos_token, ""
+    if eos and eos in base:  # the assistant message's end: its end-of-turn token and what the template adds
+        closing = base[base.rfind(eos) + len(eos):]
+        if not turn or turn[-1] != tokenizer.eos_token_id:
+            closing = eos + closing
+    return tokenizer(closing + full[len(base):], add_special_tokens=False)["input_ids"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,7 +164,7 @@ class EpisodeRunner:
                 rewards[i] += float(step.reward)
                 if step.done or last:
                     continue
-                observed = [t for t in observation_ids(self.tokenizer, step.observation)
+                observed = [t for t in observation_ids(self.tokenizer, step.observation, new)
                             if t not in s.dropped_ids][: s.max_total_tokens - len(tokens[i])]
                 tokens[i] += observed
                 trained[i] += [0] * len(observed)

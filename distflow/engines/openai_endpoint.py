@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import numbers
 import queue
 import re
 import secrets
@@ -204,7 +205,7 @@ class ChatEndpoint:
         if not extends:
             raise RequestError(400, "a sample's request must extend its conversation: the earlier messages, the "
                                     "assistant's reply, then new messages (token in, token out)", "history_mismatch")
-        new = observation_ids(self.tokenizer, _plain(messages[len(before) + 1:]))
+        new = observation_ids(self.tokenizer, _plain(messages[len(before) + 1:]), trajectory.tokens[-1:])
         room = self.max_total_tokens - len(trajectory.tokens)
         return trajectory.prompt_ids + trajectory.tokens + new[:max(room, 0)]
 
@@ -265,7 +266,7 @@ def _tool_calls(text: str, call_index: int) -> list[dict]:
         try:
             call = json.loads(body)
             name, arguments = call["name"], json.dumps(call.get("arguments", {}))
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: [[[[... past the parser's depth
             name, arguments = "invalid", body.strip()
         out.append({"id": f"call_{call_index}_{n}", "type": "function",
                     "function": {"name": str(name), "arguments": arguments}})
@@ -368,7 +369,8 @@ class AgentRunner:
         trajectories = [self.endpoint.collect(k) for k in keys]
         scores, failed = [], []
         for outcome in outcomes:
-            ok = isinstance(outcome, (int, float)) and not isinstance(outcome, bool) and outcome == outcome
+            # a real number of any kind (numpy's too), not a bool or NaN
+            ok = isinstance(outcome, numbers.Real) and not isinstance(outcome, bool) and outcome == outcome
             if not ok and self.first_error is None:
                 self.first_error = f"{type(outcome).__name__}: {outcome}"
                 print(f"distflow: rollout.agent failed on a sample (scored 0, counted in agent/failed): "

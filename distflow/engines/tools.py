@@ -106,6 +106,8 @@ class Toolbox:
             call = json.loads(body)
         except json.JSONDecodeError as e:
             return ToolResult(f"error: the tool call is not JSON ({e.msg})", "error")
+        except RecursionError:  # nested past the parser's depth (a model writing [[[[...): no call, not a crash
+            return ToolResult("error: the tool call is nested too deep to read", "error")
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return ToolResult('error: a tool call is {"name": ..., "arguments": {...}}', "error")
         tool = self.tools.get(call["name"])

@@ -35,7 +35,7 @@ def test_trained_tokens_are_the_sampled_ones_plus_the_observation_as_shown():
     out = _runner(tok, engine).generate([a, b], [1, 2], SamplingParams(max_new_tokens=128), [{}, {}])
     eos = [tok.eos_token_id]
     turn1, turn2 = _ids(tok, CALL % "12*7") + eos, _ids(tok, "#### 84") + eos
-    observed = observation_ids(tok, [{"role": "tool", "content": "<tool_response>\n84\n</tool_response>"}])
+    observed = observation_ids(tok, [{"role": "tool", "content": "<tool_response>\n84\n</tool_response>"}], turn1)
     assert tok.decode(observed) == "<tool_response>\n84\n</tool_response>\nA: "  # the tiny model's template
     want = turn1 + observed + turn2
     row = out["responses"][0, :len(want)].tolist()
@@ -76,7 +76,8 @@ def test_a_custom_environment_and_a_template_with_a_system_prompt():
                          "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
                          "{% if add_generation_prompt %}[assistant] {% endif %}")
     # the system prompt the template adds at the start is not repeated mid-episode
-    assert tok.decode(observation_ids(tok, [{"role": "user", "content": "retry"}])) == "[user] retry\n[assistant] "
+    assert tok.decode(observation_ids(tok, [{"role": "user", "content": "retry"}], [tok.eos_token_id])) == \
+        "[user] retry\n[assistant] "
 
     class Retry:
         def reset(self, task):
@@ -131,7 +132,28 @@ def test_a_tool_result_is_framed_once_whether_or_not_the_template_frames_it():
             tok.chat_template = template
         step = make_episode_runner(cfg, ScriptedEngine(tok, {}), tok).make_env().step(CALL % "12*7")
         assert step.observation == [{"role": "tool", "content": content}]
-        assert tok.decode(observation_ids(tok, step.observation)).count("<tool_response>") == 1
+        assert tok.decode(observation_ids(tok, step.observation, [tok.eos_token_id])).count("<tool_response>") == 1
+
+
+def test_an_episode_s_tokens_are_the_whole_conversation_as_the_template_renders_it(qwen2_model_dir):
+    """Qwen's template closes an assistant message with <|im_end|> and a newline; the turn
+    ends at <|im_end|> (the engine's EOS), so the observation starts with that newline, and
+    prompt + turn + observation are the whole conversation's tokens (the newline was lost
+    at every turn: a context no served model sees, verl's #6501). A turn cut before its
+    EOS gets it from the observation."""
+    from distflow.engines.common import load_tokenizer
+
+    tok = load_tokenizer(qwen2_model_dir)
+    question = [{"role": "user", "content": "What is 2+2?"}]
+    reply, tool = "<tool_call>x</tool_call>", [{"role": "tool", "content": "4"}]
+    prompt = tok(tok.apply_chat_template(question, add_generation_prompt=True, tokenize=False),
+                 add_special_tokens=False)["input_ids"]
+    turn = tok(reply, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    observed = observation_ids(tok, tool, turn)
+    whole = tok.apply_chat_template(question + [{"role": "assistant", "content": reply}] + tool,
+                                    add_generation_prompt=True, tokenize=False)
+    assert prompt + turn + observed == tok(whole, add_special_tokens=False)["input_ids"]
+    assert observation_ids(tok, tool, turn[:-1]) == [tok.eos_token_id] + observed
 
 
 class _PaysPerTurn:

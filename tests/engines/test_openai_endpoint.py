@@ -55,7 +55,7 @@ def test_a_conversation_is_recorded_token_in_token_out(tiny):
     # what the engine itself samples for these contexts and seeds (sampling is per sequence and call)
     c1 = engine.generate([prompt], [sample_seed(1234, 0)], PARAMS)
     c1 = c1["responses"][0, :int(c1["response_mask"][0].sum())].tolist()
-    observed = observation_ids(tok, follow)
+    observed = observation_ids(tok, follow, [tok.eos_token_id])
     c2 = engine.generate([prompt + c1 + observed], [sample_seed(1234, 1)], PARAMS)
     c2 = c2["responses"][0, :int(c2["response_mask"][0].sum())].tolist()
     assert trajectory.tokens == c1 + observed + c2  # the completions as sampled, never re-tokenised
@@ -131,13 +131,17 @@ def test_tool_calls_come_back_in_openai_shape_and_a_rewritten_history_is_refused
     # the engine's second context: the prompt, its first completion, the tool result as the template shows it
     assert engine.calls[1][0] == prompt + trajectory.tokens[:len(engine.calls[1][0]) - len(prompt)]
     assert tok.decode([t for t, m in zip(trajectory.tokens, trajectory.trained) if not m]) == \
-        tok.decode(observation_ids(tok, [{"role": "tool", "content": "7"}]))
+        tok.decode(observation_ids(tok, [{"role": "tool", "content": "7"}], [tok.eos_token_id]))
 
 
 async def _agent(client, row):
     reply = await client.chat.completions.create(model="policy", messages=row["prompt"])
     if row["extra_info"].get("fail"):
         raise RuntimeError("the agent broke")
+    if row["extra_info"].get("numpy"):  # a reward computed with numpy is a number too (it counted as a failure)
+        import numpy as np
+
+        return np.float32(1.0 if reply.choices[0].message.content else 0.5)
     return 1.0 if reply.choices[0].message.content else 0.5
 
 
@@ -148,8 +152,8 @@ def test_the_agent_runner_runs_every_sample_at_once_and_scores_what_run_returns(
     generate = engine.generate
     engine.generate = lambda prompts, seeds, params: calls.append(len(prompts)) or generate(prompts, seeds, params)
     try:
-        rows = [{"prompt": QUESTION, "ground_truth": "7", "data_source": "arith", "extra_info": {"fail": i == 2}}
-                for i in range(4)]
+        rows = [{"prompt": QUESTION, "ground_truth": "7", "data_source": "arith",
+                 "extra_info": {"fail": i == 2, "numpy": i == 3}} for i in range(4)]
         out = runner.generate([_prompt(tok)] * 4, [11, 12, 13, 14], PARAMS, rows)
     finally:
         engine.generate = generate

@@ -44,6 +44,7 @@ def test_the_calls_of_a_turn_are_found_in_order():
      "error: TypeError: calculator() got an unexpected keyword argument 'expr'", "error"),
     ('{"name": "calculator", "arguments": {"expression": "1/0"}}', "error: ZeroDivisionError: division by zero",
      "error"),
+    ("[" * 100_000, "error: the tool call is nested too deep to read", "error"),  # it raised RecursionError: the run stopped
 ])
 def test_bad_calls_become_error_observations(body, text, status):
     result = Toolbox(["calculator", "python"]).run(body)
