@@ -367,6 +367,11 @@ def _section_fields(section: str) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}
 
 
+def _annotation(section: str, name: str) -> Any:
+    """The type annotation of `section.name`, resolved."""
+    return typing.get_type_hints(typing.get_type_hints(Config)[section])[name]
+
+
 
 # verl's names for keys DistFlow has under another name: an unknown key that is one of them says so
 VERL_KEYS = {
@@ -421,8 +426,7 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
     if name not in fields:
         raise ConfigError(
             f"unknown config key '{dotted}': keys in {section} are {', '.join(sorted(fields))}")
-    hints = typing.get_type_hints(type(getattr(cfg, section)))
-    setattr(getattr(cfg, section), name, _coerce(dotted, value, hints[name]))
+    setattr(getattr(cfg, section), name, _coerce(dotted, value, _annotation(section, name)))
 
 
 def validate(cfg: Config) -> Config:
@@ -732,7 +736,7 @@ def _takes_text_only(dotted: str) -> bool:
     section, _, name = dotted.partition(".")
     if section not in SECTIONS or name not in _section_fields(section):
         return False
-    allowed = _allowed_types(typing.get_type_hints(type(getattr(Config(), section)))[name])
+    allowed = _allowed_types(_annotation(section, name))
     return str in allowed and not {bool, int, float} & set(allowed)
 
 
