@@ -25,7 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distflow.data.batch import Batch
 from distflow.data.images import IMAGE_FIELDS
-from distflow.engines.common import check_head_chunking, enable_gradient_checkpointing, first_of_tied, forward_response
+from distflow.engines.common import (check_head_chunking, computing_in, enable_gradient_checkpointing, first_of_tied,
+                                     forward_response)
 from distflow.engines.lora import is_lora, merged_weights
 
 # (log_probs (B,R), entropy (B,R), micro-batch) -> (loss share, metrics to sum)
@@ -188,9 +189,9 @@ class DataParallelTrainable:
 
     def _autocast(self):
         """bf16 compute on the fp32 master weights, where FSDP2 does not cast them itself."""
-        if self.compute_dtype == torch.float32 or self.strategy == "fsdp2":
+        if self.strategy == "fsdp2":
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+        return computing_in(self.compute_dtype, self.device)
 
     @torch.no_grad()
     def compute(self, batch: Batch, micro_batches: MicroBatches) -> torch.Tensor:
@@ -294,7 +295,5 @@ class ReferenceModel:
     @torch.no_grad()
     def compute_log_probs(self, batch: Batch, micro_batches: MicroBatches) -> torch.Tensor:
         """`compute_dtype` (bf16): the weights as they are, under autocast, as the actor computes."""
-        cast = (contextlib.nullcontext() if self.compute_dtype == torch.float32 else
-                torch.autocast(self.device.type, dtype=self.compute_dtype))
-        with cast:
+        with computing_in(self.compute_dtype, self.device):
             return _gather_rows(batch.to_device(self.device), self.model, micro_batches, self.forward)

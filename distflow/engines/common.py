@@ -198,6 +198,11 @@ def trim_padding(prompts: torch.Tensor, prompt_mask: torch.Tensor,
             responses[:, :keep_right], response_mask[:, :keep_right])
 
 
+def computing_in(dtype: torch.dtype, device: torch.device):
+    """Forwards in `dtype` on weights as they are (fp32: nothing to do; bf16: autocast)."""
+    return contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
+
+
 @contextlib.contextmanager
 def vision_tower_always_runs(owner, images: dict[str, torch.Tensor] | None) -> Iterator[None]:
     """A vision-language model's forward on rows without an image still runs its vision

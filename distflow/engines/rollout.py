@@ -13,7 +13,6 @@ and 2 workers produce the same training run.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ import torch
 
 from distflow.data.batch import Batch
 from distflow.data.images import image_fields, model_inputs, vision_token_ids
-from distflow.engines.common import cache_arguments, distinct_prompts, is_vision_language
+from distflow.engines.common import cache_arguments, computing_in, distinct_prompts, is_vision_language
 
 
 def sample_seed(*parts: int) -> int:
@@ -220,10 +219,7 @@ class HFRolloutEngine:
         if not prompts:
             return Batch()
         chunks = []
-        device = next(self.model.parameters()).device
-        cast = (contextlib.nullcontext() if self.compute_dtype == torch.float32 else
-                torch.autocast(device.type, dtype=self.compute_dtype))
-        with cast:
+        with computing_in(self.compute_dtype, next(self.model.parameters()).device):
             for start in range(0, len(prompts), self.micro_batch_size):
                 chunk_seeds = None if seeds is None else seeds[start: start + self.micro_batch_size]
                 chunks.append(self._generate_chunk(prompts[start: start + self.micro_batch_size], chunk_seeds, params))
