@@ -212,13 +212,17 @@ def overlong_penalty(ctx: WorkerContext, batch: Batch) -> Batch:
     a response's length against rollout.max_new_tokens; a multi-turn episode's (its turns
     and the tool or environment tokens between them) against its budget,
     rollout.max_total_tokens (0: max_new_tokens per turn, max_turns of them)."""
-    a = ctx.cfg.algorithm
     length = batch["response_mask"].sum(-1)
     if "observation_mask" in batch:
         length = length + batch["observation_mask"].sum(-1)
-    penalty = core.overlong_reward_penalty(length, response_token_budget(ctx.cfg), a.overlong_buffer_len,
-                                           a.overlong_penalty_factor)
-    return Batch({"shaped_scores": batch["scores"] + penalty})
+    return Batch({"shaped_scores": batch["scores"] + _overlong(ctx.cfg, length)})
+
+
+def _overlong(cfg: Config, length: torch.Tensor) -> torch.Tensor:
+    """DAPO's penalty of responses of `length` tokens against the run's budget."""
+    a = cfg.algorithm
+    return core.overlong_reward_penalty(length, response_token_budget(cfg), a.overlong_buffer_len,
+                                        a.overlong_penalty_factor)
 
 
 def dynamic_sampling(ctx: WorkerContext, batch: Batch) -> Batch:
@@ -249,10 +253,8 @@ def greedy_baseline(ctx: WorkerContext, batch: Batch) -> Batch:
         return Batch({"baseline_scores": torch.zeros(0, dtype=torch.float32)})
     out.meta.update({k: [batch[k][i] for i in rows] for k in ("ground_truth", "data_source", "extra_info")})
     scores, _, _ = score_responses(ctx.tokenizer, out, ctx.reward_fn, ctx.reward_fn)
-    a = ctx.cfg.algorithm
-    if a.overlong_buffer_len:  # shaped as the samples' scores are (overlong_penalty)
-        scores = scores + core.overlong_reward_penalty(out["response_mask"].sum(-1), response_token_budget(ctx.cfg),
-                                                       a.overlong_buffer_len, a.overlong_penalty_factor)
+    if ctx.cfg.algorithm.overlong_buffer_len:  # shaped as the samples' scores are (overlong_penalty)
+        scores = scores + _overlong(ctx.cfg, out["response_mask"].sum(-1))
     by_group = dict(zip(first, scores.tolist()))
     return Batch({"baseline_scores": torch.tensor([by_group[g] for g in groups], dtype=torch.float32)})
 
