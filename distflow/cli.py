@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from distflow.config import BUILTIN_MODEL, Config, ConfigError, load_config
+from distflow.config import BUILTIN_MODEL, Config, ConfigError, load_config, tool_names
 from distflow.data.dataset import BUILTIN_TASKS, write_builtin_parquet
 from distflow.runtime import netns
 
@@ -124,6 +124,13 @@ def check_inputs(cfg: Config, training: bool = True) -> None:
         raise ConfigError(f"trainer.output_dir={cfg.trainer.output_dir!r}: exists and is not a folder")
     if cfg.reward.custom_fn is not None:
         check_callable(cfg.reward.custom_fn, "reward.custom_fn")
+    if cfg.rollout.tool_schemas is not None:
+        from distflow.engines.tools import schemas
+
+        try:
+            schemas(tool_names(cfg), cfg.rollout.tool_schemas)
+        except ValueError as e:
+            raise ConfigError(f"rollout.tool_schemas: {e}") from None
     if training and cfg.actor.lora_rank:
         from distflow.engines.common import resolve_model_path
         from distflow.engines.lora import is_adapter_folder
@@ -289,7 +296,7 @@ def _check_cluster(cfg: Config) -> None:
 
 def with_absolute_paths(cfg: Config) -> None:
     """The relative paths of local files and folders in `cfg` made absolute (data files,
-    model.path, algorithm.graph, trainer.resume, and the file.py of reward.custom_fn,
+    model.path, algorithm.graph, trainer.resume, rollout.tool_schemas, and the file.py of reward.custom_fn,
     rollout.env, rollout.agent and algorithm.estimator); names that are no local path
     (builtin:..., modules, registered names) stay as they are."""
     def absolute(path: str) -> str:
@@ -313,6 +320,8 @@ def with_absolute_paths(cfg: Config) -> None:
         cfg.trainer.resume = absolute(cfg.trainer.resume)
     cfg.reward.custom_fn = file_of(cfg.reward.custom_fn)
     cfg.rollout.env, cfg.rollout.agent = file_of(cfg.rollout.env), file_of(cfg.rollout.agent)
+    if cfg.rollout.tool_schemas is not None:
+        cfg.rollout.tool_schemas = absolute(cfg.rollout.tool_schemas)
     cfg.algorithm.estimator = file_of(cfg.algorithm.estimator)
 
 

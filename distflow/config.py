@@ -103,6 +103,11 @@ class RolloutConfig:
     tools: str = _spec("", doc="multi-turn: comma-separated built-in tools the model may call in Hermes "
                                "<tool_call> format: calculator, python (the code sandbox)")
     tool_timeout_s: float = _spec(5.0, min=0.01, doc="the python tool's limit per call")
+    tool_schemas: str | None = _spec(None, doc="multi-turn: a .json file, a list of OpenAI-format tool schemas "
+                                               "({\"type\": \"function\", \"function\": {\"name\", ...}}) of "
+                                               "the tools rollout.env or rollout.agent provides; the chat template "
+                                               "shows them to the model with every prompt, beside rollout.tools' "
+                                               "own (an agent's first request sends the same as tools=)")
     env: str | None = _spec(None, doc="multi-turn: module:Class or file.py:Class of the environment, made per "
                                       "episode with the rollout's tools (default: their results are the "
                                       "observation); openenv:module:Class for an OpenEnv environment, run as it is")
@@ -531,14 +536,15 @@ def _validate_turns(cfg: Config) -> None:
             raise ConfigError(f'rollout.agent={r.agent!r}: the openai package is not installed; '
                               'pip install "distflow[agents]"')
     elif r.max_turns == 1:
-        if r.tools or r.env:
-            raise ConfigError(f"rollout.{'tools' if r.tools else 'env'}={r.tools or r.env!r}: tools and environments "
-                              "answer between turns; set rollout.max_turns > 1")
+        for key in ("tools", "env", "tool_schemas"):
+            if getattr(r, key):
+                raise ConfigError(f"rollout.{key}={getattr(r, key)!r}: tools and environments answer between "
+                                  "turns; set rollout.max_turns > 1")
         return
     if not (r.tools or r.env or r.agent):
         raise ConfigError(f"rollout.max_turns={r.max_turns}: needs rollout.tools (e.g. calculator), rollout.env "
                           "or rollout.agent")
-    for name in (t.strip() for t in r.tools.split(",") if t.strip()):
+    for name in tool_names(cfg):
         if name not in TOOLS:
             raise ConfigError(f"rollout.tools={r.tools!r}: unknown tool {name!r}; built in: {', '.join(TOOLS)}")
     if r.tensor_parallel_size > 1 or r.replica_size > 1:
@@ -663,6 +669,11 @@ def response_token_budget(cfg: Config) -> int:
     if r.max_turns == 1 and r.agent is None:
         return r.max_new_tokens
     return r.max_total_tokens or r.max_new_tokens * r.max_turns
+
+
+def tool_names(cfg: Config) -> list[str]:
+    """rollout.tools as a list of names."""
+    return [t.strip() for t in cfg.rollout.tools.split(",") if t.strip()]
 
 
 def traced_steps(cfg: Config) -> set[int]:

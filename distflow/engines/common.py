@@ -174,9 +174,12 @@ def checkpoints_activations(model) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) is True for m in unwrapped(model).modules())
 
 
-def render_prompt(tokenizer, messages: list[dict[str, str]]) -> str:
+def render_prompt(tokenizer, messages: list[dict[str, str]], tools: list[dict] | None = None) -> str:
+    """The prompt's text: the chat template's, with the tools' JSON schemas where the run
+    has tools (a template without a tools section leaves them out)."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                             tokenize=False)
     return "\n".join(m["content"] for m in messages) + "\n"
 
 

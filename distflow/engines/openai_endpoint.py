@@ -190,14 +190,12 @@ class ChatEndpoint:
 
     def _prompt(self, trajectory: Trajectory, messages: list[dict], tools) -> list[int]:
         if trajectory.messages is None:  # the sample's first request: the row's prompt
-            text = (self.tokenizer.apply_chat_template(_plain(messages), tools=tools, add_generation_prompt=True,
-                                                       tokenize=False)
-                    if tools else render_prompt(self.tokenizer, _plain(messages)))
+            text = render_prompt(self.tokenizer, _plain(messages), tools)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             if ids != trajectory.prompt_ids:
-                raise RequestError(400, "the first request of a sample must send the row's prompt as its messages "
-                                        "(rendered by the chat template they must give the sample's prompt tokens)",
-                                   "prompt_mismatch")
+                raise RequestError(400, "the first request of a sample must send the row's prompt as its messages, "
+                                        "and as tools the schemas of rollout.tool_schemas (rendered by the chat "
+                                        "template they must give the sample's prompt tokens)", "prompt_mismatch")
             return ids
         before = trajectory.messages
         extends = (len(messages) > len(before) + 1 and _plain(messages[:len(before)]) == _plain(before)

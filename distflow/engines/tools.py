@@ -9,7 +9,9 @@ Built in: `calculator` (arithmetic on numbers: + - * / // % ** and parentheses, 
 from the syntax tree, never `eval`) and `python` (a program run in the code sandbox of
 `sandbox.py`, its limits applying to every call; what it prints is the result). A call
 that is not JSON, names no or an unknown tool, raises, or runs past its limit becomes an
-error observation the model sees, and is counted.
+error observation the model sees, and is counted. Their JSON schemas (`schemas`) go to
+the chat template with the prompt, as verl and TRL pass them: a template that takes
+tools (Qwen's, Llama 3's ...) shows the model what it may call.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import ast
 import json
 import operator
+import os
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -85,6 +88,48 @@ def python_tool(limits: sandbox.Limits) -> Callable[..., str]:
             raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else result.status)
         return result.stdout
     return python
+
+
+def _schema(name: str, description: str, argument: str, about: str) -> dict:
+    """A tool of one string argument in OpenAI's function format, as chat templates take it."""
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": {argument: {"type": "string", "description": about}},
+                       "required": [argument]}}}
+
+
+SCHEMAS = {  # config.TOOLS
+    "calculator": _schema("calculator", "Evaluate an arithmetic expression and return its value.", "expression",
+                          "numbers with + - * / // % ** and parentheses, e.g. (12 + 3) * 7"),
+    "python": _schema("python", "Run a Python program in a sandbox and return what it prints.", "code",
+                      "the program; print what you want to see"),
+}
+
+
+def schemas(names: list[str], schemas_file: str | None = None) -> list[dict]:
+    """The JSON schemas of the named built-in tools, in order, then those of
+    `schemas_file` (rollout.tool_schemas); a ValueError names what is wrong with the file."""
+    own = [SCHEMAS[n] for n in names]
+    if schemas_file is None:
+        return own
+    try:
+        with open(os.path.expanduser(schemas_file), encoding="utf-8-sig") as f:
+            loaded = json.load(f)
+    except OSError as e:
+        raise ValueError(f"{schemas_file}: {e.strerror}") from None
+    except ValueError as e:
+        raise ValueError(f"{schemas_file}: not JSON ({e})") from None
+    if not isinstance(loaded, list):
+        raise ValueError(f"{schemas_file}: expected a JSON list of tool schemas, got {type(loaded).__name__}")
+    taken = set(names)
+    for i, schema in enumerate(loaded):
+        function = schema.get("function") if isinstance(schema, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str) and function["name"]):
+            raise ValueError(f'{schemas_file}: entry {i} is not {{"type": "function", "function": {{"name": ...}}}}')
+        if function["name"] in taken:
+            raise ValueError(f"{schemas_file}: tool {function['name']!r} is named twice (rollout.tools or this file)")
+        taken.add(function["name"])
+    return own + loaded
 
 
 class Toolbox:

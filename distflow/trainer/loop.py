@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from distflow.algos.kl import make_kl_controller
-from distflow.config import Config, from_dict, response_token_budget, traced_steps
+from distflow.config import Config, from_dict, response_token_budget, tool_names, traced_steps
 from distflow.coordinator.double_buffer import DoubleBuffer
 from distflow.coordinator.executor import TransferStats
 from distflow.coordinator.layout import Layout
@@ -43,7 +43,7 @@ from distflow.engines.openai_endpoint import AgentRunner, AgentSettings
 from distflow.engines.lora import AdapterDisabledReference, LoraSettings, adapter_base, is_adapter_folder, with_lora
 from distflow.engines.reward import RewardRunner
 from distflow.engines.rollout import HFRolloutEngine, RolloutEngine
-from distflow.engines.tools import Toolbox
+from distflow.engines.tools import Toolbox, schemas
 from distflow.plugins import load_callable
 from distflow.runtime import netns
 from distflow.runtime.centralized import run_commanded_step
@@ -105,6 +105,7 @@ class PromptSource:
                                       layout.dp_size, cfg.trainer.seed)
         self.prefetch_tokenizer = load_tokenizer(cfg.model.path)
         self.images = load_image_prompter(cfg.model.path, self.prefetch_tokenizer)  # a VLM's image processor
+        self.tools = prompt_tools(cfg)
         self.counts: dict[int, Counter] = defaultdict(Counter)  # step -> skipped rows, truncated prompts
         self.lock = threading.Lock()
 
@@ -112,7 +113,7 @@ class PromptSource:
               refill_round: int = 0) -> Batch:
         """`positions` from `sampler`; a refill round's come after the step's own and earlier rounds'."""
         encode = partial(nodes.encode_prompt, tokenizer, images=self.images,
-                         max_image_pixels=self.cfg.data.max_image_pixels)
+                         max_image_pixels=self.cfg.data.max_image_pixels, tools=self.tools)
         taken, counts = self.reader.take([i for _, i in positions], encode, draw=sampler.global_indices(step),
                                          positions=[p for p, _ in positions])
         if self.layout.tp_rank(self.rank) == 0:  # a TP group's members read the same rows
@@ -189,6 +190,12 @@ def make_rollout_engine(cfg: Config, policy_path: str, tokenizer, device: torch.
     return engine
 
 
+def prompt_tools(cfg: Config) -> list[dict]:
+    """The schemas of the tools the model may call (rollout.tools, rollout.tool_schemas),
+    which the chat template renders with every prompt."""
+    return schemas(tool_names(cfg), cfg.rollout.tool_schemas)
+
+
 def make_episode_runner(cfg: Config, engine: RolloutEngine, tokenizer) -> EpisodeRunner | AgentRunner | None:
     """rollout.agent: the user's OpenAI-client agent on an endpoint backed by `engine`;
     rollout.max_turns > 1: multi-turn episodes with rollout.tools, in rollout.env or the
@@ -200,7 +207,7 @@ def make_episode_runner(cfg: Config, engine: RolloutEngine, tokenizer) -> Episod
                            AgentSettings(max_total_tokens=budget, max_calls=r.max_turns))
     if r.max_turns == 1:
         return None
-    toolbox = Toolbox([t.strip() for t in r.tools.split(",") if t.strip()], r.tool_timeout_s)
+    toolbox = Toolbox(tool_names(cfg), r.tool_timeout_s)
     if r.env is not None and r.env.startswith("openenv:"):
         from distflow.engines.openenv_env import OpenEnvEnvironment
 
@@ -253,7 +260,8 @@ def heldout_rows(cfg: Config, tokenizer, images: ImagePrompter | None, rank: int
     wanted = len(data) if cfg.data.val_max_samples < 0 else min(len(data), cfg.data.val_max_samples)
     chosen = range(len(data)) if wanted == len(data) else sorted(random.Random(0).sample(range(len(data)), wanted))
     indices = list(chosen)[rank::world]
-    encode = partial(nodes.encode_prompt, tokenizer, images=images, max_image_pixels=cfg.data.max_image_pixels)
+    encode = partial(nodes.encode_prompt, tokenizer, images=images, max_image_pixels=cfg.data.max_image_pixels,
+                     tools=prompt_tools(cfg))
     taken, _ = PromptReader(data, cfg.data.max_prompt_length, cfg.data.on_bad_row, cfg.data.on_long_prompt
                             ).take(indices, encode, replace=False)
     return taken, {"rows_chosen": wanted, "rows_in_files": len(data)}

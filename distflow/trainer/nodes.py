@@ -74,11 +74,12 @@ class WorkerContext:
 
 
 def encode_prompt(tokenizer, row: PromptRow, images: ImagePrompter | None = None,
-                  max_image_pixels: int | None = None) -> list[int]:
-    """The row's prompt ids; with `images` (a VLM's processor) a PromptIds holding its images' pixels."""
+                  max_image_pixels: int | None = None, tools: list[dict] | None = None) -> list[int]:
+    """The row's prompt ids; with `images` (a VLM's processor) a PromptIds holding its
+    images' pixels; `tools`: the rollout's tool schemas, for the chat template."""
     from distflow.engines.common import render_prompt
 
-    text = render_prompt(tokenizer, row.messages)
+    text = render_prompt(tokenizer, row.messages, tools)
     if images is None:
         if row.images:
             raise DatasetError("the row has images but model.path is a text-only model (its folder has no "
