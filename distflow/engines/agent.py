@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Protocol
 
 import torch
@@ -30,7 +31,7 @@ from distflow.engines.rollout import RolloutEngine, SamplingParams, sample_seed
 from distflow.engines.tools import Toolbox
 
 Messages = list[dict[str, str]]
-COUNTS = ("tool_calls", "tool_errors", "tool_timeouts")  # per episode, as batch fields
+COUNTS = ("tool_calls", "tool_errors", "tool_timeouts", "env_failed")  # per episode, as batch fields
 
 
 @dataclass
@@ -45,7 +46,10 @@ class Environment(Protocol):
     """One episode's environment (`rollout.env=module:Class`, made with the rollout's
     Toolbox; `openenv:module:Class` for an OpenEnv one, engines/openenv_env.py). `reset`
     gets the dataset row's task (prompt, ground_truth, data_source, extra_info) and the
-    episode's seed (None when greedy); the episode's first messages are the row's prompt."""
+    episode's seed (None when greedy); the episode's first messages are the row's prompt.
+    A `close()` method, if it has one, is called once the episode ends. An environment
+    that raises ends its episode there (`env/failed` counts it; with reward.from_env it
+    scores 0); the other episodes go on."""
 
     def reset(self, task: dict) -> None: ...
 
@@ -130,48 +134,72 @@ class EpisodeRunner:
     def __init__(self, engine: RolloutEngine, tokenizer, make_env: Callable[[], Environment],
                  settings: EpisodeSettings):
         self.engine, self.tokenizer, self.make_env, self.settings = engine, tokenizer, make_env, settings
+        self.first_error: str | None = None  # the first environment failure, printed once
 
     def generate(self, prompts: list[list[int]], seeds: list[int] | None, params: SamplingParams,
                  tasks: list[dict]) -> Batch:
         """`prompts` (token ids) with their `tasks`; greedy when `seeds` is None."""
         s, n = self.settings, len(prompts)
-        envs = [self.make_env() for _ in range(n)]
-        for i, (env, task) in enumerate(zip(envs, tasks)):
-            env.reset(task | {"seed": None if seeds is None else seeds[i]})
+        envs: list[Environment | None] = [self.make_env() for _ in range(n)]
         tokens, trained, log_probs = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
         turns, counts, rewards = [0] * n, [Counter() for _ in range(n)], [0.0] * n
-        active = list(range(n))
-        for turn in range(s.max_turns):
-            if not active:
-                break
-            out = self.engine.generate([_continued(prompts[i], tokens[i]) for i in active],
-                                       None if seeds is None else [sample_seed(seeds[i], turn) for i in active],
-                                       params)
-            running = []
-            for j, i in enumerate(active):
-                length = int(out["response_mask"][j].sum())
-                room = s.max_total_tokens - len(tokens[i])
-                new = out["responses"][j, :min(length, room)].tolist()
-                tokens[i] += new
-                trained[i] += [1] * len(new)
-                log_probs[i] += out["rollout_log_probs"][j, :len(new)].tolist()
-                turns[i] += 1
-                last = turn == s.max_turns - 1 or len(tokens[i]) >= s.max_total_tokens  # turns or tokens used up
-                if last and not s.step_last_turn:
-                    continue
-                step = envs[i].step(self.tokenizer.decode(new, skip_special_tokens=True))
-                counts[i].update(step.counts)
-                rewards[i] += float(step.reward)
-                if step.done or last:
-                    continue
-                observed = [t for t in observation_ids(self.tokenizer, step.observation, new)
-                            if t not in s.dropped_ids][: s.max_total_tokens - len(tokens[i])]
-                tokens[i] += observed
-                trained[i] += [0] * len(observed)
-                log_probs[i] += [0.0] * len(observed)
-                if len(tokens[i]) < s.max_total_tokens:
-                    running.append(i)
-            active = running
+
+        def failed(i: int, call: Callable[[], object]) -> bool:
+            """Runs episode i's environment's `call`; where it raises, the episode has
+            failed: counted, its reward 0, its environment dropped (not closed)."""
+            try:
+                call()
+                return False
+            except Exception as e:  # one episode's environment, not the rollout's: the others go on
+                counts[i]["env_failed"], rewards[i], envs[i] = 1, 0.0, None
+                if self.first_error is None:
+                    self.first_error = f"{type(e).__name__}: {e}"
+                    print(f"distflow: rollout.env failed in an episode (ended there, counted in env/failed): "
+                          f"{self.first_error}", flush=True)
+                return True
+
+        active = [i for i in range(n)
+                  if not failed(i, partial(envs[i].reset, tasks[i] | {"seed": None if seeds is None else seeds[i]}))]
+        try:
+            for turn in range(s.max_turns):
+                if not active:
+                    break
+                out = self.engine.generate([_continued(prompts[i], tokens[i]) for i in active],
+                                           None if seeds is None else [sample_seed(seeds[i], turn) for i in active],
+                                           params)
+                running = []
+                for j, i in enumerate(active):
+                    length = int(out["response_mask"][j].sum())
+                    room = s.max_total_tokens - len(tokens[i])
+                    new = out["responses"][j, :min(length, room)].tolist()
+                    tokens[i] += new
+                    trained[i] += [1] * len(new)
+                    log_probs[i] += out["rollout_log_probs"][j, :len(new)].tolist()
+                    turns[i] += 1
+                    last = turn == s.max_turns - 1 or len(tokens[i]) >= s.max_total_tokens  # turns or tokens used up
+                    if last and not s.step_last_turn:
+                        continue
+                    steps = []
+                    if failed(i, lambda: steps.append(_checked(envs[i].step(
+                            self.tokenizer.decode(new, skip_special_tokens=True))))):
+                        continue
+                    step = steps[0]
+                    counts[i].update(step.counts)
+                    rewards[i] += step.reward
+                    if step.done or last:
+                        continue
+                    observed = [t for t in observation_ids(self.tokenizer, step.observation, new)
+                                if t not in s.dropped_ids][: s.max_total_tokens - len(tokens[i])]
+                    tokens[i] += observed
+                    trained[i] += [0] * len(observed)
+                    log_probs[i] += [0.0] * len(observed)
+                    if len(tokens[i]) < s.max_total_tokens:
+                        running.append(i)
+                active = running
+        finally:
+            for i, env in enumerate(envs):
+                if env is not None and callable(getattr(env, "close", None)):
+                    failed(i, env.close)
         return self._batch(tokens, trained, log_probs, turns, counts, rewards)
 
     def close(self) -> None:
@@ -184,6 +212,13 @@ class EpisodeRunner:
         batch.tensors["env_scores"] = torch.tensor(rewards, dtype=torch.float32)
         batch.tensors |= {name: torch.tensor([c[name] for c in counts], dtype=torch.float32) for name in COUNTS}
         return batch
+
+
+def _checked(step: EnvStep) -> EnvStep:
+    """An environment's answer, its reward a float."""
+    if not isinstance(step, EnvStep):
+        raise TypeError(f"step returned {type(step).__name__}, not an EnvStep")
+    return EnvStep(step.observation, step.done, dict(step.counts), float(step.reward))
 
 
 def _continued(prompt: list[int], episode: list[int]) -> list[int]:

@@ -14,6 +14,7 @@ the rollout worker's process (no server, no container):
 - The observation's own fields (all but done, reward and metadata) become the next user
   message: its one string field as it is, several as JSON. Its `reward` is the step's
   reward (the sample's, summed, with `reward.from_env`); `done` ends the episode.
+- `close()` once the episode has ended.
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ class OpenEnvEnvironment:
 
     def reset(self, task: dict) -> None:
         self.env.reset(seed=task.get("seed"))
+
+    def close(self) -> None:
+        self.env.close()
 
     def step(self, assistant_text: str) -> EnvStep:
         observation = self.env.step(self.action_class(**{self.text_field: assistant_text}))

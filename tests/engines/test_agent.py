@@ -94,6 +94,45 @@ def test_a_custom_environment_and_a_template_with_a_system_prompt():
     assert out["num_turns"].tolist() == [1.0, 2.0]  # retries 0: the first answer ends it; 1: one retry
 
 
+def test_an_environment_that_raises_ends_its_episode_and_the_others_go_on(capsys):
+    """reset raising (task 0), step raising on the second turn (task 1), close raising
+    (task 2), and an environment that works (task 3): each failure ends its own episode
+    there, counts in env_failed and zeroes its reward from the environment; the rollout,
+    and every other episode, goes on; every environment that did not fail is closed."""
+    tok = build_tokenizer()
+    closed = []
+
+    class Fragile:
+        def reset(self, task):
+            self.task, self.turn = task["fail"], 0
+            if self.task == "reset":
+                raise RuntimeError("no such level")
+
+        def step(self, text):
+            self.turn += 1
+            if self.task == "step" and self.turn == 2:
+                raise ValueError("the board is gone")
+            return EnvStep([{"role": "user", "content": "again"}], False, {}, reward=1.0)
+
+        def close(self):
+            if self.task == "close":
+                raise OSError("socket already closed")
+            closed.append(self.task)
+
+    prompts = [_ids(tok, f"{c}?") for c in "ABCD"]
+    runner = EpisodeRunner(ScriptedEngine(tok, {p[0]: ["x", "y", "z"] for p in prompts}), tok, Fragile,
+                           EpisodeSettings(max_turns=3, max_total_tokens=100, step_last_turn=True))
+    tasks = [{"fail": f} for f in ("reset", "step", "close", None)]
+    out = runner.generate(prompts, [1, 2, 3, 4], SamplingParams(max_new_tokens=8), tasks)
+    assert out["env_failed"].tolist() == [1.0, 1.0, 1.0, 0.0]
+    assert out["num_turns"].tolist() == [0.0, 2.0, 3.0, 3.0]  # reset failed: no turn; step failed at the second
+    assert out["env_scores"].tolist() == [0.0, 0.0, 0.0, 3.0]
+    assert out["response_mask"][0].sum() == 0 and out["observation_mask"][1].sum() > 0  # its first observation kept
+    assert closed == [None]  # a failed environment is not closed again
+    printed = capsys.readouterr().out
+    assert printed.count("rollout.env failed") == 1 and "RuntimeError: no such level" in printed
+
+
 def test_the_trainer_attends_to_observation_tokens_it_does_not_train(random_model_dir):
     from distflow.engines.actor import policy_forward
     from distflow.engines.common import load_causal_lm

@@ -1,7 +1,7 @@
 """An OpenEnv environment (the real `openenv` library's base classes, as a TRL user writes
 one) runs unchanged through the adapter: its observations become observation tokens, its
 rewards the sample's with reward.from_env, its `done` ends the episode, its seed is the
-episode's; a class the adapter cannot drive is refused in one line; and a short training
+episode's, it is closed at the episode's end; a class the adapter cannot drive is refused in one line; and a short training
 run takes it end to end. Needs openenv (.ci/run installs it in the TRL environment)."""
 
 from __future__ import annotations
@@ -29,8 +29,14 @@ class GuessObservation(Observation):
     feedback: str = ""
 
 
+CLOSED = []  # the secrets of the episodes whose environment was closed
+
+
 class GuessDigit(Environment[GuessAction, GuessObservation, State]):
     """Guess a digit from the seed; each wrong guess is told higher or lower and costs 0.25."""
+
+    def close(self) -> None:
+        CLOSED.append(self.secret)
 
     def __init__(self):
         super().__init__()
@@ -97,6 +103,7 @@ def test_an_openenv_game_runs_through_the_adapter(game):
     assert out["env_scores"].tolist() == [-0.25 - 0.25 + 1.0, 1.0]  # the last turn is stepped for its reward
     shown = tok.decode(out["responses"][0][out["observation_mask"][0].bool()])
     assert shown == "higher\nA: lower\nA: "  # observations, rendered by the chat template; never trained
+    assert sorted(module.CLOSED) == [3, 7]  # each episode's environment is closed once it has ended
     # the same episodes without step_last_turn: the third turn's reward is not asked for
     runner.settings = EpisodeSettings(max_turns=3, max_total_tokens=200)
     engine.calls.clear()
