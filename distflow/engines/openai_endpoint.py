@@ -17,7 +17,12 @@ the new messages' tokens (`agent.observation_ids`). So the engine's completion t
 never re-tokenised from text, and what is trained is exactly what was sampled (loss
 mask 1) plus what the agent sent back (mask 0). Sampling uses the run's temperature and
 top_p (the trainer scores at them), each call from its own seed (the sample's seed and
-the call's index); `max_tokens` may only lower the run's max_new_tokens.
+the call's index; a request's `seed`, `temperature` and `top_p` are not used);
+`max_tokens` may only lower the run's max_new_tokens; `stop` ends a completion at its
+first stop string (the tokens up to it are trained, the text before it answered);
+`logprobs=true` returns each sampled token's log-prob. Content given as a list of text
+parts is their text. What it cannot honour (`top_logprobs`, a `tool_choice` other than
+auto, image parts) is refused with a 400, not ignored.
 
 Served on 127.0.0.1 only, with a bearer token made per endpoint; a request without it
 gets 401, one over `max_request_bytes` 413, an unknown model 404, in OpenAI's error shape
@@ -97,8 +102,40 @@ def _not_running(key: str) -> RequestError:
 
 
 def _plain(messages: list[dict]) -> list[dict]:
-    """Role and text of each message, as a chat template takes them."""
-    return [{"role": m.get("role"), "content": m.get("content") or ""} for m in messages]
+    """Role and text of each message, as a chat template takes them: content given as
+    OpenAI's list of parts is their text, joined."""
+    return [{"role": m.get("role"), "content": _text(m.get("content"))} for m in messages]
+
+
+def _text(content) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        other = [p.get("type") for p in content if p.get("type") != "text"]
+        if other:
+            raise RequestError(400, f"a message has a content part of type {other[0]!r}; this endpoint takes text "
+                                    "parts only", "unsupported")
+        return "".join(str(p.get("text", "")) for p in content)
+    raise RequestError(400, "a message's content must be a string or a list of text parts", "invalid_request")
+
+
+def _options(request: dict) -> tuple[int | None, list[str], bool]:
+    """The request's max tokens, stop strings and logprobs, checked; what the endpoint
+    cannot honour is refused rather than ignored."""
+    asked = request.get("max_completion_tokens", request.get("max_tokens"))
+    if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 1):
+        raise RequestError(400, f"max_tokens must be an integer of at least 1, not {asked!r}", "invalid_request")
+    stop = request.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if not (isinstance(stops, list) and len(stops) <= 4 and all(isinstance(x, str) and x for x in stops)):
+        raise RequestError(400, "stop must be a non-empty string or a list of at most 4 of them", "invalid_request")
+    if request.get("top_logprobs"):
+        raise RequestError(400, "top_logprobs is not served: logprobs=true gives each sampled token's",
+                           "unsupported")
+    if request.get("tool_choice") not in (None, "auto"):
+        raise RequestError(400, f"tool_choice={request['tool_choice']!r}: the policy's output is not constrained; "
+                                "only 'auto' is served", "unsupported")
+    return asked, stops, bool(request.get("logprobs"))
 
 
 class ChatEndpoint:
@@ -156,6 +193,7 @@ class ChatEndpoint:
         if request.get("n", 1) != 1 or request.get("stream"):
             raise RequestError(400, "one completion per request, not streamed (n=1, stream=false)", "unsupported")
         messages = request["messages"]
+        asked, stops, with_logprobs = _options(request)
         with trajectory.lock:  # one request of a sample at a time
             if trajectory.collected:  # it waited behind another request of its sample past the rollout's end
                 raise _not_running(key)
@@ -164,29 +202,55 @@ class ChatEndpoint:
                                    "too_many_calls")
             prompt = self._prompt(trajectory, messages, request.get("tools"))
             room = self.max_total_tokens - (len(prompt) - len(trajectory.prompt_ids))
-            asked = request.get("max_completion_tokens") or request.get("max_tokens") or self.params.max_new_tokens
-            limit = min(int(asked), self.params.max_new_tokens, room)
+            limit = min(asked or self.params.max_new_tokens, self.params.max_new_tokens, room)
             if limit < 1:
                 raise RequestError(400, f"this sample has used its {self.max_total_tokens} tokens "
                                         "(rollout.max_total_tokens)", "context_length_exceeded")
             seed = None if trajectory.seed is None else sample_seed(trajectory.seed, trajectory.calls)
             completion, log_probs, stopped = self._generate(prompt, seed, limit)
+            text = self.tokenizer.decode(completion, skip_special_tokens=True)
+            if stops:
+                completion, log_probs, text, stopped = self._until_stop(completion, log_probs, text, stops, stopped)
             observed = prompt[len(trajectory.prompt_ids) + len(trajectory.tokens):]
             trajectory.tokens += observed + completion
             trajectory.trained += [0] * len(observed) + [1] * len(completion)
             trajectory.log_probs += [0.0] * len(observed) + log_probs
             trajectory.messages = messages
             trajectory.calls += 1
-            text = self.tokenizer.decode(completion, skip_special_tokens=True)
             calls = _tool_calls(text, trajectory.calls)
             trajectory.tool_calls += len(calls)
         content = TOOL_CALL.sub("", text).strip() if calls else text
         message = {"role": "assistant", "content": content or None} | ({"tool_calls": calls} if calls else {})
         return {"id": f"chatcmpl-{key}-{trajectory.calls}", "object": "chat.completion", "created": int(time.time()),
-                "model": MODEL, "choices": [{"index": 0, "message": message, "logprobs": None,
+                "model": MODEL, "choices": [{"index": 0, "message": message,
+                                             "logprobs": self._logprobs(completion, log_probs) if with_logprobs else None,
                                              "finish_reason": "tool_calls" if calls else "stop" if stopped else "length"}],
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(completion),
                           "total_tokens": len(prompt) + len(completion)}}
+
+    def _until_stop(self, completion: list[int], log_probs: list[float], text: str, stops: list[str],
+                    stopped: bool) -> tuple[list[int], list[float], str, bool]:
+        """The completion up to the first of `stops`: the fewest tokens whose text holds
+        it (what an engine stopping there samples; trained as sampled) and the text before
+        it (OpenAI's answer leaves the stop string out)."""
+        found = [(text.find(x), x) for x in stops if x in text]
+        if not found:
+            return completion, log_probs, text, stopped
+        at, stop = min(found)
+        lo, hi = 1, len(completion)  # decoded text grows with the tokens: the first prefix reaching at+len(stop)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self.tokenizer.decode(completion[:mid], skip_special_tokens=True)) >= at + len(stop):
+                hi = mid
+            else:
+                lo = mid + 1
+        return completion[:lo], log_probs[:lo], text[:at], True
+
+    def _logprobs(self, completion: list[int], log_probs: list[float]) -> dict:
+        """OpenAI's `logprobs` of the sampled tokens (the end-of-turn token too: it is trained)."""
+        tokens = [self.tokenizer.decode([t]) for t in completion]
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                            for t, lp in zip(tokens, log_probs)]}
 
     def _prompt(self, trajectory: Trajectory, messages: list[dict], tools) -> list[int]:
         if trajectory.messages is None:  # the sample's first request: the row's prompt

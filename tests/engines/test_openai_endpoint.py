@@ -134,6 +134,49 @@ def test_tool_calls_come_back_in_openai_shape_and_a_rewritten_history_is_refused
         tok.decode(observation_ids(tok, [{"role": "tool", "content": "7"}], [tok.eos_token_id]))
 
 
+def test_stop_strings_logprobs_content_parts_and_what_the_endpoint_cannot_honour(tiny):
+    """`stop` ends the completion at its first stop string: the tokens up to it are the
+    sample's (as an engine stopping there samples them), the text before it the answer;
+    `logprobs` are the sampled tokens'; content as a list of text parts is their text;
+    what cannot be honoured is a 400, and leaves no trace in the sample."""
+    _, tok = tiny
+    prompt = _prompt(tok)
+    engine = ScriptedEngine(tok, {prompt[0]: ["Let me think. DONE and then more", "#### 7"]})
+    endpoint = ChatEndpoint(engine, tok, dataclasses.replace(PARAMS, max_new_tokens=128), max_total_tokens=400,
+                            max_calls=3)
+    parts = [{"role": "user", "content": [{"type": "text", "text": QUESTION[0]["content"][:10]},
+                                          {"type": "text", "text": QUESTION[0]["content"][10:]}]}]
+    try:
+        (key,) = endpoint.open([prompt], [5])
+        client = _client(endpoint, key)
+        for bad, code in (({"max_tokens": 0}, "invalid_request"), ({"tool_choice": "required"}, "unsupported"),
+                          ({"logprobs": True, "top_logprobs": 2}, "unsupported"),
+                          ({"stop": ["a", "b", "c", "d", "e"]}, "invalid_request")):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model="policy", messages=QUESTION, **bad)
+            assert e.value.code == code
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+        assert e.value.code == "unsupported" and "'image_url'" in e.value.message
+        reply = client.chat.completions.create(model="policy", messages=parts, stop="DONE", logprobs=True)
+        choice = reply.choices[0]
+        assert choice.message.content == "Let me think. " and choice.finish_reason == "stop"
+        cut = tok("Let me think. DONE", add_special_tokens=False)["input_ids"]
+        assert [t.logprob for t in choice.logprobs.content] == [-0.5] * len(cut)
+        assert "".join(t.token for t in choice.logprobs.content) == "Let me think. DONE"
+        follow = [{"role": "user", "content": "Go on."}]
+        client.chat.completions.create(model="policy", messages=parts + [
+            choice.message.model_dump(exclude_none=True)] + follow)
+        trajectory = endpoint.collect(key)
+    finally:
+        endpoint.close()
+    observed = observation_ids(tok, follow, cut)  # as after any turn cut short of its end-of-turn token
+    assert engine.calls[1] == [prompt + cut + observed]
+    assert trajectory.tokens[:len(cut)] == cut and trajectory.trained[:len(cut)] == [1] * len(cut)
+    assert trajectory.calls == 2  # the refused requests are not calls
+
+
 async def _agent(client, row):
     reply = await client.chat.completions.create(model="policy", messages=row["prompt"])
     if row["extra_info"].get("fail"):
