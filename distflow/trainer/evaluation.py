@@ -1,7 +1,9 @@
 """Evaluating a policy on held-out prompts, the same code in training and in `distflow eval`.
 
 Greedy accuracy (a prompt counts when the rule-based scorer gives full marks) and the
-mean reward (the configured reward function: `reward.custom_fn`, `reward.gsm8k_mode`),
+mean reward (the configured reward function: `reward.custom_fn`, `reward.gsm8k_mode`; or,
+as in training, what rollout.agent's `run` returned, or the environment's rewards with
+reward.from_env),
 and with `k` samples per prompt at a temperature mean@k (the mean accuracy of the
 samples) and pass@k (a prompt counts when any of its k samples is right), overall, per `data_source` and per `extra_info["level"]` where rows have one,
 plus response-length statistics. Each worker scores its own rows (every world-th of the
@@ -37,6 +39,7 @@ class EvalSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int = 1
+    reward_field: str | None = None  # the rollout's field that is the reward, as in training (recipes.rollout_reward_field)
 
 
 def _groups(row: PromptRow, by_source: bool) -> list[str]:
@@ -53,10 +56,11 @@ def _add(tally: Tally, name: str, value: float) -> None:
 
 
 def _scored(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[list[int]], seeds, params,
-            reward_fn: RewardRunner, accuracy_fn: RewardRunner,
-            episodes: EpisodeRunner | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            reward_fn: RewardRunner, accuracy_fn: RewardRunner, episodes: EpisodeRunner | None,
+            reward_field: str | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rewards (B,), correct (B,), response lengths (B,), ended with EOS (B,)) of one
-    generation (multi-turn episodes with `episodes`)."""
+    generation (multi-turn episodes or an agent's samples with `episodes`); the rewards
+    are the rollout's `reward_field` where the run takes them from the rollout."""
     nothing = torch.zeros(0), torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.bool)
     if not rows and engine.tensor_parallel_size == 1:
         return nothing
@@ -71,6 +75,8 @@ def _scored(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[l
     out.meta.update({"ground_truth": [r.ground_truth for r in rows], "data_source": [r.data_source for r in rows],
                      "extra_info": [r.extra_info for r in rows]})
     rewards, correct, _ = score_responses(tokenizer, out, reward_fn, accuracy_fn)
+    if reward_field is not None:
+        rewards = out[reward_field]
     mask = out["response_mask"]
     lengths = mask.sum(-1)
     # ended: the last generated token is the end of sequence (an earlier turn's end does not end an episode
@@ -88,7 +94,7 @@ def evaluate(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[
     tally: Tally = {}
     greedy = SamplingParams(max_new_tokens=settings.max_new_tokens, greedy=True)
     rewards, correct, lengths, ended = _scored(engine, tokenizer, rows, ids, None, greedy, reward_fn, accuracy_fn,
-                                               episodes)
+                                               episodes, settings.reward_field)
     for row, r, c, n, e in zip(rows, rewards.tolist(), correct.tolist(), lengths.tolist(), ended.tolist()):
         for group in _groups(row, by_source):
             _add(tally, f"accuracy{group}", c)
@@ -108,7 +114,8 @@ def _sampled(engine, tokenizer, rows, ids, reward_fn, accuracy_fn, settings: Eva
     params = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                             top_p=settings.top_p)
     _, correct, _, _ = _scored(engine, tokenizer, [r for r in rows for _ in range(k)],
-                            [p for p in ids for _ in range(k)], seeds, params, reward_fn, accuracy_fn, episodes)
+                            [p for p in ids for _ in range(k)], seeds, params, reward_fn, accuracy_fn, episodes,
+                            settings.reward_field)
     per_row = correct.view(len(rows), k) if rows else correct.view(0, k)
     for row, samples in zip(rows, per_row.tolist()):
         for group in _groups(row, by_source):

@@ -51,7 +51,7 @@ from distflow.runtime.process_group import DEVICE_ENV
 from distflow.trainer import checkpoint, nodes
 from distflow.trainer.evaluation import EvalSettings, evaluate, write_report
 from distflow.trainer.metrics import MeanAccumulator, MetricsWriter, StageTimer, progress_postfix
-from distflow.trainer.recipes import ROLLOUT_ROLES, build_graph
+from distflow.trainer.recipes import ROLLOUT_ROLES, build_graph, rollout_reward_field
 from distflow.trainer.report import write_plot
 from distflow.trainer.tracking import Trackers
 
@@ -457,11 +457,14 @@ class Trainer:
     @torch.no_grad()
     def _evaluate(self) -> dict[str, float]:
         """Greedy held-out accuracy over all workers (validation rows interleaved), overall
-        and per `extra_info["level"]` where the rows have one (the built-in task's 1-3)."""
+        and per `extra_info["level"]` where the rows have one (the built-in task's 1-3),
+        and the mean reward (as training scores it: an agent's or environment's own)."""
         report = evaluate(self.rollout, self.tokenizer, [row for row, _ in self.val], [ids for _, ids in self.val],
                           self.ctx.reward_fn, self.ctx.accuracy_fn,
-                          EvalSettings(max_new_tokens=self.cfg.rollout.max_new_tokens), episodes=self.ctx.episodes)
-        return {f"val/{name}": value for name, value in report.items() if name.startswith("accuracy")}
+                          EvalSettings(max_new_tokens=self.cfg.rollout.max_new_tokens,
+                                       reward_field=rollout_reward_field(self.cfg)), episodes=self.ctx.episodes)
+        return {f"val/{name}": value for name, value in report.items() if name.startswith("accuracy")
+                or name == "reward"}
 
     # ------------------------------------------------------------------ the run
 
@@ -618,7 +621,8 @@ def run_eval_worker(cfg_dict: dict, report_path: str, k: int) -> dict | None:
         r = cfg.rollout
         report = evaluate(engine, tokenizer, [row for row, _ in taken], [ids for _, ids in taken], reward_fn,
                           accuracy_fn, EvalSettings(max_new_tokens=r.max_new_tokens, k=k, temperature=r.temperature,
-                                                    top_p=r.top_p, seed=cfg.trainer.seed), by_source=True,
+                                                    top_p=r.top_p, seed=cfg.trainer.seed,
+                                                    reward_field=rollout_reward_field(cfg)), by_source=True,
                           episodes=episodes)
     finally:
         if episodes is not None:

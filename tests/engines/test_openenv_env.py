@@ -143,6 +143,8 @@ def test_a_training_run_takes_its_rewards_from_the_openenv_environment(game, tmp
                                        "data.val_max_samples=8", "trainer.progress=false", "trainer.save_final=false"]},
                           1, tmp_path)
     records = run_metrics(runs["openenv"])
-    assert "val/accuracy" in records[0]  # the held-out evaluation runs the episodes too
+    assert "val/accuracy" in records[0]  # the held-out evaluation runs the episodes too,
+    assert records[0]["val/reward"] == 1.0  # and scores them with the environment's rewards, as training does
     for record in records[1:]:
         assert record["turns/mean"] == 2.0 and record["reward/mean"] == 1.0  # 0.5 for each of two turns
+        assert record["env/failed"] == 0.0

@@ -133,6 +133,32 @@ def test_the_configured_reward_is_reported_beside_accuracy_which_takes_full_mark
     assert (report["reward"], report["accuracy"]) == (0.5, 0.0)
 
 
+def test_with_rewards_from_the_environment_the_report_s_reward_is_theirs_as_in_training():
+    """reward.from_env: the reward of a held-out episode is the sum of its environment's
+    rewards, as in training (it was the text reward's); accuracy stays the scorer's."""
+    from distflow.engines.agent import EnvStep, EpisodeRunner, EpisodeSettings
+
+    class Pays:
+        def reset(self, task):
+            self.pay = float(task["extra_info"]["level"])
+
+        def step(self, text):
+            return EnvStep([], True, reward=self.pay / 4)
+
+    from helpers import ScriptedEngine as EpisodeScripts
+
+    tok = build_tokenizer()
+    rows = [_row(0, 4, 1, "a"), _row(1, 45, 2, "a")]
+    engine = EpisodeScripts(tok, {5: ["#### 4"] * 2, 7: ["#### 44"] * 2})  # one answer per evaluation
+    episodes = EpisodeRunner(engine, tok, Pays, EpisodeSettings(max_turns=2, max_total_tokens=16,
+                                                                step_last_turn=True))
+    runner = RewardRunner(None, 0)
+    for field, reward in ((None, 0.5), ("env_scores", (0.25 + 0.5) / 2)):
+        report = evaluate(engine, tok, rows, [[5, 6], [7, 6]], runner, runner,
+                          EvalSettings(max_new_tokens=16, reward_field=field), episodes=episodes)
+        assert (report["reward"], report["accuracy"]) == (reward, 0.5)
+
+
 def test_a_report_of_no_prompts_is_said_and_written_as_valid_json(tmp_path):
     from distflow.trainer.evaluation import write_report
 
