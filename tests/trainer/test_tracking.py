@@ -38,6 +38,35 @@ def test_each_tracker_reads_back_what_was_logged(tmp_path):
     assert wandb_exit_code(tmp_path) == 0 and mlflow_status(tmp_path) == "FINISHED"
 
 
+def test_a_resumed_run_continues_its_wandb_and_mlflow_runs(tmp_path):
+    """A run resumed in its folder logs into the W&B and MLflow runs it started (one run
+    per training run, as a user compares them), and a setting the resume changes is
+    tagged; a run started afresh in another folder gets runs of its own."""
+    import glob
+
+    from mlflow.tracking import MlflowClient
+
+    first = Trackers(load_config(None, [ALL, "trainer.total_steps=2"]), tmp_path, rank=0)
+    for record in RECORDS[:2]:
+        first.log(record)
+    first.close(failed=True)  # the launch that stopped
+    again = Trackers(load_config(None, [ALL, "trainer.total_steps=4"]), tmp_path, rank=0, resumed=True)
+    for record in RECORDS[2:]:
+        again.log(record)
+    again.close()
+    metrics, params, tags = read_mlflow(tmp_path)  # one run holds every step
+    assert_same(metrics, by_key(RECORDS))
+    assert params["trainer.total_steps"] == "2" and tags["resumed.trainer.total_steps"] == "4"
+    assert mlflow_status(tmp_path) == "FINISHED"
+    runs = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*")))
+    assert len(runs) == 2 and len({r.rsplit("-", 1)[1] for r in runs}) == 1  # two launches, one W&B run id
+    other = tmp_path / "other"
+    Trackers(load_config(None, [ALL]), other, rank=0, resumed=True).close()  # no earlier ids there: new runs
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert len(client.search_runs([e.experiment_id for e in client.search_experiments()])) == 1
+    assert glob.glob(str(other / "wandb" / "offline-run-*"))[0].rsplit("-", 1)[1] != runs[0].rsplit("-", 1)[1]
+
+
 def test_a_failed_run_is_marked_failed(tmp_path):
     trackers = Trackers(load_config(None, [ALL]), tmp_path, rank=0)
     trackers.log(RECORDS[1])
