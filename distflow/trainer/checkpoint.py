@@ -5,7 +5,7 @@
         (with LoRA: adapter_config.json, adapter_model.safetensors, the adapter; its base is model.path)
         optimizer.safetensors, optimizer.json             AdamW state (full, not sharded)
         critic.safetensors, critic_optimizer.*            PPO's critic, when there is one
-        rng.safetensors                                   each rank's torch RNG state
+        rng.safetensors                                   each rank's torch RNG states (CPU, its GPU)
         metrics.jsonl                                     the run's metrics up to step k
         trainer_state.json                                step, dataloader position, world size
 
@@ -81,7 +81,7 @@ def save(path: Path, *, hf_skeleton, tokenizer, actor, critic, step: int, loader
     coefficient), the same on every rank."""
     actor_sd, actor_osd = _full_state(actor.model, actor.optimizer)
     critic_state = _full_state(critic.model, critic.optimizer) if critic is not None else None
-    rngs = all_gather_objects(torch.get_rng_state().tolist())  # a few KB between our own workers
+    rngs = all_gather_objects(_rng_states())  # a few KB between our own workers
     if _rank() == 0:
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -101,8 +101,8 @@ def save(path: Path, *, hf_skeleton, tokenizer, actor, critic, step: int, loader
             tensors, meta = _flatten_optimizer(critic_state[1])
             save_file(tensors, tmp / "critic_optimizer.safetensors")
             (tmp / "critic_optimizer.json").write_text(json.dumps(meta))
-        save_file({f"rank_{r}": torch.tensor(s, dtype=torch.uint8) for r, s in enumerate(rngs)},
-                  tmp / "rng.safetensors")
+        save_file({f"{device}rank_{r}": torch.tensor(state, dtype=torch.uint8)
+                   for r, states in enumerate(rngs) for device, state in states.items()}, tmp / "rng.safetensors")
         if metrics_file is not None and metrics_file.exists():
             shutil.copyfile(metrics_file, tmp / "metrics.jsonl")
         _fault_point(f"checkpoint:{step}")
@@ -259,7 +259,18 @@ def restore(path: Path, *, actor, critic) -> dict[str, Any]:
     rngs = load_file(path / "rng.safetensors")
     if f"rank_{_rank()}" in rngs:
         torch.set_rng_state(rngs[f"rank_{_rank()}"])
+    if f"cuda_rank_{_rank()}" in rngs and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rngs[f"cuda_rank_{_rank()}"])
     return state
+
+
+def _rng_states() -> dict[str, list[int]]:
+    """This rank's RNG states by key prefix: the CPU generator's (""), and its GPU's
+    ("cuda_") where it has used one (dropout, if on, draws from it)."""
+    states = {"": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda_"] = torch.cuda.get_rng_state().tolist()
+    return states
 
 
 _RESUME_ONLY = ("optimizer.safetensors", "optimizer.json", "critic.safetensors", "critic_optimizer.safetensors",

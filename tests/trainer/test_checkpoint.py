@@ -67,6 +67,27 @@ def test_optimizer_and_rng_state_round_trip(tmp_path, random_model_dir):
     assert checkpoint.latest(tmp_path) == tmp_path / "step_1"
 
 
+def test_a_gpu_rank_s_cuda_rng_state_round_trips(tmp_path, random_model_dir, monkeypatch):
+    """A rank that has used its GPU saves the GPU's RNG state beside the CPU's and gets it
+    back on resume. No GPU here: torch.cuda's RNG calls are stood in for by a CPU
+    generator's state (a uint8 tensor, as the GPU's is)."""
+    from transformers import AutoTokenizer
+
+    gpu = {"state": torch.Generator().manual_seed(7).get_state()}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: gpu["state"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state: gpu.update(state=state.clone()))
+    saved = gpu["state"].clone()
+    actor = Actor(load_causal_lm(random_model_dir), OptimConfig(lr=1e-2), torch.device("cpu"))
+    checkpoint.save(tmp_path / "step_1", hf_skeleton=actor.model,
+                    tokenizer=AutoTokenizer.from_pretrained(random_model_dir), actor=actor, critic=None, step=1,
+                    loader_state={"epoch": 0, "offset": 0}, metrics_file=None, keep_last=0)
+    gpu["state"] = torch.Generator().manual_seed(8).get_state()  # the GPU's generator moves on
+    checkpoint.restore(tmp_path / "step_1", actor=actor, critic=None)
+    assert torch.equal(gpu["state"], saved)
+
+
 def test_latest_ignores_incomplete_folders_and_prune_keeps_the_newest(tmp_path, capsys):
     for step in (2, 4, 6):
         (tmp_path / f"step_{step}").mkdir()
