@@ -346,7 +346,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     try:
         if args.k < 0:
             raise ConfigError(f"--k={args.k}: must be >= 0 (0 = greedy only)")
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, training=False)
         check_inputs(cfg, training=False)
         _check_cluster(cfg)
     except ValueError as e:

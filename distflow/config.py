@@ -434,12 +434,13 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
     setattr(getattr(cfg, section), name, _coerce(dotted, value, _annotation(section, name)))
 
 
-def validate(cfg: Config) -> Config:
-    """Check every field's bounds and choices, then cross-field rules."""
+def validate(cfg: Config, training: bool = True) -> Config:
+    """Check every field's bounds and choices, then cross-field rules; without `training`
+    (`distflow eval`) not those of how a step's batch is split."""
     for section in SECTIONS:
         for f in dataclasses.fields(getattr(cfg, section)):
             _check_field(cfg, f"{section}.{f.name}")
-    _validate_cross(cfg)
+    _validate_cross(cfg, training)
     return cfg
 
 
@@ -587,7 +588,7 @@ def _held_out_of_builtin(cfg: Config) -> None:
         cfg.data.val_files = ",".join(f"builtin:{task}:test" for task in tasks)
 
 
-def _validate_cross(cfg: Config) -> None:
+def _validate_cross(cfg: Config, training: bool) -> None:
     _validate_placement(cfg)
     _held_out_of_builtin(cfg)
     if cfg.algorithm.clip_ratio_low >= 1:
@@ -600,8 +601,7 @@ def _validate_cross(cfg: Config) -> None:
                           "response's budget, rollout.max_new_tokens or an episode's max_total_tokens); raise it")
     if cfg.data.val_max_samples == 0:
         raise ConfigError("data.val_max_samples=0: no held-out rows to evaluate; use a number of rows, or -1 for all")
-    n_workers, batch = cfg.runtime.num_workers, cfg.data.train_batch_size
-    workers = "num_workers"
+    n_workers, workers = cfg.runtime.num_workers, "num_workers"
     if cfg.runtime.placement == "disaggregated":  # the rollout side holds the replicas
         n_workers, workers = cfg.runtime.rollout_workers, "rollout_workers"
     _validate_engine(cfg)
@@ -611,23 +611,8 @@ def _validate_cross(cfg: Config) -> None:
     size = cfg.rollout.replica_size
     if n_workers % size:
         raise ConfigError(f"rollout.replica_size={size}: must divide runtime.{workers}={n_workers}")
-    if batch % (n_workers // size):
-        raise ConfigError(f"data.train_batch_size={batch}: must be divisible by the number of rollout "
-                          f"replicas, runtime.{workers} / rollout.replica_size = {n_workers // size}")
-    per_replica = batch // (n_workers // size) * cfg.algorithm.group_size
-    if per_replica < size:
-        raise ConfigError(f"rollout.replica_size={size}: a replica's {per_replica} sequences a step (data.train_batch_size"
-                          f" / replicas x algorithm.group_size) leave a member without any; raise the batch or group "
-                          "size, or use a smaller replica")
-    if cfg.runtime.placement == "disaggregated" and batch % cfg.runtime.train_workers:
-        raise ConfigError(f"data.train_batch_size={batch}: must be divisible by runtime.train_workers="
-                          f"{cfg.runtime.train_workers} (the train side's loader splits each step's prompts evenly)")
-    mini = cfg.actor.ppo_mini_batch_size
-    if batch % mini:
-        raise ConfigError(f"actor.ppo_mini_batch_size={mini}: must divide data.train_batch_size={batch}")
-    if cfg.algorithm.dynamic_sampling and cfg.algorithm.group_size < 2:
-        raise ConfigError(f"algorithm.group_size={cfg.algorithm.group_size}: dynamic sampling keeps only groups "
-                          "whose rewards differ, which a group of one response never does; use group_size >= 2")
+    if training:
+        _validate_step_split(cfg, n_workers, workers)
     if cfg.runtime.mode == "centralized":
         if cfg.runtime.launcher != "ray":
             raise ConfigError("runtime.mode='centralized': needs runtime.launcher=ray (the driver is Ray's)")
@@ -660,6 +645,28 @@ def _validate_cross(cfg: Config) -> None:
     if cfg.reward.custom_fn is not None and ":" not in cfg.reward.custom_fn:
         raise ConfigError(f"reward.custom_fn={cfg.reward.custom_fn!r}: expected module:function or path.py:function")
     traced_steps(cfg)
+
+
+def _validate_step_split(cfg: Config, n_workers: int, workers: str) -> None:
+    """How a step's prompts split over the rollout replicas, the train side and the mini-batches."""
+    batch, size = cfg.data.train_batch_size, cfg.rollout.replica_size
+    if batch % (n_workers // size):
+        raise ConfigError(f"data.train_batch_size={batch}: must be divisible by the number of rollout "
+                          f"replicas, runtime.{workers} / rollout.replica_size = {n_workers // size}")
+    per_replica = batch // (n_workers // size) * cfg.algorithm.group_size
+    if per_replica < size:
+        raise ConfigError(f"rollout.replica_size={size}: a replica's {per_replica} sequences a step (data.train_batch_size"
+                          f" / replicas x algorithm.group_size) leave a member without any; raise the batch or group "
+                          "size, or use a smaller replica")
+    if cfg.runtime.placement == "disaggregated" and batch % cfg.runtime.train_workers:
+        raise ConfigError(f"data.train_batch_size={batch}: must be divisible by runtime.train_workers="
+                          f"{cfg.runtime.train_workers} (the train side's loader splits each step's prompts evenly)")
+    mini = cfg.actor.ppo_mini_batch_size
+    if batch % mini:
+        raise ConfigError(f"actor.ppo_mini_batch_size={mini}: must divide data.train_batch_size={batch}")
+    if cfg.algorithm.dynamic_sampling and cfg.algorithm.group_size < 2:
+        raise ConfigError(f"algorithm.group_size={cfg.algorithm.group_size}: dynamic sampling keeps only groups "
+                          "whose rewards differ, which a group of one response never does; use group_size >= 2")
 
 
 def response_token_budget(cfg: Config) -> int:
@@ -822,7 +829,9 @@ def load_recipe(name: str) -> Recipe:
     return Recipe(path.stem, str(tree.get("description", "")), str(tree.get("paper", "")), tuple(settings))
 
 
-def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = (), training: bool = True) -> Config:
+    """The config of `path` (YAML) and `overrides` (key=value), the recipe's settings
+    under them, validated (`training`: see validate)."""
     cfg, given = Config(), set()
     if path is not None:
         for key, value in _typed_items(_read_yaml(path, f"--config {path}")):
@@ -836,7 +845,7 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     for key, value in load_recipe(cfg.algorithm.name).settings:
         if key not in given:
             _set(cfg, key, value)
-    return validate(cfg)
+    return validate(cfg, training)
 
 
 def validate_recipe_name(name: str) -> None:

@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = json.loads(open(args.runs).read()) if args.runs else [[]]
     launch = [f"runtime.num_workers={world}", "runtime.launcher=torchrun"]
     try:
-        configs = [load_config(args.config, [*args.overrides, *run, *launch]) for run in runs]
+        configs = [load_config(args.config, [*args.overrides, *run, *launch], training=args.eval_k is None)
+                   for run in runs]
         check_sweep(configs)
     except ConfigError as e:
         return _refused(e, rank)
