@@ -13,6 +13,7 @@
     distflow bench trl [--steps 60] [--json FILE] [--results-md FILE]
     distflow bench async [--quick] [--json FILE] [--results-md FILE]
     distflow bench checkpointing [--quick] [--json FILE] [--results-md FILE]
+    distflow bench tools [--episodes 64] [--env-workers 1 8] [--json FILE] [--results-md FILE]
     distflow cluster up|down|status [--hosts 5] [--rate-mbit 400] [--delay-ms 0]
     distflow dag show [RECIPE] [--out PATH] [--config FILE] [section.key=value ...]
     distflow dag recipes
@@ -467,6 +468,7 @@ BENCHMARKS = {
     "async": ("async_rl", "synchronous colocated vs asynchronous disaggregated training on the same cores"),
     "checkpointing": ("checkpointing", "an actor update's kept activations, peak memory and time with and without "
                                        "gradient checkpointing"),
+    "tools": ("tools", "episodes calling the python tool: environments stepped one after another vs on threads"),
 }
 
 

@@ -103,6 +103,11 @@ class RolloutConfig:
     tools: str = _spec("", doc="multi-turn: comma-separated built-in tools the model may call in Hermes "
                                "<tool_call> format: calculator, python (the code sandbox)")
     tool_timeout_s: float = _spec(5.0, min=0.01, doc="the python tool's limit per call")
+    env_workers: int = _spec(8, min=1, doc="multi-turn: threads that reset, step and close the environments of "
+                                           "different episodes at once (tool calls, sandboxed programs, an "
+                                           "environment's waits overlap); each episode's own is called one call at "
+                                           "a time; 1: one episode after another (environments that share state "
+                                           "unsafely)")
     tool_schemas: str | None = _spec(None, doc="multi-turn: a .json file, a list of OpenAI-format tool schemas "
                                                "({\"type\": \"function\", \"function\": {\"name\", ...}}) of "
                                                "the tools rollout.env or rollout.agent provides; the chat template "

@@ -18,10 +18,11 @@ episode is the same on any worker, whatever else shares its batch.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -126,6 +127,10 @@ class EpisodeSettings:
     # token ids an observation may not hold, dropped from it: a VLM's image placeholders
     # (tool output that writes one would stand for an image there is none of)
     dropped_ids: frozenset[int] = frozenset()
+    env_workers: int = 8  # threads stepping different episodes' environments at once (1: one after another)
+
+
+_FAILED = object()  # what an environment call that raised gives
 
 
 class EpisodeRunner:
@@ -135,71 +140,77 @@ class EpisodeRunner:
                  settings: EpisodeSettings):
         self.engine, self.tokenizer, self.make_env, self.settings = engine, tokenizer, make_env, settings
         self.first_error: str | None = None  # the first environment failure, printed once
+        self._lock = threading.Lock()
 
     def generate(self, prompts: list[list[int]], seeds: list[int] | None, params: SamplingParams,
                  tasks: list[dict]) -> Batch:
-        """`prompts` (token ids) with their `tasks`; greedy when `seeds` is None."""
+        """`prompts` (token ids) with their `tasks`; greedy when `seeds` is None. The
+        environments of different episodes are reset, stepped and closed concurrently,
+        on settings.env_workers threads; each episode's own one call at a time."""
         s, n = self.settings, len(prompts)
         envs: list[Environment | None] = [self.make_env() for _ in range(n)]
         tokens, trained, log_probs = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
         turns, counts, rewards = [0] * n, [Counter() for _ in range(n)], [0.0] * n
 
-        def failed(i: int, call: Callable[[], object]) -> bool:
-            """Runs episode i's environment's `call`; where it raises, the episode has
-            failed: counted, its reward 0, its environment dropped (not closed)."""
+        def guarded(i: int, call: Callable[[int], Any]) -> Any:
+            """`call(i)` on episode i's environment; where it raises, the episode has failed
+            (_FAILED): counted, its reward 0, its environment dropped (not closed)."""
             try:
-                call()
-                return False
+                return call(i)
             except Exception as e:  # one episode's environment, not the rollout's: the others go on
                 counts[i]["env_failed"], rewards[i], envs[i] = 1, 0.0, None
-                if self.first_error is None:
-                    self.first_error = f"{type(e).__name__}: {e}"
+                with self._lock:
+                    first, self.first_error = self.first_error is None, self.first_error or f"{type(e).__name__}: {e}"
+                if first:
                     print(f"distflow: rollout.env failed in an episode (ended there, counted in env/failed): "
                           f"{self.first_error}", flush=True)
-                return True
+                return _FAILED
 
-        active = [i for i in range(n)
-                  if not failed(i, partial(envs[i].reset, tasks[i] | {"seed": None if seeds is None else seeds[i]}))]
-        try:
-            for turn in range(s.max_turns):
-                if not active:
-                    break
-                out = self.engine.generate([_continued(prompts[i], tokens[i]) for i in active],
-                                           None if seeds is None else [sample_seed(seeds[i], turn) for i in active],
-                                           params)
-                running = []
-                for j, i in enumerate(active):
-                    length = int(out["response_mask"][j].sum())
-                    room = s.max_total_tokens - len(tokens[i])
-                    new = out["responses"][j, :min(length, room)].tolist()
-                    tokens[i] += new
-                    trained[i] += [1] * len(new)
-                    log_probs[i] += out["rollout_log_probs"][j, :len(new)].tolist()
-                    turns[i] += 1
-                    last = turn == s.max_turns - 1 or len(tokens[i]) >= s.max_total_tokens  # turns or tokens used up
-                    if last and not s.step_last_turn:
-                        continue
-                    steps = []
-                    if failed(i, lambda: steps.append(_checked(envs[i].step(
-                            self.tokenizer.decode(new, skip_special_tokens=True))))):
-                        continue
-                    step = steps[0]
-                    counts[i].update(step.counts)
-                    rewards[i] += step.reward
-                    if step.done or last:
-                        continue
-                    observed = [t for t in observation_ids(self.tokenizer, step.observation, new)
-                                if t not in s.dropped_ids][: s.max_total_tokens - len(tokens[i])]
-                    tokens[i] += observed
-                    trained[i] += [0] * len(observed)
-                    log_probs[i] += [0.0] * len(observed)
-                    if len(tokens[i]) < s.max_total_tokens:
-                        running.append(i)
-                active = running
-        finally:
-            for i, env in enumerate(envs):
-                if env is not None and callable(getattr(env, "close", None)):
-                    failed(i, env.close)
+        with ThreadPoolExecutor(max(1, min(s.env_workers, n)), thread_name_prefix="environment") as pool:
+            def each(episodes: list[int], call: Callable[[int], Any]) -> list:
+                return list(pool.map(lambda i: guarded(i, call), episodes))
+
+            reset = each(list(range(n)), lambda i: envs[i].reset(
+                tasks[i] | {"seed": None if seeds is None else seeds[i]}))
+            active = [i for i in range(n) if reset[i] is not _FAILED]
+            try:
+                for turn in range(s.max_turns):
+                    if not active:
+                        break
+                    out = self.engine.generate([_continued(prompts[i], tokens[i]) for i in active],
+                                               None if seeds is None else [sample_seed(seeds[i], turn) for i in active],
+                                               params)
+                    stepped, texts = [], {}  # the episodes whose environment answers this turn, and their turns
+                    for j, i in enumerate(active):
+                        length = int(out["response_mask"][j].sum())
+                        room = s.max_total_tokens - len(tokens[i])
+                        new = out["responses"][j, :min(length, room)].tolist()
+                        tokens[i] += new
+                        trained[i] += [1] * len(new)
+                        log_probs[i] += out["rollout_log_probs"][j, :len(new)].tolist()
+                        turns[i] += 1
+                        last = turn == s.max_turns - 1 or len(tokens[i]) >= s.max_total_tokens  # turns or tokens used up
+                        if not last or s.step_last_turn:
+                            stepped.append((i, new, last))
+                            texts[i] = self.tokenizer.decode(new, skip_special_tokens=True)
+                    steps = each([i for i, _, _ in stepped], lambda i: _checked(envs[i].step(texts[i])))
+                    active = []
+                    for (i, new, last), step in zip(stepped, steps):
+                        if step is _FAILED:  # the episode ends here
+                            continue
+                        counts[i].update(step.counts)
+                        rewards[i] += step.reward
+                        if step.done or last:
+                            continue
+                        observed = [t for t in observation_ids(self.tokenizer, step.observation, new)
+                                    if t not in s.dropped_ids][: s.max_total_tokens - len(tokens[i])]
+                        tokens[i] += observed
+                        trained[i] += [0] * len(observed)
+                        log_probs[i] += [0.0] * len(observed)
+                        if len(tokens[i]) < s.max_total_tokens:
+                            active.append(i)
+            finally:
+                each([i for i in range(n) if callable(getattr(envs[i], "close", None))], lambda i: envs[i].close())
         return self._batch(tokens, trained, log_probs, turns, counts, rewards)
 
     def close(self) -> None:

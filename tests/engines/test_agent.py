@@ -133,6 +133,46 @@ def test_an_environment_that_raises_ends_its_episode_and_the_others_go_on(capsys
     assert printed.count("rollout.env failed") == 1 and "RuntimeError: no such level" in printed
 
 
+def test_episodes_environments_are_stepped_at_once_and_give_the_same_episodes():
+    """env_workers=4: the four episodes' steps run at once (each waits at a barrier that
+    only four at once pass); env_workers=1: one at a time. The episodes are the same."""
+    import threading
+
+    tok = build_tokenizer()
+    state = {"in_flight": 0, "most": 0}
+    lock = threading.Lock()
+
+    def make(barrier):
+        class Waits:
+            def reset(self, task):
+                self.task = task
+
+            def step(self, text):
+                with lock:
+                    state["in_flight"] += 1
+                    state["most"] = max(state["most"], state["in_flight"])
+                if barrier is not None:
+                    barrier.wait()
+                with lock:
+                    state["in_flight"] -= 1
+                return EnvStep([{"role": "user", "content": f"seen {self.task['n']}"}], len(text) > 1, {})
+        return Waits
+
+    prompts = [_ids(tok, f"{c}?") for c in "ABCD"]
+    out = {}
+    for workers, barrier in ((4, threading.Barrier(4, timeout=30)), (1, None)):
+        state["most"] = 0
+        runner = EpisodeRunner(ScriptedEngine(tok, {p[0]: ["x", "yy"] for p in prompts}), tok, make(barrier),
+                               EpisodeSettings(max_turns=3, max_total_tokens=100, env_workers=workers))
+        out[workers] = runner.generate(prompts, [1, 2, 3, 4], SamplingParams(max_new_tokens=8),
+                                       [{"n": n} for n in range(4)])
+        assert state["most"] == workers and out[workers]["env_failed"].sum() == 0
+    assert out[4]["num_turns"].tolist() == [2.0] * 4
+    for name in ("responses", "response_mask", "observation_mask"):
+        assert torch.equal(out[4][name], out[1][name])
+    assert "seen 3" in tok.decode(out[4]["responses"][3][out[4]["observation_mask"][3].bool()])
+
+
 def test_the_trainer_attends_to_observation_tokens_it_does_not_train(random_model_dir):
     from distflow.engines.actor import policy_forward
     from distflow.engines.common import load_causal_lm
