@@ -101,8 +101,8 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
     results in rank order. A worker that fails fails the launch, naming its rank.
 
     Without `ray_address` Ray starts here on 127.0.0.1. With one, the launcher joins that
-    cluster; the workers are spread over its nodes, and rank 0's node address is the
-    process group's master. `centralized` (runtime.mode=centralized, a list of
+    cluster; the workers are packed onto its nodes, consecutive ranks together
+    (`_packed_by_node`), and rank 0's node address is the process group's master. `centralized` (runtime.mode=centralized, a list of
     `centralized.NodeSpec`): the driver runs that graph every step and every stage's
     data goes through it (`runtime/centralized.py`), as `centralized_wire`; each worker's
     end of it is passed to `entry` as its last argument. `meter` counts everything
@@ -110,7 +110,7 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     import ray
 
-    wire, env = None, {}
+    wire, env, group = None, {}, None
     if centralized is not None:
         from distflow.runtime.centralized import make_wire, wire_env
 
@@ -139,15 +139,17 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
             if slots < num_workers:
                 raise ClusterTooSmall(f"runtime.num_workers={num_workers}: the Ray cluster at {ray_address} has "
                                  f"{slots} free CPU slots for workers")
-        gpus = int(ray.cluster_resources().get("GPU", 0))
+        gpus = int(ray.available_resources().get("GPU", 0))
         use_gpu = device != "cpu" and gpus >= num_workers  # one each; else every worker on CPU, GPUs hidden or not
         if device == "cuda" and not use_gpu:
             raise ClusterTooSmall(f"runtime.device=cuda: runtime.num_workers={num_workers} workers need a GPU each; "
-                                  f"Ray sees {gpus}")
+                                  f"Ray has {gpus} free")
         device = device if use_gpu else "cpu"
         actor_cls = ray.remote(num_cpus=1, num_gpus=1 if use_gpu else 0)(_Worker)
-        spread = {} if ray_address is None else {"scheduling_strategy": "SPREAD"}
-        actors = [actor_cls.options(name=f"distflow-worker-{r}", **spread).remote() for r in range(num_workers)]
+        strategies: list[dict] = [{}] * num_workers
+        if ray_address is not None:
+            group, strategies = _packed_by_node(num_workers, use_gpu, ray_address)
+        actors = [actor_cls.options(name=f"distflow-worker-{r}", **strategies[r]).remote() for r in range(num_workers)]
         master, port = ("127.0.0.1", free_port()) if ray_address is None else \
             meter.received(ray.get(actors[0].rendezvous.remote(), timeout=120), "rendezvous")
         if centralized is not None:
@@ -186,6 +188,8 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
                 ray.kill(actor)
             except Exception:
                 pass
+        if group is not None:
+            ray.util.remove_placement_group(group)
         ray.shutdown()
         (run_dir / "launcher.json").write_text(json.dumps(
             meter.summary() | {"mode": "centralized" if centralized is not None else "distributed"}
@@ -198,6 +202,32 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _packed_by_node(num_workers: int, use_gpu: bool, ray_address: str, timeout_s: float = 120.0):
+    """(a placement group of one bundle per worker, PACK: the workers on as few of the
+    cluster's nodes as fit them; each rank's scheduling option), ranks given out node by
+    node, so that each node holds a run of consecutive ranks: a TP group or a rollout
+    replica's members (consecutive ranks) share a node where one fits them."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+    from ray.util.placement_group import placement_group, placement_group_table
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = placement_group([{"CPU": 1} | ({"GPU": 1} if use_gpu else {})] * num_workers, strategy="PACK")
+    try:
+        ray.get(group.ready(), timeout=timeout_s)
+    except GetTimeoutError:
+        ray.util.remove_placement_group(group)
+        raise ClusterTooSmall(f"runtime.num_workers={num_workers}: the Ray cluster at {ray_address} could not "
+                              f"place {num_workers} workers within {timeout_s:.0f} s") from None
+    node_of = placement_group_table(group)["bundles_to_node_id"]
+    first_seen: dict[str, int] = {}
+    for b in range(num_workers):
+        first_seen.setdefault(node_of[b], len(first_seen))
+    bundles = sorted(range(num_workers), key=lambda b: (first_seen[node_of[b]], b))
+    return group, [{"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=b)}
+                   for b in bundles]
 
 
 def _root_cause(rank: int, error: Exception, pending: dict, run_dir: Path, meter: LauncherMeter,

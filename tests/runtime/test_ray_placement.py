@@ -1,0 +1,59 @@
+"""Workers on a Ray cluster: packed onto as few nodes as fit them, each node holding a run
+of consecutive ranks (a TP group or a rollout replica's members share a node), on the
+emulated cluster (a Ray head and two nodes of 2 CPUs, each in its own network namespace)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from distflow.runtime.cluster import ClusterSpec, EmulatedCluster, leftovers
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not sys.platform.startswith("linux") or os.geteuid() != 0,
+                                 reason="the emulated cluster needs root on Linux (CI has it)")]
+
+PLACE = """
+import json, sys
+import ray
+from distflow.runtime.ray_launcher import ClusterTooSmall, _packed_by_node, check_ray_address
+
+address = sys.argv[1]
+ray.init(address=address, _node_ip_address=check_ray_address(address), configure_logging=False)
+
+@ray.remote(num_cpus=1)
+class Where:
+    def host(self):
+        return ray.util.get_node_ip_address()
+
+group, options = _packed_by_node(4, use_gpu=False, ray_address=address)
+actors = [Where.options(**options[r]).remote() for r in range(4)]
+hosts = ray.get([a.host.remote() for a in actors], timeout=120)
+for a in actors:
+    ray.kill(a)
+ray.util.remove_placement_group(group)
+try:
+    _packed_by_node(5, use_gpu=False, ray_address=address, timeout_s=3)
+    refused = ""
+except ClusterTooSmall as e:
+    refused = str(e)
+ray.shutdown()
+print(json.dumps({"hosts": hosts, "refused": refused}))
+"""
+
+
+def test_ranks_fill_a_node_before_the_next(tmp_path):
+    spec = ClusterSpec(hosts=3, rate_mbit=400, cpus_per_host=2, name="dfp")
+    with EmulatedCluster(spec) as c:
+        proc = c.run(0, [sys.executable, "-c", PLACE, spec.ray_address], capture_output=True, text=True,
+                     timeout=300, cwd=tmp_path)
+    assert leftovers(spec) == []
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    hosts = out["hosts"]  # Ray's SPREAD gave them out host by host in turn: A B A B
+    assert hosts[0] == hosts[1] and hosts[2] == hosts[3] and hosts[0] != hosts[2]
+    assert set(hosts) == {spec.address(1), spec.address(2)}
+    assert out["refused"].startswith(f"runtime.num_workers=5: the Ray cluster at {spec.ray_address} could not place")
