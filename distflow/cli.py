@@ -125,6 +125,13 @@ def check_inputs(cfg: Config, training: bool = True) -> None:
         raise ConfigError(f"trainer.output_dir={cfg.trainer.output_dir!r}: exists and is not a folder")
     if cfg.reward.custom_fn is not None:
         check_callable(cfg.reward.custom_fn, "reward.custom_fn")
+    if cfg.reward.model_path is not None:
+        from distflow.engines.reward_model import RewardModelError, check_reward_model
+
+        try:
+            check_reward_model(cfg.reward.model_path)
+        except RewardModelError as e:
+            raise ConfigError(f"reward.model_path: {e}") from None
     if cfg.rollout.tool_schemas is not None:
         from distflow.engines.tools import schemas
 
@@ -297,7 +304,7 @@ def _check_cluster(cfg: Config) -> None:
 
 def with_absolute_paths(cfg: Config) -> None:
     """The relative paths of local files and folders in `cfg` made absolute (data files,
-    model.path, algorithm.graph, trainer.resume, rollout.tool_schemas, and the file.py of reward.custom_fn,
+    model.path, algorithm.graph, trainer.resume, rollout.tool_schemas, reward.model_path, and the file.py of reward.custom_fn,
     rollout.env, rollout.agent and algorithm.estimator); names that are no local path
     (builtin:..., modules, registered names) stay as they are."""
     def absolute(path: str) -> str:
@@ -321,8 +328,9 @@ def with_absolute_paths(cfg: Config) -> None:
         cfg.trainer.resume = absolute(cfg.trainer.resume)
     cfg.reward.custom_fn = file_of(cfg.reward.custom_fn)
     cfg.rollout.env, cfg.rollout.agent = file_of(cfg.rollout.env), file_of(cfg.rollout.agent)
-    if cfg.rollout.tool_schemas is not None:
-        cfg.rollout.tool_schemas = absolute(cfg.rollout.tool_schemas)
+    for section, key in (("rollout", "tool_schemas"), ("reward", "model_path")):
+        if getattr(getattr(cfg, section), key) is not None:
+            setattr(getattr(cfg, section), key, absolute(getattr(getattr(cfg, section), key)))
     cfg.algorithm.estimator = file_of(cfg.algorithm.estimator)
 
 

@@ -252,6 +252,13 @@ class RewardConfig:
                                 "number when there is no #### (verl's modes); accuracy stays strict")
     from_env: bool = _spec(False, doc="multi-turn with rollout.env: the sum of the environment's step rewards is the "
                                       "sample's reward instead of the function's (accuracy stays the function's)")
+    model_path: str | None = _spec(None, doc="a HF sequence-classification folder with one label (a reward model): "
+                                             "its score of the prompt and response, rendered by its own chat "
+                                             "template, is the reward instead of the function's (accuracy stays "
+                                             "the rule's), as verl's reward_model and TRL's reward_funcs=<model>")
+    model_micro_batch_size: int = _spec(8, min=1, doc="reward.model_path: conversations per forward")
+    model_max_length: int = _spec(4096, min=2, doc="reward.model_path: tokens of a conversation scored (a longer "
+                                                   "one keeps its end)")
 
 
 @dataclass(kw_only=True)
@@ -526,6 +533,11 @@ def _validate_turns(cfg: Config) -> None:
     import importlib.util
 
     r = cfg.rollout
+    given = [k for k, on in (("reward.custom_fn", cfg.reward.custom_fn), ("reward.from_env", cfg.reward.from_env),
+                             ("rollout.agent", r.agent)) if on]
+    if cfg.reward.model_path is not None and given:
+        raise ConfigError(f"reward.model_path={cfg.reward.model_path!r}: the reward model gives the reward; "
+                          f"leave {given[0]} unset")
     if cfg.reward.from_env and (r.env is None or r.max_turns == 1):
         raise ConfigError("reward.from_env=true: needs rollout.env (an environment whose steps give rewards) "
                           "and rollout.max_turns > 1")

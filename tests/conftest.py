@@ -73,3 +73,23 @@ def qwen2_model_dir(tmp_path_factory) -> str:
     Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def qwen2_reward_model_dir(qwen2_model_dir, tmp_path_factory) -> str:
+    """A reward model as a user brings one: a Qwen2 sequence-classification model with one
+    label (random weights of the shrunk config), with the Qwen2 folder's tokenizer and
+    chat template."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
+
+    path = tmp_path_factory.mktemp("qwen2_rm")
+    tok = AutoTokenizer.from_pretrained(qwen2_model_dir)
+    torch.manual_seed(1)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, num_labels=1,
+                         bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         use_sliding_window=False)
+    Qwen2ForSequenceClassification(config).save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return str(path)

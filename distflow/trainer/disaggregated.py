@@ -139,7 +139,7 @@ class RolloutWorker:
         torch.manual_seed(cfg.trainer.seed)
         self.engine = make_rollout_engine(cfg, str(resume_from or cfg.model.path), self.tokenizer, device, actor=None)
         self.engine.weight_version = self.start_step
-        reward_fn, accuracy_fn = make_reward_runners(cfg)
+        reward_fn, accuracy_fn = make_reward_runners(cfg, device)
         overlap = resolve_overlap(cfg, device)
         self.ctx = nodes.WorkerContext(cfg=cfg, tokenizer=self.tokenizer, rollout=self.engine, actor=None,
                                        reward_fn=reward_fn, accuracy_fn=accuracy_fn, overlap=overlap)

@@ -73,7 +73,7 @@ def _scored(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[l
     if not rows:
         return nothing
     out.meta.update({"ground_truth": [r.ground_truth for r in rows], "data_source": [r.data_source for r in rows],
-                     "extra_info": [r.extra_info for r in rows]})
+                     "extra_info": [r.extra_info for r in rows], "prompt_messages": [r.messages for r in rows]})
     rewards, correct, _ = score_responses(tokenizer, out, reward_fn, accuracy_fn)
     if reward_field is not None:
         rewards = out[reward_field]

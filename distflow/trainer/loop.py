@@ -42,6 +42,7 @@ from distflow.engines.critic import Critic
 from distflow.engines.openai_endpoint import AgentRunner, AgentSettings
 from distflow.engines.lora import AdapterDisabledReference, LoraSettings, adapter_base, is_adapter_folder, with_lora
 from distflow.engines.reward import RewardRunner
+from distflow.engines.reward_model import RewardModel
 from distflow.engines.rollout import HFRolloutEngine, RolloutEngine
 from distflow.engines.tools import Toolbox, schemas
 from distflow.plugins import load_callable
@@ -222,11 +223,16 @@ def make_episode_runner(cfg: Config, engine: RolloutEngine, tokenizer) -> Episod
         dropped_ids=frozenset(vision_token_ids(model_config) if model_config is not None else ())))
 
 
-def make_reward_runners(cfg: Config) -> tuple[RewardRunner, RewardRunner]:
-    """(the configured reward, the strict accuracy metric): one runner when they are the same function."""
-    reward_fn = RewardRunner(cfg.reward.custom_fn, cfg.reward.timeout_s, gsm8k_mode=cfg.reward.gsm8k_mode)
-    accuracy_fn = (reward_fn if cfg.reward.custom_fn is None and cfg.reward.gsm8k_mode == "strict"
-                   else RewardRunner(None, cfg.reward.timeout_s))
+def make_reward_runners(cfg: Config, device: torch.device) -> tuple[RewardRunner | RewardModel, RewardRunner]:
+    """(the configured reward: reward.model_path's model on `device`, or the function;
+    the strict accuracy metric): one runner when they are the same function."""
+    rw = cfg.reward
+    if rw.model_path is not None:
+        return (RewardModel(rw.model_path, device, rw.model_micro_batch_size, rw.model_max_length),
+                RewardRunner(None, rw.timeout_s))
+    reward_fn = RewardRunner(rw.custom_fn, rw.timeout_s, gsm8k_mode=rw.gsm8k_mode)
+    accuracy_fn = (reward_fn if rw.custom_fn is None and rw.gsm8k_mode == "strict"
+                   else RewardRunner(None, rw.timeout_s))
     return reward_fn, accuracy_fn
 
 
@@ -327,7 +333,7 @@ class Trainer:
                          OptimConfig(lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip),
                          device, cfg.critic.strategy, compute_dtype, cfg.critic.gradient_checkpointing)
                   if roles & {"critic_forward", "critic_train"} else None)
-        reward_fn, accuracy_fn = make_reward_runners(cfg)
+        reward_fn, accuracy_fn = make_reward_runners(cfg, device)
         self._parts.callback(close_reward_runners, reward_fn, accuracy_fn)
         a = cfg.algorithm
         reward_kl = (make_kl_controller(a.reward_kl_ctrl, a.reward_kl_coef, a.reward_kl_target, a.reward_kl_horizon)
@@ -617,7 +623,7 @@ def run_eval_worker(cfg_dict: dict, report_path: str, k: int) -> dict | None:
     taken, chosen = heldout_rows(cfg, tokenizer, load_image_prompter(cfg.model.path, tokenizer), rank, world)
     engine = make_rollout_engine(cfg, cfg.model.path, tokenizer, device, actor=None)
     episodes = make_episode_runner(cfg, engine, tokenizer)
-    reward_fn, accuracy_fn = make_reward_runners(cfg)
+    reward_fn, accuracy_fn = make_reward_runners(cfg, device)
     try:
         r = cfg.rollout
         report = evaluate(engine, tokenizer, [row for row, _ in taken], [ids for _, ids in taken], reward_fn,

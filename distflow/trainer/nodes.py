@@ -45,7 +45,8 @@ from distflow.engines.agent import COUNTS as EPISODE_COUNTS
 from distflow.engines.agent import EpisodeRunner
 from distflow.engines.common import LogProbModel
 from distflow.engines.critic import Critic
-from distflow.engines.reward import FAILED, TIMED_OUT, RewardRunner
+from distflow.engines.reward import FAILED, OK, TIMED_OUT, RewardRunner
+from distflow.engines.reward_model import RewardModel
 from distflow.engines.rollout import RolloutEngine, SamplingParams, left_pad, sample_seed
 from distflow.plugins import load_callable
 from distflow.trainer.metrics import MeanAccumulator
@@ -61,7 +62,7 @@ class WorkerContext:
     actor: Actor
     ref: LogProbModel | None = None
     critic: Critic | None = None
-    reward_fn: RewardRunner | None = None  # the configured reward, run safely
+    reward_fn: RewardRunner | RewardModel | None = None  # the configured reward, run safely, or reward.model_path
     accuracy_fn: RewardRunner | None = None  # the default (strict) reward: the accuracy metric
     overlap: bool = False  # scheduler.overlap as resolved for this worker: stream the rollout in chunks
     reward_kl: kl.FixedKLController | kl.AdaptiveKLController | None = None  # beta of KL in the reward
@@ -178,23 +179,28 @@ def _generated(out: Batch) -> Batch:
                   if k in out.tensors})
 
 
-def score_responses(tokenizer, batch: Batch, reward_fn: RewardRunner,
-                    accuracy_fn: RewardRunner) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def score_responses(tokenizer, batch: Batch, reward_fn: RewardRunner | RewardModel,
+                    accuracy_fn: RewardRunner | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rewards, accuracy, status): accuracy is 1 where the rule-based scorer gives full
-    marks (a code response passes every test), else 0; status is OK, FAILED (raised or not
-    a number) or TIMED_OUT per sample; a failed sample scores 0 and the run goes on."""
+    marks (a code response passes every test), else 0 (and 0 without `accuracy_fn`); status
+    is OK, FAILED (raised or not a number) or TIMED_OUT per sample; a failed sample scores 0
+    and the run goes on. A reward model scores the batch at once, from the prompts'
+    messages and the responses."""
     texts = tokenizer.batch_decode(batch["responses"] * batch["response_mask"]
                                    + tokenizer.pad_token_id * (1 - batch["response_mask"]),
                                    skip_special_tokens=True)
+    learned = isinstance(reward_fn, RewardModel)
     rewards, correct, status = [], [], []
     for text, gt, src, extra in zip(texts, batch["ground_truth"], batch["data_source"], batch["extra_info"]):
-        value, state = reward_fn(src, text, gt, extra)
+        value, state = (0.0, OK) if learned else reward_fn(src, text, gt, extra)
         rewards.append(value)
         status.append(state)
-        marks = value if accuracy_fn is reward_fn else accuracy_fn(src, text, gt, extra)[0]
+        marks = (value if accuracy_fn is reward_fn else 0.0 if accuracy_fn is None
+                 else accuracy_fn(src, text, gt, extra)[0])
         correct.append(1.0 if marks >= 1.0 else 0.0)
-    return (torch.tensor(rewards, dtype=torch.float32), torch.tensor(correct, dtype=torch.float32),
-            torch.tensor(status, dtype=torch.long))
+    scores = (reward_fn.score(batch["prompt_messages"], texts) if learned
+              else torch.tensor(rewards, dtype=torch.float32))
+    return scores, torch.tensor(correct, dtype=torch.float32), torch.tensor(status, dtype=torch.long)
 
 
 def reward(ctx: WorkerContext, batch: Batch) -> Batch:
@@ -252,8 +258,9 @@ def greedy_baseline(ctx: WorkerContext, batch: Batch) -> Batch:
                                                              greedy=True))
     if not rows:
         return Batch({"baseline_scores": torch.zeros(0, dtype=torch.float32)})
-    out.meta.update({k: [batch[k][i] for i in rows] for k in ("ground_truth", "data_source", "extra_info")})
-    scores, _, _ = score_responses(ctx.tokenizer, out, ctx.reward_fn, ctx.reward_fn)
+    out.meta.update({k: [batch[k][i] for i in rows]
+                     for k in ("ground_truth", "data_source", "extra_info", "prompt_messages") if k in batch})
+    scores, _, _ = score_responses(ctx.tokenizer, out, ctx.reward_fn, None)
     if ctx.cfg.algorithm.overlong_buffer_len:  # shaped as the samples' scores are (overlong_penalty)
         scores = scores + _overlong(ctx.cfg, out["response_mask"].sum(-1))
     by_group = dict(zip(first, scores.tolist()))

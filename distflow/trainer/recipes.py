@@ -103,11 +103,13 @@ def recipe_graph(cfg: Config) -> Graph:
     rollout_out += ("rollout_weight_version",) if cfg.rollout.partial else ()  # each token's weight version
     rollout_out += (("observation_mask", "num_turns", *AGENT_FIELDS) if agent else
                     ("observation_mask", "num_turns", *EPISODE_COUNTS, "env_scores") if episodes else ())
+    # what scoring a response reads besides it; a reward model reads the prompt's messages too
+    reward_inputs = ("ground_truth", "data_source", "extra_info") + (("prompt_messages",) if cfg.reward.model_path else ())
     rollout_in = ("prompts", "prompt_mask", "uid", "draw", "sample_k", *images)
     rollout_in += ("ground_truth", "data_source", "extra_info", "prompt_messages") if episodes else ()
     built = [
         _node("rollout", "rollout", rollout_in, rollout_out, stream=True),
-        _node("reward", "reward", ("responses", "response_mask", "ground_truth", "data_source", "extra_info")
+        _node("reward", "reward", ("responses", "response_mask", *reward_inputs)
               + tuple(filter(None, [rollout_reward_field(cfg)])),
               ("scores", "accuracy", "reward_status")),
     ]
@@ -125,8 +127,8 @@ def recipe_graph(cfg: Config) -> Graph:
                            layout="groups", deps=gate))
         reward_field = "shaped_scores"
     if "baseline" in info.needs:
-        built.append(_node("greedy_baseline", "rollout", ("prompts", "prompt_mask", "group", "ground_truth",
-                                                          "data_source", "extra_info", *images), ("baseline_scores",),
+        built.append(_node("greedy_baseline", "rollout", ("prompts", "prompt_mask", "group", *reward_inputs, *images),
+                           ("baseline_scores",),
                            deps=gate, **gated))
     if a.use_kl_loss or a.use_kl_in_reward:
         built.append(_node("ref_log_prob", "reference", scoring, ("ref_log_probs",), deps=gate, **gated))

@@ -1,0 +1,81 @@
+"""A learned reward model (`reward.model_path`): a HuggingFace sequence-classification
+model with one label, whose score of a prompt and its response is the sample's reward, as
+verl's `reward_model` worker and TRL's `reward_funcs=<model>` use one.
+
+Each sample's conversation (the prompt's messages, then the response as the assistant's
+turn) is rendered by the reward model's own tokenizer and chat template, which need not
+be the policy's; the score is the model's output at the conversation's last token. A
+conversation longer than `max_length` tokens keeps its end (the response and what the
+score is read at). Scored without gradients, in micro-batches, on the worker's device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from distflow.engines.common import load_tokenizer, quiet_transformers, resolve_model_path
+
+
+class RewardModelError(ValueError):
+    """One line: why a folder is not a reward model this can load."""
+
+
+def check_reward_model(path: str) -> None:
+    """The folder's config names a sequence-classification model with one label and
+    safetensors weights (read without loading it)."""
+    folder = resolve_model_path(path)
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise RewardModelError(f"{path}: no readable config.json ({e})") from None
+    architectures = config.get("architectures") or []
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        raise RewardModelError(f"{path}: a {', '.join(architectures) or 'model without architectures'}, not a "
+                               "sequence-classification model (AutoModelForSequenceClassification)")
+    labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
+    if labels != 1:
+        raise RewardModelError(f"{path}: has {labels} labels; a reward model has one (its score)")
+    if not any(name.endswith(".safetensors") for name in os.listdir(folder)):
+        raise RewardModelError(f"{path}: no .safetensors weights (pickled .bin weights are never loaded)")
+
+
+class RewardModel:
+    def __init__(self, path: str, device: torch.device, micro_batch_size: int = 8, max_length: int = 4096):
+        from transformers import AutoModelForSequenceClassification
+
+        check_reward_model(path)
+        quiet_transformers()
+        self.tokenizer = load_tokenizer(path)
+        self.tokenizer.padding_side, self.tokenizer.truncation_side = "right", "left"
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            resolve_model_path(path), dtype=dtype, use_safetensors=True, trust_remote_code=False).to(device).eval()
+        if self.model.config.pad_token_id is None:  # HF finds the last token by it
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.device, self.micro_batch_size, self.max_length = device, micro_batch_size, max_length
+
+    def conversation(self, prompt: list[dict], response: str) -> str:
+        messages = [*prompt, {"role": "assistant", "content": response}]
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(messages, tokenize=False)
+        return "\n".join(m["content"] for m in messages)
+
+    @torch.no_grad()
+    def score(self, prompts: list[list[dict]], responses: list[str]) -> torch.Tensor:
+        """Each (prompt messages, response text)'s score, float32 on the CPU."""
+        texts = [self.conversation(p, r) for p, r in zip(prompts, responses)]
+        scores = []
+        for start in range(0, len(texts), self.micro_batch_size):
+            enc = self.tokenizer(texts[start:start + self.micro_batch_size], return_tensors="pt", padding=True,
+                                 truncation=True, max_length=self.max_length, add_special_tokens=False)
+            logits = self.model(input_ids=enc["input_ids"].to(self.device),
+                                attention_mask=enc["attention_mask"].to(self.device)).logits
+            scores.append(logits[:, 0].float().cpu())
+        return torch.cat(scores) if scores else torch.zeros(0)
+
+    def close(self) -> None:
+        self.model = None

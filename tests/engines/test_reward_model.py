@@ -1,0 +1,93 @@
+"""A learned reward model (reward.model_path): its score of each conversation is the HF
+model's own output at the conversation's last token, whatever the micro-batching and
+padding; it is the reward of a training run's samples and of its held-out evaluation
+(accuracy stays the rule's); a folder that is not one is refused before launch."""
+
+from __future__ import annotations
+
+import json
+from shutil import copytree
+
+import pytest
+import torch
+
+from distflow.cli import check_inputs
+from distflow.config import ConfigError, load_config
+from distflow.engines.reward_model import RewardModel
+from helpers import distflow_sweep, run_metrics
+
+PROMPTS = [[{"role": "user", "content": "Q: 3 + 4?"}], [{"role": "user", "content": "Q: 12 * 7, and show it?"}],
+           [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q: 1 + 1?"}]]
+RESPONSES = ["#### 7", "12 * 7 = 84, so the answer is #### 84", ""]
+
+
+def test_scores_are_the_model_s_own_at_the_last_token_in_any_batching(qwen2_reward_model_dir):
+    from transformers import AutoModelForSequenceClassification
+
+    rm = RewardModel(qwen2_reward_model_dir, torch.device("cpu"), micro_batch_size=2)
+    scores = rm.score(PROMPTS, RESPONSES)
+    reference = AutoModelForSequenceClassification.from_pretrained(qwen2_reward_model_dir).eval()
+    for prompt, response, score in zip(PROMPTS, RESPONSES, scores.tolist()):
+        text = rm.tokenizer.apply_chat_template([*prompt, {"role": "assistant", "content": response}], tokenize=False)
+        ids = rm.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]  # alone: no padding
+        with torch.no_grad():
+            assert score == pytest.approx(float(reference(input_ids=ids).logits[0, 0]), abs=1e-5)
+    one_by_one = RewardModel(qwen2_reward_model_dir, torch.device("cpu"), micro_batch_size=1)
+    assert torch.allclose(one_by_one.score(PROMPTS, RESPONSES), scores, atol=1e-5)
+    assert len(set(scores.tolist())) == 3  # it reads the conversation: different ones score differently
+    short = RewardModel(qwen2_reward_model_dir, torch.device("cpu"), max_length=8)  # a long one keeps its end
+    assert short.score(PROMPTS[1:2], RESPONSES[1:2]).shape == (1,)
+
+
+def test_the_reward_is_the_model_s_score_and_accuracy_the_rule_s(qwen2_reward_model_dir, qwen2_model_dir):
+    from distflow.data.batch import Batch
+    from distflow.engines.common import load_tokenizer
+    from distflow.engines.reward import RewardRunner
+    from distflow.engines.rollout import left_pad
+    from distflow.trainer.nodes import score_responses
+
+    policy_tok = load_tokenizer(qwen2_model_dir)
+    rm = RewardModel(qwen2_reward_model_dir, torch.device("cpu"))
+    ids = [policy_tok(r, add_special_tokens=False)["input_ids"] + [policy_tok.eos_token_id] for r in RESPONSES[:2]]
+    responses, _ = left_pad([list(reversed(i)) for i in ids], policy_tok.pad_token_id)  # right-padded:
+    responses = responses.flip(-1)
+    batch = Batch({"responses": responses, "response_mask": (responses != policy_tok.pad_token_id).long()},
+                  {"ground_truth": ["7", "85"], "data_source": ["gsm8k"] * 2, "extra_info": [{}] * 2,
+                   "prompt_messages": PROMPTS[:2]})
+    scores, accuracy, status = score_responses(policy_tok, batch, rm, RewardRunner(None, 0))
+    assert torch.allclose(scores, rm.score(PROMPTS[:2], RESPONSES[:2]), atol=1e-5)
+    assert accuracy.tolist() == [1.0, 0.0] and status.tolist() == [0, 0]  # '#### 7' right, '#### 84' not 85
+
+
+def test_what_is_not_a_reward_model_is_refused_before_launch(qwen2_model_dir, qwen2_reward_model_dir, tmp_path):
+    cfg = load_config(None, [f"reward.model_path={qwen2_model_dir}"])
+    with pytest.raises(ConfigError, match=r"reward.model_path: .*a Qwen2ForCausalLM, not a sequence-classification"):
+        check_inputs(cfg)
+    two = tmp_path / "two_labels"
+    two.mkdir()
+    copytree(qwen2_reward_model_dir, two, dirs_exist_ok=True)
+    data = json.loads((two / "config.json").read_text())
+    data["id2label"] = {"0": "bad", "1": "good"}
+    (two / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="has 2 labels; a reward model has one"):
+        check_inputs(load_config(None, [f"reward.model_path={two}"]))
+    with pytest.raises(ConfigError, match="the reward model gives the reward; leave reward.custom_fn unset"):
+        load_config(None, [f"reward.model_path={qwen2_reward_model_dir}", "reward.custom_fn=x.py:score"])
+
+
+@pytest.mark.slow
+def test_a_run_takes_its_rewards_from_the_reward_model(qwen2_model_dir, qwen2_reward_model_dir, tmp_path):
+    common = [f"model.path={qwen2_model_dir}", "trainer.total_steps=2", "data.train_batch_size=4",
+              "actor.ppo_mini_batch_size=4", "algorithm.group_size=4", "data.val_max_samples=8",
+              "rollout.max_new_tokens=16", "trainer.progress=false", "trainer.save_final=false",
+              "trainer.eval_every=0"]
+    reward_model = f"reward.model_path={qwen2_reward_model_dir}"
+    runs = distflow_sweep({"rm": [reward_model], "rule": [],
+                           "remax": [reward_model, "algorithm.name=remax"]}, 2, tmp_path, common)
+    rm, rule = run_metrics(runs["rm"]), run_metrics(runs["rule"])
+    assert all(r["actor/grad_norm"] > 0 for r in run_metrics(runs["remax"])[1:])  # its greedy baseline scored too
+    for record in rm[1:]:
+        assert record["reward/failed"] == 0.0 and record["actor/grad_norm"] > 0
+        assert record["reward/mean"] != 0.0 and record["reward/mean"] != record["reward/accuracy"]
+    assert rm[0]["val/reward"] != rule[0]["val/reward"]  # the held-out reward is the model's too
+    assert rm[0]["val/accuracy"] == rule[0]["val/accuracy"]
