@@ -504,7 +504,7 @@ def cmd_dag_show(args: argparse.Namespace) -> int:
 
     name = Path(cfg.algorithm.name).stem
     title = name + (f" + {cfg.algorithm.graph}" if cfg.algorithm.graph else "")
-    print(describe_recipe(cfg.algorithm.name))
+    print(describe_recipe(cfg))
     print(f"\n{title}: {len(graph.nodes)} nodes, in the order every worker runs them\n{graph.describe()}")
     out = Path(args.out or f"dag-{name}")
     out.parent.mkdir(parents=True, exist_ok=True)

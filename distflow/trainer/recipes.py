@@ -213,9 +213,13 @@ def recipe_table() -> str:
     return "\n".join("| " + " | ".join(r) + " |" for r in rows) + "\n"
 
 
-def describe_recipe(name: str) -> str:
-    """What `distflow dag show NAME` prints above the graph."""
-    recipe = load_recipe(name)
+def describe_recipe(cfg: Config) -> str:
+    """What `distflow dag show NAME` prints above the graph: the recipe and its settings as
+    the run has them (a setting the command line or config file changed says so)."""
+    recipe = load_recipe(cfg.algorithm.name)
     lines = [f"{recipe.name}: {recipe.description}"] + ([f"  paper: {recipe.paper}"] if recipe.paper else [])
-    lines += [f"  {key} = {value}" for key, value in recipe.settings]
+    for key, value in recipe.settings:
+        section, name = key.split(".", 1)
+        effective = getattr(getattr(cfg, section), name)
+        lines.append(f"  {key} = {effective}" + (f"  (the recipe's: {value})" if effective != value else ""))
     return "\n".join(lines)

@@ -119,10 +119,13 @@ def test_cli_rejects_a_bad_graph_before_anything_starts(tmp_path, graph_text, fr
     assert not (tmp_path / "runs").exists(), "no run folder, no worker, no model"
 
 
-def test_dag_show_writes_pictures(tmp_path):
+def test_dag_show_writes_pictures_and_the_settings_the_run_would_have(tmp_path, capsys):
     from distflow.cli import main
 
-    assert main(["dag", "show", "dapo", "--out", str(tmp_path / "d")]) == 0
+    assert main(["dag", "show", "dapo", "algorithm.clip_ratio_high=0.3", "--out", str(tmp_path / "d")]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert "  algorithm.clip_ratio_high = 0.3  (the recipe's: 0.28)" in printed  # it printed the recipe's 0.28
+    assert "  algorithm.dynamic_sampling = True" in printed
     assert "dynamic_sampling" in (tmp_path / "d.dot").read_text()
     assert (tmp_path / "d.mmd").read_text().startswith("flowchart LR")
     assert (tmp_path / "d.png").read_bytes()[:4] == b"\x89PNG"
