@@ -18,7 +18,7 @@
     distflow dag show [RECIPE] [--out PATH] [--config FILE] [section.key=value ...]
     distflow dag recipes
     distflow eval [--k K] model.path=DIR data.val_files=FILE [section.key=value ...]
-    distflow export CHECKPOINT --out DIR [--merge]
+    distflow export CHECKPOINT --out DIR [--merge] [--dtype bfloat16]
     distflow runs [ROOT]
     distflow plot RUN [RUN ...] [--out FILE]
 
@@ -534,7 +534,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from distflow.trainer.checkpoint import CheckpointError, export
 
     try:
-        written = export(Path(args.checkpoint), Path(args.out), args.merge)
+        written = export(Path(args.checkpoint), Path(args.out), args.merge, args.dtype)
     except CheckpointError as e:
         return _fail(str(e))
     print(f"wrote {args.out}: {', '.join(written)}")
@@ -642,6 +642,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/x/checkpoints/final")
     export.add_argument("--out", required=True, help="a new folder")
     export.add_argument("--merge", action="store_true", help="a LoRA checkpoint: merge the adapter into its base")
+    export.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                        help="cast the weights (default: as trained, fp32 master weights)")
     export.set_defaults(fn=cmd_export)
     runs = sub.add_parser("runs", help="list run folders with their summary")
     runs.add_argument("root", nargs="?", default="runs", help="the folder holding run folders (default: runs)")

@@ -277,10 +277,12 @@ _RESUME_ONLY = ("optimizer.safetensors", "optimizer.json", "critic.safetensors",
                 "critic_optimizer.json", "rng.safetensors", "metrics.jsonl", STATE_FILE)
 
 
-def export(path: Path, out: Path, merge: bool) -> list[str]:
+def export(path: Path, out: Path, merge: bool, dtype: str | None = None) -> list[str]:
     """A checkpoint as a folder to share: what `from_pretrained` needs, without the state
     only resuming uses. A LoRA checkpoint with `merge`: its base with the adapter merged,
-    as a plain HF folder; without: the adapter (and tokenizer). Returns the files written."""
+    as a plain HF folder; without: the adapter (and tokenizer). `dtype` (bfloat16,
+    float16, float32): the floating-point weights cast to it, and the config saying so
+    (by default they stay as trained: the fp32 master weights). Returns the files written."""
     from distflow.engines.common import IMAGE_PROCESSOR_FILE, load_causal_lm, load_tokenizer
     from distflow.engines.lora import is_adapter_folder
 
@@ -295,7 +297,7 @@ def export(path: Path, out: Path, merge: bool) -> list[str]:
         raise CheckpointError(f"export --out {out}: exists and is not an empty folder; choose a new folder")
     out.mkdir(parents=True, exist_ok=True)
     if merge and is_adapter_folder(path):
-        load_causal_lm(str(path)).save_pretrained(out, safe_serialization=True)
+        load_causal_lm(str(path), dtype or "float32").save_pretrained(out, safe_serialization=True)
         load_tokenizer(str(path)).save_pretrained(out)
         if (path / IMAGE_PROCESSOR_FILE).is_file():  # a VLM's image processor, as the checkpoint holds it
             shutil.copy2(path / IMAGE_PROCESSOR_FILE, out / IMAGE_PROCESSOR_FILE)
@@ -303,4 +305,27 @@ def export(path: Path, out: Path, merge: bool) -> list[str]:
         for f in path.iterdir():
             if f.is_file() and f.name not in _RESUME_ONLY:
                 shutil.copy2(f, out / f.name)
+        if dtype is not None:
+            _cast_weights(out, getattr(torch, dtype))
     return sorted(f.name for f in out.iterdir())
+
+
+def _cast_weights(folder: Path, dtype: torch.dtype) -> None:
+    """The floating-point tensors of `folder`'s safetensors files cast to `dtype`, one
+    file at a time; its config and shard index say so."""
+    total = 0
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(f).items()}
+        total += sum(v.numel() * v.element_size() for v in tensors.values())
+        save_file(tensors, f, metadata={"format": "pt"})
+    for index in folder.glob("*.safetensors.index.json"):
+        data = json.loads(index.read_text())
+        data.setdefault("metadata", {})["total_size"] = total
+        index.write_text(json.dumps(data, indent=2))
+    config_file = folder / "config.json"  # an adapter folder has none: its base's says
+    if config_file.is_file():
+        config = json.loads(config_file.read_text())
+        for key in ("dtype", "torch_dtype"):  # transformers 5's name, and the older one where it is there
+            if key == "dtype" or key in config:
+                config[key] = str(dtype).removeprefix("torch.")
+        config_file.write_text(json.dumps(config, indent=2))

@@ -67,6 +67,29 @@ def test_optimizer_and_rng_state_round_trip(tmp_path, random_model_dir):
     assert checkpoint.latest(tmp_path) == tmp_path / "step_1"
 
 
+def test_export_keeps_the_trained_weights_or_casts_them_on_request(tmp_path, random_model_dir):
+    """By default the exported weights are the checkpoint's fp32 master weights, bit for
+    bit; with a dtype they are cast to it (half the bytes for bfloat16) and the config says
+    so, so that from_pretrained loads them as they are."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    actor = Actor(load_causal_lm(random_model_dir), OptimConfig(lr=1e-2), torch.device("cpu"))
+    checkpoint.save(tmp_path / "step_1", hf_skeleton=actor.model,
+                    tokenizer=AutoTokenizer.from_pretrained(random_model_dir), actor=actor, critic=None, step=1,
+                    loader_state={"epoch": 0, "offset": 0}, metrics_file=None, keep_last=0)
+    trained = load_file(tmp_path / "step_1" / "model.safetensors")
+    checkpoint.export(tmp_path / "step_1", tmp_path / "as_trained", merge=False)
+    checkpoint.export(tmp_path / "step_1", tmp_path / "bf16", merge=False, dtype="bfloat16")
+    kept, cast = (load_file(tmp_path / name / "model.safetensors") for name in ("as_trained", "bf16"))
+    assert all(torch.equal(kept[k], v) and kept[k].dtype == torch.float32 for k, v in trained.items())
+    assert all(torch.equal(cast[k], v.to(torch.bfloat16)) for k, v in trained.items())
+    sizes = [(tmp_path / name / "model.safetensors").stat().st_size for name in ("as_trained", "bf16")]
+    assert sizes[1] < 0.55 * sizes[0]
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
+
+
 def test_a_gpu_rank_s_cuda_rng_state_round_trips(tmp_path, random_model_dir, monkeypatch):
     """A rank that has used its GPU saves the GPU's RNG state beside the CPU's and gets it
     back on resume. No GPU here: torch.cuda's RNG calls are stood in for by a CPU
