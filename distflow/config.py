@@ -538,6 +538,16 @@ def _validate_turns(cfg: Config) -> None:
     if cfg.reward.model_path is not None and given:
         raise ConfigError(f"reward.model_path={cfg.reward.model_path!r}: the reward model gives the reward; "
                           f"leave {given[0]} unset")
+    if cfg.reward.model_path is not None and r.max_turns > 1:
+        raise ConfigError(f"reward.model_path={cfg.reward.model_path!r}: scores single-turn responses; an episode's "
+                          "turns and observations are not rendered as a conversation for it (rollout.max_turns=1)")
+    if r.tool_schemas is not None and not (r.env or r.agent):
+        raise ConfigError(f"rollout.tool_schemas={r.tool_schemas!r}: the schemas of the tools rollout.env or "
+                          "rollout.agent runs; the built-in tool environment runs rollout.tools alone (their "
+                          "schemas reach the template without it)")
+    if r.tools and r.env is not None and r.env.startswith("openenv:"):
+        raise ConfigError(f"rollout.tools={r.tools!r}: an OpenEnv environment runs as it is, without the built-in "
+                          "tools; leave rollout.tools unset")
     if cfg.reward.from_env and (r.env is None or r.max_turns == 1):
         raise ConfigError("reward.from_env=true: needs rollout.env (an environment whose steps give rewards) "
                           "and rollout.max_turns > 1")

@@ -49,8 +49,9 @@ class Environment(Protocol):
     gets the dataset row's task (prompt, ground_truth, data_source, extra_info) and the
     episode's seed (None when greedy); the episode's first messages are the row's prompt.
     A `close()` method, if it has one, is called once the episode ends. An environment
-    that raises ends its episode there (`env/failed` counts it; with reward.from_env it
-    scores 0); the other episodes go on."""
+    that raises in reset or step ends its episode there (`env/failed` counts it; with
+    reward.from_env it scores 0), one whose close raises is reported; the other episodes
+    go on."""
 
     def reset(self, task: dict) -> None: ...
 
@@ -133,6 +134,25 @@ class EpisodeSettings:
 _FAILED = object()  # what an environment call that raised gives
 
 
+class _Lanes:
+    """Where the environments' calls run: episode i's on lane i % k, a thread of its own
+    (an environment is made, stepped and closed on one thread: one tied to its thread, a
+    sqlite connection or a browser, keeps working); with k = 1, on the calling thread."""
+
+    def __init__(self, k: int):
+        self.pools = [ThreadPoolExecutor(1, thread_name_prefix=f"environment-{j}") for j in range(k)] if k > 1 else []
+
+    def map(self, fn: Callable[[int], Any], episodes: list[int]) -> list:
+        if not self.pools:
+            return [fn(i) for i in episodes]
+        futures = [self.pools[i % len(self.pools)].submit(fn, i) for i in episodes]
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        for pool in self.pools:
+            pool.shutdown()
+
+
 class EpisodeRunner:
     """Runs a batch of episodes with a rollout engine and returns them as one rollout batch."""
 
@@ -145,73 +165,92 @@ class EpisodeRunner:
     def generate(self, prompts: list[list[int]], seeds: list[int] | None, params: SamplingParams,
                  tasks: list[dict]) -> Batch:
         """`prompts` (token ids) with their `tasks`; greedy when `seeds` is None. The
-        environments of different episodes are reset, stepped and closed concurrently,
-        on settings.env_workers threads; each episode's own one call at a time."""
+        environments of different episodes are made, reset, stepped and closed
+        concurrently, on settings.env_workers threads; each episode's on one thread, one
+        call at a time; each is closed when its episode ends."""
         s, n = self.settings, len(prompts)
-        envs: list[Environment | None] = [self.make_env() for _ in range(n)]
+        envs: list[Environment | None] = [None] * n
         tokens, trained, log_probs = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
         turns, counts, rewards = [0] * n, [Counter() for _ in range(n)], [0.0] * n
+        lanes = _Lanes(max(1, min(s.env_workers, n)))
 
-        def guarded(i: int, call: Callable[[int], Any]) -> Any:
+        def start(i: int) -> None:
+            envs[i] = self.make_env()
+            envs[i].reset(tasks[i] | {"seed": None if seeds is None else seeds[i]})
+
+        def guarded(call: Callable[[int], Any]) -> Callable[[int], Any]:
             """`call(i)` on episode i's environment; where it raises, the episode has failed
-            (_FAILED): counted, its reward 0, its environment dropped (not closed)."""
-            try:
-                return call(i)
-            except Exception as e:  # one episode's environment, not the rollout's: the others go on
-                counts[i]["env_failed"], rewards[i], envs[i] = 1, 0.0, None
-                with self._lock:
-                    first, self.first_error = self.first_error is None, self.first_error or f"{type(e).__name__}: {e}"
-                if first:
-                    print(f"distflow: rollout.env failed in an episode (ended there, counted in env/failed): "
-                          f"{self.first_error}", flush=True)
-                return _FAILED
+            (_FAILED): counted, its reward 0, its environment closed as far as it lets."""
+            def run(i: int) -> Any:
+                try:
+                    return call(i)
+                except Exception as e:  # one episode's environment, not the rollout's: the others go on
+                    counts[i]["env_failed"], rewards[i] = 1, 0.0
+                    self._report("rollout.env failed in an episode (ended there, counted in env/failed)", e)
+                    close(i)
+                    return _FAILED
+            return run
 
-        with ThreadPoolExecutor(max(1, min(s.env_workers, n)), thread_name_prefix="environment") as pool:
-            def each(episodes: list[int], call: Callable[[int], Any]) -> list:
-                return list(pool.map(lambda i: guarded(i, call), episodes))
-
-            reset = each(list(range(n)), lambda i: envs[i].reset(
-                tasks[i] | {"seed": None if seeds is None else seeds[i]}))
-            active = [i for i in range(n) if reset[i] is not _FAILED]
+        def close(i: int) -> None:
+            """Episode i's environment closed; what close raises is reported, the episode stands."""
+            env, envs[i] = envs[i], None
             try:
-                for turn in range(s.max_turns):
-                    if not active:
-                        break
-                    out = self.engine.generate([_continued(prompts[i], tokens[i]) for i in active],
-                                               None if seeds is None else [sample_seed(seeds[i], turn) for i in active],
-                                               params)
-                    stepped, texts = [], {}  # the episodes whose environment answers this turn, and their turns
-                    for j, i in enumerate(active):
-                        length = int(out["response_mask"][j].sum())
-                        room = s.max_total_tokens - len(tokens[i])
-                        new = out["responses"][j, :min(length, room)].tolist()
-                        tokens[i] += new
-                        trained[i] += [1] * len(new)
-                        log_probs[i] += out["rollout_log_probs"][j, :len(new)].tolist()
-                        turns[i] += 1
-                        last = turn == s.max_turns - 1 or len(tokens[i]) >= s.max_total_tokens  # turns or tokens used up
-                        if not last or s.step_last_turn:
-                            stepped.append((i, new, last))
-                            texts[i] = self.tokenizer.decode(new, skip_special_tokens=True)
-                    steps = each([i for i, _, _ in stepped], lambda i: _checked(envs[i].step(texts[i])))
-                    active = []
-                    for (i, new, last), step in zip(stepped, steps):
-                        if step is _FAILED:  # the episode ends here
-                            continue
-                        counts[i].update(step.counts)
-                        rewards[i] += step.reward
-                        if step.done or last:
-                            continue
-                        observed = [t for t in observation_ids(self.tokenizer, step.observation, new)
-                                    if t not in s.dropped_ids][: s.max_total_tokens - len(tokens[i])]
-                        tokens[i] += observed
-                        trained[i] += [0] * len(observed)
-                        log_probs[i] += [0.0] * len(observed)
-                        if len(tokens[i]) < s.max_total_tokens:
-                            active.append(i)
-            finally:
-                each([i for i in range(n) if callable(getattr(envs[i], "close", None))], lambda i: envs[i].close())
+                if callable(getattr(env, "close", None)):
+                    env.close()
+            except Exception as e:
+                self._report("rollout.env failed to close an environment (its episode stands)", e)
+
+        try:
+            started = lanes.map(guarded(start), list(range(n)))
+            active = [i for i in range(n) if started[i] is not _FAILED]
+            for turn in range(s.max_turns):
+                if not active:
+                    break
+                out = self.engine.generate([_continued(prompts[i], tokens[i]) for i in active],
+                                           None if seeds is None else [sample_seed(seeds[i], turn) for i in active],
+                                           params)
+                stepped, texts = [], {}  # the episodes whose environment answers this turn, and their turns
+                for j, i in enumerate(active):
+                    length = int(out["response_mask"][j].sum())
+                    room = s.max_total_tokens - len(tokens[i])
+                    new = out["responses"][j, :min(length, room)].tolist()
+                    tokens[i] += new
+                    trained[i] += [1] * len(new)
+                    log_probs[i] += out["rollout_log_probs"][j, :len(new)].tolist()
+                    turns[i] += 1
+                    last = turn == s.max_turns - 1 or len(tokens[i]) >= s.max_total_tokens  # turns or tokens used up
+                    if not last or s.step_last_turn:
+                        stepped.append((i, new, last))
+                        texts[i] = self.tokenizer.decode(new, skip_special_tokens=True)
+                steps = lanes.map(guarded(lambda i: _checked(envs[i].step(texts[i]))), [i for i, _, _ in stepped])
+                running = []
+                for (i, new, last), step in zip(stepped, steps):
+                    if step is _FAILED:  # the episode ended there
+                        continue
+                    counts[i].update(step.counts)
+                    rewards[i] += step.reward
+                    if step.done or last:
+                        continue
+                    observed = [t for t in observation_ids(self.tokenizer, step.observation, new)
+                                if t not in s.dropped_ids][: s.max_total_tokens - len(tokens[i])]
+                    tokens[i] += observed
+                    trained[i] += [0] * len(observed)
+                    log_probs[i] += [0.0] * len(observed)
+                    if len(tokens[i]) < s.max_total_tokens:
+                        running.append(i)
+                lanes.map(close, [i for i in active if i not in set(running) and envs[i] is not None])  # ended
+                active = running
+        finally:
+            lanes.map(close, [i for i in range(n) if envs[i] is not None])
+            lanes.close()
         return self._batch(tokens, trained, log_probs, turns, counts, rewards)
+
+    def _report(self, what: str, e: Exception) -> None:
+        """The first environment error of this runner, printed once."""
+        with self._lock:
+            first, self.first_error = self.first_error is None, self.first_error or f"{type(e).__name__}: {e}"
+        if first:
+            print(f"distflow: {what}: {self.first_error}", flush=True)
 
     def close(self) -> None:
         """Nothing to release: environments live for one episode."""
@@ -229,7 +268,7 @@ def _checked(step: EnvStep) -> EnvStep:
     """An environment's answer, its reward a float."""
     if not isinstance(step, EnvStep):
         raise TypeError(f"step returned {type(step).__name__}, not an EnvStep")
-    return EnvStep(step.observation, step.done, dict(step.counts), float(step.reward))
+    return EnvStep(step.observation, step.done, dict(step.counts or {}), float(step.reward))
 
 
 def _continued(prompt: list[int], episode: list[int]) -> list[int]:

@@ -115,14 +115,15 @@ def _text(content) -> str:
         if other:
             raise RequestError(400, f"a message has a content part of type {other[0]!r}; this endpoint takes text "
                                     "parts only", "unsupported")
-        return "".join(str(p.get("text", "")) for p in content)
+        return "\n".join(str(p.get("text", "")) for p in content)  # as vLLM joins them
     raise RequestError(400, "a message's content must be a string or a list of text parts", "invalid_request")
 
 
 def _options(request: dict) -> tuple[int | None, list[str], bool]:
     """The request's max tokens, stop strings and logprobs, checked; what the endpoint
     cannot honour is refused rather than ignored."""
-    asked = request.get("max_completion_tokens", request.get("max_tokens"))
+    asked = request.get("max_completion_tokens")
+    asked = request.get("max_tokens") if asked is None else asked
     if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 1):
         raise RequestError(400, f"max_tokens must be an integer of at least 1, not {asked!r}", "invalid_request")
     stop = request.get("stop")
@@ -233,24 +234,25 @@ class ChatEndpoint:
         """The completion up to the first of `stops`: the fewest tokens whose text holds
         it (what an engine stopping there samples; trained as sampled) and the text before
         it (OpenAI's answer leaves the stop string out)."""
-        found = [(text.find(x), x) for x in stops if x in text]
+        found = [(text.find(x) + len(x), text.find(x), x) for x in stops if x in text]
         if not found:
             return completion, log_probs, text, stopped
-        at, stop = min(found)
-        lo, hi = 1, len(completion)  # decoded text grows with the tokens: the first prefix reaching at+len(stop)
+        _, at, stop = min(found)  # the stop string completed first, as an engine stopping on it meets it
+        lo, hi = 1, len(completion)  # the first prefix whose text holds it (a prefix's text is the text's prefix)
         while lo < hi:
             mid = (lo + hi) // 2
-            if len(self.tokenizer.decode(completion[:mid], skip_special_tokens=True)) >= at + len(stop):
+            if stop in self.tokenizer.decode(completion[:mid], skip_special_tokens=True):
                 hi = mid
             else:
                 lo = mid + 1
         return completion[:lo], log_probs[:lo], text[:at], True
 
     def _logprobs(self, completion: list[int], log_probs: list[float]) -> dict:
-        """OpenAI's `logprobs` of the sampled tokens (the end-of-turn token too: it is trained)."""
+        """OpenAI's `logprobs` of the sampled tokens (the end-of-turn token too: it is trained);
+        `bytes` is null for a token that is part of a character (its text alone is U+FFFD)."""
         tokens = [self.tokenizer.decode([t]) for t in completion]
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                            for t, lp in zip(tokens, log_probs)]}
+        return {"content": [{"token": t, "logprob": lp, "bytes": None if "\ufffd" in t else list(t.encode()),
+                             "top_logprobs": []} for t, lp in zip(tokens, log_probs)]}
 
     def _prompt(self, trajectory: Trajectory, messages: list[dict], tools) -> list[int]:
         if trajectory.messages is None:  # the sample's first request: the row's prompt
@@ -394,7 +396,15 @@ def _handler(endpoint: ChatEndpoint):
                     request = json.loads(body)
                 except ValueError:
                     raise RequestError(400, "the body is not JSON", "invalid_json") from None
-                self._send(200, endpoint.answer(key, request))
+                try:
+                    answer = endpoint.answer(key, request)
+                except (ValueError, TypeError, KeyError, AttributeError) as e:  # what the request held (a chat
+                    raise RequestError(400, f"{type(e).__name__}: {e}", "invalid_request") from None  # template's)
+                except RequestError:
+                    raise
+                except Exception as e:
+                    raise RequestError(500, f"{type(e).__name__}: {e}", "server_error", "server_error") from None
+                self._send(200, answer)
             except RequestError as e:
                 self._send(e.status, e.body())
 

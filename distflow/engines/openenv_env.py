@@ -15,6 +15,8 @@ the rollout worker's process (no server, no container):
   message: its one string field as it is, several as JSON. Its `reward` is the step's
   reward (the sample's, summed, with `reward.from_env`); `done` ends the episode.
 - `close()` once the episode has ended.
+- Episodes run one after another unless the class sets OpenEnv's
+  `SUPPORTS_CONCURRENT_SESSIONS = True` (then on `rollout.env_workers` threads).
 """
 
 from __future__ import annotations
@@ -85,6 +87,12 @@ class OpenEnvEnvironment:
         """A maker of one episode's environment; a class the adapter cannot drive is
         refused here, before any episode."""
         return partial(cls, env_class, *action_text_field(env_class))
+
+    @staticmethod
+    def concurrent(env_class: type) -> bool:
+        """Whether the class says its instances may run at once (OpenEnv's
+        SUPPORTS_CONCURRENT_SESSIONS, False unless set); if not, episodes step one after another."""
+        return bool(getattr(env_class, "SUPPORTS_CONCURRENT_SESSIONS", False))
 
     def reset(self, task: dict) -> None:
         self.env.reset(seed=task.get("seed"))

@@ -11,7 +11,8 @@ from the syntax tree, never `eval`) and `python` (a program run in the code sand
 that is not JSON, names no or an unknown tool, raises, or runs past its limit becomes an
 error observation the model sees, and is counted. Their JSON schemas (`schemas`) go to
 the chat template with the prompt, as verl and TRL pass them: a template that takes
-tools (Qwen's, Llama 3's ...) shows the model what it may call.
+tools shows the model what it may call (calls are read in the Hermes format above, which
+Qwen2.5's and Qwen3's templates teach).
 """
 
 from __future__ import annotations

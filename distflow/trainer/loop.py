@@ -208,18 +208,20 @@ def make_episode_runner(cfg: Config, engine: RolloutEngine, tokenizer) -> Episod
                            AgentSettings(max_total_tokens=budget, max_calls=r.max_turns))
     if r.max_turns == 1:
         return None
-    toolbox = Toolbox(tool_names(cfg), r.tool_timeout_s)
+    toolbox, env_workers = Toolbox(tool_names(cfg), r.tool_timeout_s), r.env_workers
     if r.env is not None and r.env.startswith("openenv:"):
         from distflow.engines.openenv_env import OpenEnvEnvironment
 
         env_class = load_callable(r.env.removeprefix("openenv:"), "rollout.env")
         make_env = OpenEnvEnvironment.episodes_of(env_class)
+        if not OpenEnvEnvironment.concurrent(env_class):  # OpenEnv's own server would not run two at once either
+            env_workers = 1
     else:
         make_env = (partial(load_callable(r.env, "rollout.env"), toolbox) if r.env else
                     partial(ToolEnvironment, toolbox, frame_results=not template_frames_tool_results(tokenizer)))
     model_config = getattr(getattr(engine, "model", None), "config", None)  # the HF engine's (VLMs run on it)
     return EpisodeRunner(engine, tokenizer, make_env, EpisodeSettings(
-        max_turns=r.max_turns, max_total_tokens=budget, step_last_turn=cfg.reward.from_env, env_workers=r.env_workers,
+        max_turns=r.max_turns, max_total_tokens=budget, step_last_turn=cfg.reward.from_env, env_workers=env_workers,
         dropped_ids=frozenset(vision_token_ids(model_config) if model_config is not None else ())))
 
 

@@ -96,11 +96,13 @@ def test_a_custom_environment_and_a_template_with_a_system_prompt():
 
 def test_an_environment_that_raises_ends_its_episode_and_the_others_go_on(capsys):
     """reset raising (task 0), step raising on the second turn (task 1), close raising
-    (task 2), and an environment that works (task 3): each failure ends its own episode
-    there, counts in env_failed and zeroes its reward from the environment; the rollout,
-    and every other episode, goes on; every environment that did not fail is closed."""
+    (task 2), an environment that works (task 3), and one whose episode ends at its first
+    turn (task 4): a reset or step failure ends its own episode there, counts in env_failed
+    and zeroes its reward from the environment; a close failure is reported, its episode
+    stands; the rollout, and every other episode, goes on; every environment is closed
+    (a failed one too), each once its own episode has ended."""
     tok = build_tokenizer()
-    closed = []
+    closed = {}  # task -> the engine calls made when its environment was closed
 
     class Fragile:
         def reset(self, task):
@@ -112,30 +114,31 @@ def test_an_environment_that_raises_ends_its_episode_and_the_others_go_on(capsys
             self.turn += 1
             if self.task == "step" and self.turn == 2:
                 raise ValueError("the board is gone")
-            return EnvStep([{"role": "user", "content": "again"}], False, {}, reward=1.0)
+            return EnvStep([{"role": "user", "content": "again"}], self.task == "short", {}, reward=1.0)
 
         def close(self):
             if self.task == "close":
                 raise OSError("socket already closed")
-            closed.append(self.task)
+            closed[self.task] = len(engine.calls)
 
-    prompts = [_ids(tok, f"{c}?") for c in "ABCD"]
-    runner = EpisodeRunner(ScriptedEngine(tok, {p[0]: ["x", "y", "z"] for p in prompts}), tok, Fragile,
-                           EpisodeSettings(max_turns=3, max_total_tokens=100, step_last_turn=True))
-    tasks = [{"fail": f} for f in ("reset", "step", "close", None)]
-    out = runner.generate(prompts, [1, 2, 3, 4], SamplingParams(max_new_tokens=8), tasks)
-    assert out["env_failed"].tolist() == [1.0, 1.0, 1.0, 0.0]
-    assert out["num_turns"].tolist() == [0.0, 2.0, 3.0, 3.0]  # reset failed: no turn; step failed at the second
-    assert out["env_scores"].tolist() == [0.0, 0.0, 0.0, 3.0]
+    prompts = [_ids(tok, f"{c}?") for c in "ABCDE"]
+    engine = ScriptedEngine(tok, {p[0]: ["x", "y", "z"] for p in prompts})
+    runner = EpisodeRunner(engine, tok, Fragile, EpisodeSettings(max_turns=3, max_total_tokens=100, step_last_turn=True))
+    tasks = [{"fail": f} for f in ("reset", "step", "close", None, "short")]
+    out = runner.generate(prompts, [1, 2, 3, 4, 5], SamplingParams(max_new_tokens=8), tasks)
+    assert out["env_failed"].tolist() == [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert out["num_turns"].tolist() == [0.0, 2.0, 3.0, 3.0, 1.0]  # reset failed: no turn; step: at the second
+    assert out["env_scores"].tolist() == [0.0, 0.0, 3.0, 3.0, 1.0]
     assert out["response_mask"][0].sum() == 0 and out["observation_mask"][1].sum() > 0  # its first observation kept
-    assert closed == [None]  # a failed environment is not closed again
+    assert closed == {"reset": 0, "step": 2, None: 3, "short": 1}  # at its episode's end, not the batch's
     printed = capsys.readouterr().out
-    assert printed.count("rollout.env failed") == 1 and "RuntimeError: no such level" in printed
+    assert printed.count("distflow: rollout.env failed") == 1 and "RuntimeError: no such level" in printed
 
 
 def test_episodes_environments_are_stepped_at_once_and_give_the_same_episodes():
     """env_workers=4: the four episodes' steps run at once (each waits at a barrier that
-    only four at once pass); env_workers=1: one at a time. The episodes are the same."""
+    only four at once pass); env_workers=1: one at a time. The episodes are the same, and
+    each environment is called only on the thread that made it."""
     import threading
 
     tok = build_tokenizer()
@@ -144,10 +147,15 @@ def test_episodes_environments_are_stepped_at_once_and_give_the_same_episodes():
 
     def make(barrier):
         class Waits:
+            def __init__(self):
+                self.thread = threading.get_ident()  # an environment stays on the thread that made it
+
             def reset(self, task):
                 self.task = task
+                assert threading.get_ident() == self.thread
 
             def step(self, text):
+                assert threading.get_ident() == self.thread
                 with lock:
                     state["in_flight"] += 1
                     state["most"] = max(state["most"], state["in_flight"])

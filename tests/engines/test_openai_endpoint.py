@@ -144,8 +144,7 @@ def test_stop_strings_logprobs_content_parts_and_what_the_endpoint_cannot_honour
     engine = ScriptedEngine(tok, {prompt[0]: ["Let me think. DONE and then more", "#### 7"]})
     endpoint = ChatEndpoint(engine, tok, dataclasses.replace(PARAMS, max_new_tokens=128), max_total_tokens=400,
                             max_calls=3)
-    parts = [{"role": "user", "content": [{"type": "text", "text": QUESTION[0]["content"][:10]},
-                                          {"type": "text", "text": QUESTION[0]["content"][10:]}]}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": QUESTION[0]["content"]}]}]
     try:
         (key,) = endpoint.open([prompt], [5])
         client = _client(endpoint, key)
@@ -159,6 +158,9 @@ def test_stop_strings_logprobs_content_parts_and_what_the_endpoint_cannot_honour
             client.chat.completions.create(model="policy", messages=[{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
         assert e.value.code == "unsupported" and "'image_url'" in e.value.message
+        with pytest.raises(openai.BadRequestError) as e:  # a message that is not an object: a 400, not a dropped line
+            client.chat.completions.create(model="policy", messages=["hello"])
+        assert e.value.code == "invalid_request"
         reply = client.chat.completions.create(model="policy", messages=parts, stop="DONE", logprobs=True)
         choice = reply.choices[0]
         assert choice.message.content == "Let me think. " and choice.finish_reason == "stop"
@@ -175,6 +177,33 @@ def test_stop_strings_logprobs_content_parts_and_what_the_endpoint_cannot_honour
     assert engine.calls[1] == [prompt + cut + observed]
     assert trajectory.tokens[:len(cut)] == cut and trajectory.trained[:len(cut)] == [1] * len(cut)
     assert trajectory.calls == 2  # the refused requests are not calls
+
+
+def test_a_stop_string_is_cut_where_its_last_byte_is_sampled_and_the_first_to_complete_wins(qwen2_model_dir):
+    """Byte-level BPE: a character of several tokens is a stop string only once all of
+    them are sampled; of two stop strings the one completed first stops the completion
+    (as an engine meets them), even where the other starts earlier."""
+    tok = load_tokenizer(qwen2_model_dir)
+    question = [{"role": "user", "content": "Q: 3 + 4?"}]
+    prompt = tok(render_prompt(tok, question), add_special_tokens=False)["input_ids"]
+    engine = ScriptedEngine(tok, {prompt[0]: ["ab\u2705cd more"] * 2 + ["xabcdefy"]})
+    endpoint = ChatEndpoint(engine, tok, dataclasses.replace(PARAMS, max_new_tokens=64), max_total_tokens=400,
+                            max_calls=3)
+    try:
+        keys = endpoint.open([prompt] * 3, [1, 2, 3])
+        replies = [_client(endpoint, k).chat.completions.create(model="policy", messages=question, stop=stop,
+                                                                logprobs=True)
+                   for k, stop in zip(keys, (["\u2705"], ["d m"], ["abcdef", "cd"]))]
+        trajectories = [endpoint.collect(k) for k in keys]
+    finally:
+        endpoint.close()
+    assert [r.choices[0].message.content for r in replies] == ["ab", "ab\u2705c", "xab"]
+    assert tok.decode(trajectories[0].tokens) == "ab\u2705"  # every byte of the character: trained as sampled
+    for trajectory, stop in zip(trajectories, ("\u2705", "d m", "cd")):  # the fewest tokens that hold the stop
+        assert stop in tok.decode(trajectory.tokens) and stop not in tok.decode(trajectory.tokens[:-1])
+    pieces = replies[0].choices[0].logprobs.content
+    assert len(pieces) == len(trajectories[0].tokens)
+    assert all(p.bytes is None for p in pieces if "\ufffd" in p.token)  # part of a character: no bytes of its own
 
 
 async def _agent(client, row):

@@ -62,6 +62,8 @@ class GuessDigit(Environment[GuessAction, GuessObservation, State]):
 class Steps(Environment[GuessAction, GuessObservation, State]):
     """Pays 0.5 for every turn and never ends an episode: a sample's reward is 0.5 x its turns."""
 
+    SUPPORTS_CONCURRENT_SESSIONS = True  # its instances share nothing
+
     def reset(self, seed=None, episode_id=None, **kwargs) -> GuessObservation:
         return GuessObservation()
 
@@ -108,6 +110,19 @@ def test_an_openenv_game_runs_through_the_adapter(game):
     runner.settings = EpisodeSettings(max_turns=3, max_total_tokens=200)
     engine.calls.clear()
     assert runner.generate([a], [7], SamplingParams(max_new_tokens=8), [{}])["env_scores"].tolist() == [-0.5]
+
+
+def test_episodes_run_at_once_only_where_the_class_says_its_sessions_may(game, tmp_path):
+    from distflow.config import load_config
+    from distflow.trainer.loop import make_episode_runner
+
+    _, path = game
+    tok = build_tokenizer()
+    workers = {}
+    for name in ("GuessDigit", "Steps"):  # unmarked, and marked as sharing nothing between sessions
+        cfg = load_config(None, [f"rollout.env=openenv:{path}:{name}", "rollout.max_turns=2", "rollout.env_workers=4"])
+        workers[name] = make_episode_runner(cfg, ScriptedEngine(tok, {}), tok).settings.env_workers
+    assert workers == {"GuessDigit": 1, "Steps": 4}
 
 
 def test_a_class_the_adapter_cannot_drive_is_refused_in_one_line():

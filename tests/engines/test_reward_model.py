@@ -73,6 +73,9 @@ def test_what_is_not_a_reward_model_is_refused_before_launch(qwen2_model_dir, qw
         check_inputs(load_config(None, [f"reward.model_path={two}"]))
     with pytest.raises(ConfigError, match="the reward model gives the reward; leave reward.custom_fn unset"):
         load_config(None, [f"reward.model_path={qwen2_reward_model_dir}", "reward.custom_fn=x.py:score"])
+    with pytest.raises(ConfigError, match="scores single-turn responses"):
+        load_config(None, [f"reward.model_path={qwen2_reward_model_dir}", "rollout.max_turns=2",
+                           "rollout.tools=calculator"])
 
 
 @pytest.mark.slow

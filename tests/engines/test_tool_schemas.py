@@ -29,6 +29,7 @@ TOOLS_TEMPLATE = (
     "</tools><|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+ENV = "rollout.env=env.py:Searches"  # an environment that runs the search tool (its file is not read here)
 SEARCH = {"type": "function", "function": {"name": "search", "description": "Look a word up.",
                                            "parameters": {"type": "object", "properties": {
                                                "word": {"type": "string"}}, "required": ["word"]}}}
@@ -61,7 +62,8 @@ def test_prompts_show_the_tools_in_training_and_evaluation(tools_model, tmp_path
     schemas_file = _schemas_file(tmp_path, [SEARCH])
     tok = load_tokenizer(tools_model)
     for extra, shown in (([], []), (["rollout.max_turns=2", "rollout.tools=calculator"], ["calculator"]),
-                         (["rollout.max_turns=2", "rollout.tools=calculator", f"rollout.tool_schemas={schemas_file}"],
+                         (["rollout.max_turns=2", "rollout.tools=calculator", ENV,
+                           f"rollout.tool_schemas={schemas_file}"],
                           ["calculator", "search"])):
         cfg = load_config(None, [f"model.path={tools_model}", "data.train_batch_size=4",
                                  "actor.ppo_mini_batch_size=4", "data.max_prompt_length=1024", *extra])
@@ -80,18 +82,21 @@ def test_prompts_show_the_tools_in_training_and_evaluation(tools_model, tmp_path
     ([SCHEMAS["calculator"]], "tool 'calculator' is named twice"),
 ])
 def test_a_bad_schemas_file_is_refused_before_launch_in_one_line(tmp_path, content, error):
-    cfg = load_config(None, ["rollout.max_turns=2", "rollout.tools=calculator",
+    cfg = load_config(None, ["rollout.max_turns=2", "rollout.tools=calculator", ENV,
                              f"rollout.tool_schemas={_schemas_file(tmp_path, content)}"])
     with pytest.raises(ConfigError, match="rollout.tool_schemas: ") as e:
         check_inputs(cfg)
     assert error in str(e.value) and "\n" not in str(e.value)
 
 
-def test_schemas_without_turns_and_a_missing_file_are_refused(tmp_path):
-    with pytest.raises(ConfigError, match="rollout.tool_schemas='t.json': tools and environments answer between "
-                                          "turns; set rollout.max_turns > 1"):
-        load_config(None, ["rollout.tool_schemas=t.json"])
-    cfg = load_config(None, ["rollout.max_turns=2", "rollout.tools=calculator",
+def test_schemas_without_turns_or_anything_running_the_tools_and_a_missing_file_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="the built-in tool environment runs rollout.tools alone"):
+        load_config(None, ["rollout.max_turns=2", "rollout.tools=calculator", "rollout.tool_schemas=t.json"])
+    with pytest.raises(ConfigError, match="an OpenEnv environment runs as it is, without the built-in tools"):
+        load_config(None, ["rollout.max_turns=2", "rollout.tools=calculator", "rollout.env=openenv:game.py:Game"])
+    with pytest.raises(ConfigError, match="tools and environments answer between turns; set rollout.max_turns > 1"):
+        load_config(None, ["rollout.tool_schemas=t.json", ENV])
+    cfg = load_config(None, ["rollout.max_turns=2", "rollout.tools=calculator", ENV,
                              f"rollout.tool_schemas={tmp_path / 'missing.json'}"])
     with pytest.raises(ConfigError, match="missing.json: No such file or directory"):
         check_inputs(cfg)
