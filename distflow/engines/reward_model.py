@@ -4,9 +4,11 @@ verl's `reward_model` worker and TRL's `reward_funcs=<model>` use one.
 
 Each sample's conversation (the prompt's messages, then the response as the assistant's
 turn) is rendered by the reward model's own tokenizer and chat template, which need not
-be the policy's; the score is the model's output at the conversation's last token. A
-conversation longer than `max_length` tokens keeps its end (the response and what the
-score is read at). Scored without gradients, in micro-batches, on the worker's device.
+be the policy's; the score is the model's output at the conversation's last token, found
+by the attention mask (a pad id that also ends every turn does not move it). A
+conversation longer than `max_length` tokens (at most the model's positions) keeps its
+end: the response and what the score is read at. Scored without gradients, in
+micro-batches, on the worker's device.
 """
 
 from __future__ import annotations
@@ -54,26 +56,40 @@ class RewardModel:
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
         self.model = AutoModelForSequenceClassification.from_pretrained(
             resolve_model_path(path), dtype=dtype, use_safetensors=True, trust_remote_code=False).to(device).eval()
-        if self.model.config.pad_token_id is None:  # HF finds the last token by it
-            self.model.config.pad_token_id = self.tokenizer.pad_token_id
-        self.device, self.micro_batch_size, self.max_length = device, micro_batch_size, max_length
+        text_config = self.model.config.get_text_config()
+        if text_config.pad_token_id is None:  # HF's own pooling finds the last token by it
+            text_config.pad_token_id = self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.per_token = None  # the score head's output at every position, where the head is one per token
+        head = getattr(self.model, "score", None)  # decoder models' (Llama, Qwen, Mistral, Gemma ...)
+        if isinstance(head, torch.nn.Linear):
+            head.register_forward_hook(lambda module, inputs, output: setattr(self, "per_token", output))
+        positions = getattr(text_config, "max_position_embeddings", None) or max_length
+        self.device, self.micro_batch_size, self.max_length = device, micro_batch_size, min(max_length, positions)
+        self.templated = bool(getattr(self.tokenizer, "chat_template", None))
 
     def conversation(self, prompt: list[dict], response: str) -> str:
         messages = [*prompt, {"role": "assistant", "content": response}]
-        if getattr(self.tokenizer, "chat_template", None):
+        if self.templated:
             return self.tokenizer.apply_chat_template(messages, tokenize=False)
         return "\n".join(m["content"] for m in messages)
 
     @torch.no_grad()
     def score(self, prompts: list[list[dict]], responses: list[str]) -> torch.Tensor:
-        """Each (prompt messages, response text)'s score, float32 on the CPU."""
+        """Each (prompt messages, response text)'s score, float32 on the CPU: the head's
+        output at the conversation's last token by the attention mask (as verl reads it;
+        HF's own pooling, by the pad id, where the head is not one per token)."""
         texts = [self.conversation(p, r) for p, r in zip(prompts, responses)]
         scores = []
         for start in range(0, len(texts), self.micro_batch_size):
+            # a template's text holds its special tokens; plain text gets the model's own (BOS, [CLS])
             enc = self.tokenizer(texts[start:start + self.micro_batch_size], return_tensors="pt", padding=True,
-                                 truncation=True, max_length=self.max_length, add_special_tokens=False)
-            logits = self.model(input_ids=enc["input_ids"].to(self.device),
-                                attention_mask=enc["attention_mask"].to(self.device)).logits
+                                 truncation=True, max_length=self.max_length, add_special_tokens=not self.templated)
+            mask = enc["attention_mask"].to(self.device)
+            self.per_token = None
+            logits = self.model(input_ids=enc["input_ids"].to(self.device), attention_mask=mask).logits
+            if self.per_token is not None and self.per_token.dim() == 3:  # (rows, tokens, 1), right-padded
+                last = mask.sum(-1) - 1
+                logits = self.per_token[torch.arange(len(last), device=self.device), last]
             scores.append(logits[:, 0].float().cpu())
         return torch.cat(scores) if scores else torch.zeros(0)
 

@@ -139,11 +139,12 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
             if slots < num_workers:
                 raise ClusterTooSmall(f"runtime.num_workers={num_workers}: the Ray cluster at {ray_address} has "
                                  f"{slots} free CPU slots for workers")
-        gpus = int(ray.available_resources().get("GPU", 0))
+        # the cluster's GPUs, busy or not (a GPU cluster that is busy now is waited for below, not run on CPUs)
+        gpus = int(ray.cluster_resources().get("GPU", 0))
         use_gpu = device != "cpu" and gpus >= num_workers  # one each; else every worker on CPU, GPUs hidden or not
         if device == "cuda" and not use_gpu:
             raise ClusterTooSmall(f"runtime.device=cuda: runtime.num_workers={num_workers} workers need a GPU each; "
-                                  f"Ray has {gpus} free")
+                                  f"Ray sees {gpus}")
         device = device if use_gpu else "cpu"
         actor_cls = ray.remote(num_cpus=1, num_gpus=1 if use_gpu else 0)(_Worker)
         strategies: list[dict] = [{}] * num_workers
@@ -189,7 +190,10 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
             except Exception:
                 pass
         if group is not None:
-            ray.util.remove_placement_group(group)
+            try:
+                ray.util.remove_placement_group(group)
+            except Exception:  # the cluster is gone: nothing left to free, and the run's own error comes first
+                pass
         ray.shutdown()
         (run_dir / "launcher.json").write_text(json.dumps(
             meter.summary() | {"mode": "centralized" if centralized is not None else "distributed"}
@@ -217,11 +221,14 @@ def _packed_by_node(num_workers: int, use_gpu: bool, ray_address: str, timeout_s
     group = placement_group([{"CPU": 1} | ({"GPU": 1} if use_gpu else {})] * num_workers, strategy="PACK")
     try:
         ray.get(group.ready(), timeout=timeout_s)
+        node_of = placement_group_table(group)["bundles_to_node_id"]
     except GetTimeoutError:
         ray.util.remove_placement_group(group)
         raise ClusterTooSmall(f"runtime.num_workers={num_workers}: the Ray cluster at {ray_address} could not "
-                              f"place {num_workers} workers within {timeout_s:.0f} s") from None
-    node_of = placement_group_table(group)["bundles_to_node_id"]
+                              f"place {num_workers} workers within {timeout_s:.0f} s (busy, or too small)") from None
+    except BaseException:
+        ray.util.remove_placement_group(group)
+        raise
     first_seen: dict[str, int] = {}
     for b in range(num_workers):
         first_seen.setdefault(node_of[b], len(first_seen))

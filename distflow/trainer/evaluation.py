@@ -113,9 +113,10 @@ def _sampled(engine, tokenizer, rows, ids, reward_fn, accuracy_fn, settings: Eva
     seeds = [sample_seed(settings.seed, _EVAL_STREAM, row.index, j) for row in rows for j in range(k)]
     params = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                             top_p=settings.top_p)
+    # only accuracy is kept of the samples: scored by the rule alone (a reward model's forwards would be thrown away)
     _, correct, _, _ = _scored(engine, tokenizer, [r for r in rows for _ in range(k)],
-                            [p for p in ids for _ in range(k)], seeds, params, reward_fn, accuracy_fn, episodes,
-                            settings.reward_field)
+                            [p for p in ids for _ in range(k)], seeds, params, accuracy_fn, accuracy_fn, episodes,
+                            None)
     per_row = correct.view(len(rows), k) if rows else correct.view(0, k)
     for row, samples in zip(rows, per_row.tolist()):
         for group in _groups(row, by_source):

@@ -198,9 +198,12 @@ def score_responses(tokenizer, batch: Batch, reward_fn: RewardRunner | RewardMod
         marks = (value if accuracy_fn is reward_fn else 0.0 if accuracy_fn is None
                  else accuracy_fn(src, text, gt, extra)[0])
         correct.append(1.0 if marks >= 1.0 else 0.0)
-    scores = (reward_fn.score(batch["prompt_messages"], texts) if learned
-              else torch.tensor(rewards, dtype=torch.float32))
-    return scores, torch.tensor(correct, dtype=torch.float32), torch.tensor(status, dtype=torch.long)
+    scores, status = torch.tensor(rewards, dtype=torch.float32), torch.tensor(status, dtype=torch.long)
+    if learned:  # a non-finite score (an overflow) scores 0 and counts as failed, as a function's does
+        scores = reward_fn.score(batch["prompt_messages"], texts)
+        bad = ~torch.isfinite(scores)
+        scores, status = scores.masked_fill(bad, 0.0), status.masked_fill(bad, FAILED)
+    return scores, torch.tensor(correct, dtype=torch.float32), status
 
 
 def reward(ctx: WorkerContext, batch: Batch) -> Batch:

@@ -11,7 +11,8 @@ and the versions of the packages that shape a run are logged once at the start.
 A run resumed in its folder continues its W&B and MLflow runs (their ids are kept in
 `trackers.json`): one run per training run, not one per launch. Steps logged after the
 checkpoint by the launch that stopped are logged again by the resumed one: MLflow keeps
-both values, W&B the first (it takes no step twice).
+both values; W&B online keeps the first (it takes no step twice). W&B offline writes one
+folder per launch, each with the run's id.
 """
 
 from __future__ import annotations
@@ -120,9 +121,10 @@ class MlflowTracker:
         tags = {"git_commit": info["git_commit"] or "unknown"} | {f"version.{k}": v for k, v in info["versions"].items()}
         params, logged = _flat(info["config"]), {}
         try:
-            logged = self.client.get_run(run_id).data.params if run_id else None
+            earlier = self.client.get_run(run_id) if run_id else None
         except MlflowException:  # not in this store (the file was replaced): a new run
-            logged = None
+            earlier = None
+        logged = earlier.data.params if earlier is not None and earlier.info.lifecycle_stage == "active" else None
         if logged is None:
             found = self.client.get_experiment_by_name(experiment)
             experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
@@ -175,8 +177,11 @@ class Trackers:
         t = cfg.trainer
         experiment = t.experiment_name or run_dir.name
         ids_file = run_dir / RUN_IDS
-        earlier = json.loads(ids_file.read_text()) if resumed and ids_file.is_file() else {}
-        ids = {}
+        try:
+            earlier = json.loads(ids_file.read_text()) if resumed and ids_file.is_file() else {}
+        except ValueError:  # a file cut short: new runs
+            earlier = {}
+        ids = dict(earlier)  # a launch without one of the trackers keeps its id for a later one
         for name in names:
             if name == "tensorboard":
                 self.trackers.append(TensorBoardTracker(run_dir, info))

@@ -39,10 +39,36 @@ def test_scores_are_the_model_s_own_at_the_last_token_in_any_batching(qwen2_rewa
     assert short.score(PROMPTS[1:2], RESPONSES[1:2]).shape == (1,)
 
 
+def test_the_score_is_read_at_the_last_token_when_the_config_s_pad_id_ends_every_turn(qwen2_reward_model_dir,
+                                                                                       tmp_path):
+    """A config whose pad id is the token that ends every templated conversation (the
+    newline after <|im_end|> here) and a tokenizer that pads with another: HF's pooling by
+    the pad id would read each score one token early, and padded rows at a pad position;
+    the score is the head's output at the last real token, alone or in a padded batch."""
+    from transformers import AutoModelForSequenceClassification
+
+    folder = tmp_path / "rm"
+    copytree(qwen2_reward_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    rm = RewardModel(qwen2_reward_model_dir, torch.device("cpu"))
+    ending = rm.tokenizer(rm.conversation(PROMPTS[0], RESPONSES[0]), add_special_tokens=False)["input_ids"][-1]
+    assert ending != rm.tokenizer.pad_token_id
+    config["pad_token_id"] = ending
+    (folder / "config.json").write_text(json.dumps(config))
+    scores = RewardModel(str(folder), torch.device("cpu"), micro_batch_size=3).score(PROMPTS, RESPONSES)
+    reference = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    for prompt, response, score in zip(PROMPTS, RESPONSES, scores.tolist()):
+        ids = rm.tokenizer(rm.conversation(prompt, response), return_tensors="pt", add_special_tokens=False)["input_ids"]
+        assert ids[0, -1] == ending  # every conversation ends with the config's pad id
+        with torch.no_grad():
+            last = reference.score(reference.model(input_ids=ids).last_hidden_state)[0, -1, 0]
+        assert score == pytest.approx(float(last), abs=1e-5)
+
+
 def test_the_reward_is_the_model_s_score_and_accuracy_the_rule_s(qwen2_reward_model_dir, qwen2_model_dir):
     from distflow.data.batch import Batch
     from distflow.engines.common import load_tokenizer
-    from distflow.engines.reward import RewardRunner
+    from distflow.engines.reward import FAILED, RewardRunner
     from distflow.engines.rollout import left_pad
     from distflow.trainer.nodes import score_responses
 
@@ -57,6 +83,9 @@ def test_the_reward_is_the_model_s_score_and_accuracy_the_rule_s(qwen2_reward_mo
     scores, accuracy, status = score_responses(policy_tok, batch, rm, RewardRunner(None, 0))
     assert torch.allclose(scores, rm.score(PROMPTS[:2], RESPONSES[:2]), atol=1e-5)
     assert accuracy.tolist() == [1.0, 0.0] and status.tolist() == [0, 0]  # '#### 7' right, '#### 84' not 85
+    rm.model.score.weight.data.fill_(float("inf"))  # an overflow: the scores are not finite
+    scores, _, status = score_responses(policy_tok, batch, rm, RewardRunner(None, 0))
+    assert scores.tolist() == [0.0, 0.0] and status.tolist() == [FAILED, FAILED]  # counted in reward/failed
 
 
 def test_what_is_not_a_reward_model_is_refused_before_launch(qwen2_model_dir, qwen2_reward_model_dir, tmp_path):

@@ -4,6 +4,8 @@ run's trackers against its metrics.jsonl: test_real_model.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from distflow.config import ConfigError, load_config
@@ -60,11 +62,18 @@ def test_a_resumed_run_continues_its_wandb_and_mlflow_runs(tmp_path):
     assert mlflow_status(tmp_path) == "FINISHED"
     runs = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*")))
     assert len(runs) == 2 and len({r.rsplit("-", 1)[1] for r in runs}) == 1  # two launches, one W&B run id
+    first_ids = json.loads((tmp_path / "trackers.json").read_text())
     other = tmp_path / "other"
     Trackers(load_config(None, [ALL]), other, rank=0, resumed=True).close()  # no earlier ids there: new runs
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    assert len(client.search_runs([e.experiment_id for e in client.search_experiments()])) == 1
-    assert glob.glob(str(other / "wandb" / "offline-run-*"))[0].rsplit("-", 1)[1] != runs[0].rsplit("-", 1)[1]
+    other_ids = json.loads((other / "trackers.json").read_text())
+    assert other_ids["mlflow"] != first_ids["mlflow"] and other_ids["wandb"] != first_ids["wandb"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{other / 'mlflow.db'}")
+    assert [r.info.run_id for r in client.search_runs([e.experiment_id for e in client.search_experiments()])] \
+        == [other_ids["mlflow"]]
+    assert glob.glob(str(other / "wandb" / "offline-run-*"))[0].endswith(other_ids["wandb"])
+    # a launch with MLflow alone keeps the W&B id for a later launch with both
+    Trackers(load_config(None, ["trainer.logger=jsonl,mlflow"]), tmp_path, rank=0, resumed=True).close()
+    assert json.loads((tmp_path / "trackers.json").read_text()) == first_ids
 
 
 def test_a_failed_run_is_marked_failed(tmp_path):
