@@ -424,6 +424,12 @@ VERL_KEYS = {
     "actor_rollout_ref.rollout.gpu_memory_utilization": "rollout.gpu_memory_utilization",
     "custom_reward_function.path": "reward.custom_fn=path.py:function",
     "custom_reward_function.name": "reward.custom_fn=path.py:function",
+    "reward_model.enable": "reward.model_path=FOLDER (a sequence-classification reward model)",
+    "reward_model.model.path": "reward.model_path",
+    "reward_model.micro_batch_size_per_gpu": "reward.model_micro_batch_size",
+    "reward_model.max_length": "reward.model_max_length",
+    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": "rollout.max_turns",
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path": "rollout.tools (built-in) or rollout.tool_schemas",
 }
 
 
