@@ -304,9 +304,9 @@ def _check_cluster(cfg: Config) -> None:
 
 def with_absolute_paths(cfg: Config) -> None:
     """The relative paths of local files and folders in `cfg` made absolute (data files,
-    model.path, algorithm.graph, trainer.resume, rollout.tool_schemas, reward.model_path, and the file.py of reward.custom_fn,
-    rollout.env, rollout.agent and algorithm.estimator); names that are no local path
-    (builtin:..., modules, registered names) stay as they are."""
+    model.path, algorithm.graph, trainer.resume, rollout.tool_schemas, reward.model_path,
+    and the file.py of reward.custom_fn, rollout.env, rollout.agent and algorithm.estimator);
+    names that are no local path (builtin:..., modules, registered names) stay as they are."""
     def absolute(path: str) -> str:
         local = os.path.expanduser(path.strip())
         return os.path.abspath(local) if os.path.exists(local) else path
@@ -328,9 +328,10 @@ def with_absolute_paths(cfg: Config) -> None:
         cfg.trainer.resume = absolute(cfg.trainer.resume)
     cfg.reward.custom_fn = file_of(cfg.reward.custom_fn)
     cfg.rollout.env, cfg.rollout.agent = file_of(cfg.rollout.env), file_of(cfg.rollout.agent)
-    for section, key in (("rollout", "tool_schemas"), ("reward", "model_path")):
-        if getattr(getattr(cfg, section), key) is not None:
-            setattr(getattr(cfg, section), key, absolute(getattr(getattr(cfg, section), key)))
+    if cfg.rollout.tool_schemas is not None:
+        cfg.rollout.tool_schemas = absolute(cfg.rollout.tool_schemas)
+    if cfg.reward.model_path is not None:
+        cfg.reward.model_path = absolute(cfg.reward.model_path)
     cfg.algorithm.estimator = file_of(cfg.algorithm.estimator)
 
 

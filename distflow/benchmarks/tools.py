@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                 "seconds": s, "tool_calls": float(outputs[w]["tool_calls"].sum()), "cores": os.cpu_count(),
                 "x_first": statistics.median(seconds[first]) / statistics.median(s)} for w, s in seconds.items()]
     lines = [f"Command: `{command_line('python benchmarks/tools.py', argv)}`", "",
-             "| rollout.env_workers | episodes | tool calls | median s | tool calls / s | speed-up |", "|---|---|---|---|---|---|"]
+             "| rollout.env_workers | episodes | tool calls | median s | tool calls / s | speed-up |",
+             "|---|---|---|---|---|---|"]
     for r in records:
         lines.append(f"| {r['env_workers']} | {r['episodes']} | {r['tool_calls']:.0f} | {r['median_seconds']:.3f} | "
                      f"{r['tool_calls'] / r['median_seconds']:.1f} | {r['x_first']:.2f}x |")

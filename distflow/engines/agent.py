@@ -238,7 +238,8 @@ class EpisodeRunner:
                     log_probs[i] += [0.0] * len(observed)
                     if len(tokens[i]) < s.max_total_tokens:
                         running.append(i)
-                lanes.map(close, [i for i in active if i not in set(running) and envs[i] is not None])  # ended
+                ended = set(active) - set(running)
+                lanes.map(close, [i for i in active if i in ended and envs[i] is not None])
                 active = running
         finally:
             lanes.map(close, [i for i in range(n) if envs[i] is not None])

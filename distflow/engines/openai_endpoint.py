@@ -222,9 +222,9 @@ class ChatEndpoint:
             trajectory.tool_calls += len(calls)
         content = TOOL_CALL.sub("", text).strip() if calls else text
         message = {"role": "assistant", "content": content or None} | ({"tool_calls": calls} if calls else {})
+        logprobs = self._logprobs(completion, log_probs) if with_logprobs else None
         return {"id": f"chatcmpl-{key}-{trajectory.calls}", "object": "chat.completion", "created": int(time.time()),
-                "model": MODEL, "choices": [{"index": 0, "message": message,
-                                             "logprobs": self._logprobs(completion, log_probs) if with_logprobs else None,
+                "model": MODEL, "choices": [{"index": 0, "message": message, "logprobs": logprobs,
                                              "finish_reason": "tool_calls" if calls else "stop" if stopped else "length"}],
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(completion),
                           "total_tokens": len(prompt) + len(completion)}}
@@ -398,8 +398,8 @@ def _handler(endpoint: ChatEndpoint):
                     raise RequestError(400, "the body is not JSON", "invalid_json") from None
                 try:
                     answer = endpoint.answer(key, request)
-                except (ValueError, TypeError, KeyError, AttributeError) as e:  # what the request held (a chat
-                    raise RequestError(400, f"{type(e).__name__}: {e}", "invalid_request") from None  # template's)
+                except (ValueError, TypeError, KeyError, AttributeError) as e:  # a request the chat template
+                    raise RequestError(400, f"{type(e).__name__}: {e}", "invalid_request") from None  # cannot take
                 except RequestError:
                     raise
                 except Exception as e:

@@ -102,11 +102,12 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
 
     Without `ray_address` Ray starts here on 127.0.0.1. With one, the launcher joins that
     cluster; the workers are packed onto its nodes, consecutive ranks together
-    (`_packed_by_node`), and rank 0's node address is the process group's master. `centralized` (runtime.mode=centralized, a list of
-    `centralized.NodeSpec`): the driver runs that graph every step and every stage's
-    data goes through it (`runtime/centralized.py`), as `centralized_wire`; each worker's
-    end of it is passed to `entry` as its last argument. `meter` counts everything
-    received (the caller's `on_poll` may read files through the same meter)."""
+    (`_packed_by_node`), and rank 0's node address is the process group's master.
+    `centralized` (runtime.mode=centralized, a list of `centralized.NodeSpec`): the driver
+    runs that graph every step and every stage's data goes through it
+    (`runtime/centralized.py`), as `centralized_wire`; each worker's end of it is passed to
+    `entry` as its last argument. `meter` counts everything received (the caller's
+    `on_poll` may read files through the same meter)."""
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     import ray
 

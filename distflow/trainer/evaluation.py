@@ -39,7 +39,8 @@ class EvalSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int = 1
-    reward_field: str | None = None  # the rollout's field that is the reward, as in training (recipes.rollout_reward_field)
+    # the rollout's field that is the reward, as in training (recipes.rollout_reward_field)
+    reward_field: str | None = None
 
 
 def _groups(row: PromptRow, by_source: bool) -> list[str]:

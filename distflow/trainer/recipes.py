@@ -104,7 +104,8 @@ def recipe_graph(cfg: Config) -> Graph:
     rollout_out += (("observation_mask", "num_turns", *AGENT_FIELDS) if agent else
                     ("observation_mask", "num_turns", *EPISODE_COUNTS, "env_scores") if episodes else ())
     # what scoring a response reads besides it; a reward model reads the prompt's messages too
-    reward_inputs = ("ground_truth", "data_source", "extra_info") + (("prompt_messages",) if cfg.reward.model_path else ())
+    reward_inputs = (("ground_truth", "data_source", "extra_info")
+                     + (("prompt_messages",) if cfg.reward.model_path else ()))
     rollout_in = ("prompts", "prompt_mask", "uid", "draw", "sample_k", *images)
     rollout_in += ("ground_truth", "data_source", "extra_info", "prompt_messages") if episodes else ()
     built = [

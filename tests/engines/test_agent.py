@@ -123,7 +123,8 @@ def test_an_environment_that_raises_ends_its_episode_and_the_others_go_on(capsys
 
     prompts = [_ids(tok, f"{c}?") for c in "ABCDE"]
     engine = ScriptedEngine(tok, {p[0]: ["x", "y", "z"] for p in prompts})
-    runner = EpisodeRunner(engine, tok, Fragile, EpisodeSettings(max_turns=3, max_total_tokens=100, step_last_turn=True))
+    runner = EpisodeRunner(engine, tok, Fragile,
+                           EpisodeSettings(max_turns=3, max_total_tokens=100, step_last_turn=True))
     tasks = [{"fail": f} for f in ("reset", "step", "close", None, "short")]
     out = runner.generate(prompts, [1, 2, 3, 4, 5], SamplingParams(max_new_tokens=8), tasks)
     assert out["env_failed"].tolist() == [1.0, 1.0, 0.0, 0.0, 0.0]

@@ -1,7 +1,8 @@
 """An OpenEnv environment (the real `openenv` library's base classes, as a TRL user writes
 one) runs unchanged through the adapter: its observations become observation tokens, its
 rewards the sample's with reward.from_env, its `done` ends the episode, its seed is the
-episode's, it is closed at the episode's end; a class the adapter cannot drive is refused in one line; and a short training
+episode's, it is closed at the episode's end, it runs at once with others only where
+its class allows; a class the adapter cannot drive is refused in one line; and a short training
 run takes it end to end. Needs openenv (.ci/run installs it in the TRL environment)."""
 
 from __future__ import annotations

@@ -58,7 +58,8 @@ def test_the_score_is_read_at_the_last_token_when_the_config_s_pad_id_ends_every
     scores = RewardModel(str(folder), torch.device("cpu"), micro_batch_size=3).score(PROMPTS, RESPONSES)
     reference = AutoModelForSequenceClassification.from_pretrained(folder).eval()
     for prompt, response, score in zip(PROMPTS, RESPONSES, scores.tolist()):
-        ids = rm.tokenizer(rm.conversation(prompt, response), return_tensors="pt", add_special_tokens=False)["input_ids"]
+        text = rm.conversation(prompt, response)
+        ids = rm.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
         assert ids[0, -1] == ending  # every conversation ends with the config's pad id
         with torch.no_grad():
             last = reference.score(reference.model(input_ids=ids).last_hidden_state)[0, -1, 0]
