@@ -73,12 +73,13 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any])
 
 def save(path: Path, *, hf_skeleton, tokenizer, actor, critic, step: int, loader_state: dict[str, int],
          metrics_file: Path | None, keep_last: int, algorithm_state: dict[str, float] | None = None,
-         image_processor=None) -> None:
+         image_processor=None, wall_seconds: float = 0.0) -> None:
     """Collective: every rank calls it with its own engines; rank 0 writes `path`.
     `hf_skeleton`: a model of the policy's class and config (its weights unused);
     `image_processor`: a VLM's, saved beside the tokenizer.
     `algorithm_state`: numbers the algorithm carries across steps (the adaptive KL
-    coefficient), the same on every rank."""
+    coefficient), the same on every rank. `wall_seconds`: the training loop's time so far,
+    over every launch (a resumed run's summary counts it)."""
     actor_sd, actor_osd = _full_state(actor.model, actor.optimizer)
     critic_state = _full_state(critic.model, critic.optimizer) if critic is not None else None
     rngs = all_gather_objects(_rng_states())  # a few KB between our own workers
@@ -107,7 +108,8 @@ def save(path: Path, *, hf_skeleton, tokenizer, actor, critic, step: int, loader
             shutil.copyfile(metrics_file, tmp / "metrics.jsonl")
         _fault_point(f"checkpoint:{step}")
         (tmp / STATE_FILE).write_text(json.dumps({"format": FORMAT_VERSION, "step": step, "dataloader": loader_state,
-                                                  "world_size": len(rngs), "algorithm": algorithm_state or {}}))
+                                                  "world_size": len(rngs), "algorithm": algorithm_state or {},
+                                                  "wall_seconds": wall_seconds}))
         put_in_place(tmp, path)
         _prune(path.parent, keep_last)
     if dist.is_initialized():

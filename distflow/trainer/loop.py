@@ -360,7 +360,7 @@ class Trainer:
         self.store = LocalStore()
         self.writer = MetricsWriter(run_dir / "metrics.jsonl") if self.rank == 0 else None
         self.progress = progress and self.rank == 0
-        self.start_step, self.history, self.bad_steps = 0, [], 0
+        self.start_step, self.history, self.bad_steps, self.wall_before = 0, [], 0, 0.0
         if self.resume_from is not None:
             self._resume(self.resume_from)
         # last, so that a run that failed to start leaves no tracker run open
@@ -386,7 +386,7 @@ class Trainer:
         """Optimizer, critic, RNG, dataloader position, the metrics so far and the run of
         steps with skipped updates they end on."""
         state = checkpoint.restore(path, actor=self.actor, critic=self.ctx.critic)
-        self.start_step = state["step"]
+        self.start_step, self.wall_before = state["step"], state.get("wall_seconds", 0.0)
         if self.ctx.reward_kl is not None and "reward_kl_coef" in state.get("algorithm", {}):
             self.ctx.reward_kl.value = state["algorithm"]["reward_kl_coef"]
         if self.prompts.sampler.next_step(state["dataloader"]) != self.start_step + 1:
@@ -478,7 +478,8 @@ class Trainer:
     # ------------------------------------------------------------------ the run
 
     def fit(self) -> dict:
-        cfg, start = self.cfg, time.time()
+        cfg = self.cfg
+        self.fit_started = time.time() - self.wall_before  # the loop's clock, over every launch of the run
         total, eval_every, first = cfg.trainer.total_steps, cfg.trainer.eval_every, self.start_step + 1
         if self.start_step == 0:
             held_out = self.evaluate(0)
@@ -522,7 +523,8 @@ class Trainer:
             self._save("final", total)
         summary = {
             "heldout_accuracy_initial": initial, "heldout_accuracy_final": final, "steps": total,
-            "num_workers": cfg.runtime.num_workers, "placement": cfg.runtime.placement, "wall_seconds": time.time() - start,
+            "num_workers": cfg.runtime.num_workers, "placement": cfg.runtime.placement,
+            "wall_seconds": time.time() - self.fit_started,
             "train_seconds": train_seconds, "tokens_per_second": tokens / max(train_seconds, 1e-9),
             "algorithm": cfg.algorithm.name, "run_dir": str(self.run_dir),
             "network": "cluster" if cfg.runtime.ray_address else "loopback" if netns.inside() else "host",
@@ -578,7 +580,8 @@ class Trainer:
                             keep_last=self.cfg.trainer.keep_last,
                             algorithm_state={"reward_kl_coef": self.ctx.reward_kl.value}
                             if self.ctx.reward_kl is not None else None,
-                            image_processor=self.prompts.images.processor if self.prompts.images else None)
+                            image_processor=self.prompts.images.processor if self.prompts.images else None,
+                            wall_seconds=time.time() - self.fit_started)
 
     def _progress_bar(self, total: int, done: int):
         """`done`: the steps a resumed run restored, which the rate and ETA leave out."""

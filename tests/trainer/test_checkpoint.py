@@ -153,8 +153,11 @@ def test_killed_while_checkpointing_then_resumed_matches_an_uninterrupted_run(tm
     assert [_untimed(r) for r in resumed] == [_untimed(r) for r in uninterrupted]
     assert resumed[3]["actor/grad_norm"] > 0
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["final", "step_2"]
-    # the resumed run's throughput is the whole run's (the restored steps count as they ran)
+    # the resumed run's throughput and wall time are the whole run's (the restored steps count as they ran)
     summary = (run / "summary.json").read_text()
+    before = json.loads((run / "checkpoints" / "step_2" / checkpoint.STATE_FILE).read_text())["wall_seconds"]
+    assert before > 0 and json.loads(summary)["wall_seconds"] >= before + resumed[3]["time/step"]  # not the last
+    # launch's alone
     steps = resumed[1:]
     assert json.loads(summary)["tokens_per_second"] == pytest.approx(
         sum(r["tokens/total"] for r in steps) / sum(r["time/step"] + r["time/wait_for_samples"] for r in steps))
