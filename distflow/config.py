@@ -473,6 +473,10 @@ def _validate_engine(cfg: Config) -> None:
             raise ConfigError(f"rollout.replica_size={r.replica_size}: a vLLM engine of rollout.tensor_parallel_size="
                               f"{r.tensor_parallel_size} ranks is one replica; leave replica_size unset")
         r.replica_size = r.tensor_parallel_size
+    if r.engine == "vllm" and r.temperature != 1.0 and r.top_p < 1.0:
+        raise ConfigError(f"rollout.top_p={r.top_p} with rollout.temperature={r.temperature} on vLLM: its log-probs "
+                          "after temperature are renormalised over the top-p nucleus, not the trainer's softmax; use "
+                          "temperature=1 or top_p=1 there, or rollout.engine=hf")
     a = cfg.algorithm
     if a.rollout_correction == "auto":  # wherever the sampler's probabilities are not the trainer's own
         stale = a.max_staleness > 0 and a.old_log_probs_from == "recompute"

@@ -11,8 +11,11 @@ the engine gathers the shares inside the replica, generates them all, and gives 
 rank back its own.
 
 Sampling uses vLLM's per-request seeds (the same seeds as the HF engine), so the samples
-do not depend on which worker or batch a prompt lands in. Log-probs are vLLM's
-`processed_logprobs`: after temperature (and top-p, when top_p < 1).
+do not depend on which worker or batch a prompt lands in (on CPU; vLLM's GPU kernels are
+not batch-invariant). Log-probs are the trainer's, log softmax(logits / temperature) of
+the whole vocabulary: vLLM's `processed_logprobs` (after temperature) where top_p = 1,
+and its `raw_logprobs` (before top-p renormalises over the nucleus) where the
+temperature is 1; the two together are refused by the config.
 
 Weights go from the actor (DDP or FSDP2) into the running engine in place, one tensor at a time
 (`reload_weights` with a tensor stream; never through disk); the prefix cache is reset
@@ -42,7 +45,10 @@ class VLLMRolloutEngine:
 
     def __init__(self, model_path: str, tokenizer, *, tensor_parallel_size: int = 1, dtype: str = "float32",
                  max_model_len: int, seed: int = 0, gpu_memory_utilization: float = 0.5,
-                 kv_cache_memory_gb: float | None = None, release_memory_after_rollout: bool = True):
+                 kv_cache_memory_gb: float | None = None, release_memory_after_rollout: bool = True,
+                 temperature: float = 1.0, top_p: float = 1.0):
+        """`temperature`, `top_p`: the run's sampling, which decides how vLLM reports
+        log-probs (see the module's docstring); generate samples at them alone."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine lives in this process
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its per-call notices would drown the run's output
         try:
@@ -65,9 +71,15 @@ class VLLMRolloutEngine:
         self.release_memory_after_rollout = release_memory_after_rollout and on_gpu
         self.weight_version = 0
         self._asleep = False
+        if temperature != 1.0 and top_p < 1.0:
+            raise ValueError(f"vLLM reports log-probs over the top-p nucleus once the temperature is applied: "
+                             f"temperature={temperature} with top_p={top_p} would not be the trainer's")
+        self.temperature, self.top_p = temperature, top_p
+        # the trainer's log-probs: after temperature (processed) unless top-p would renormalise them
+        logprobs_mode = "processed_logprobs" if top_p == 1.0 else "raw_logprobs"
         self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
                        tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="external_launcher",
-                       max_model_len=max_model_len, enforce_eager=not on_gpu, logprobs_mode="processed_logprobs",
+                       max_model_len=max_model_len, enforce_eager=not on_gpu, logprobs_mode=logprobs_mode,
                        generation_config="vllm",  # the model's generation_config must not change the policy
                        # a prompt split over two scheduler steps rewinds its seeded generator, which
                        # only CUDA generators can do: on CPU every prompt is prefilled whole
@@ -87,6 +99,9 @@ class VLLMRolloutEngine:
 
         if not params.greedy:
             assert seeds is not None and len(seeds) == len(prompts), "sampling needs one seed per sequence"
+            if (params.temperature, params.top_p) != (self.temperature, self.top_p):
+                raise ValueError(f"this engine reports log-probs for temperature={self.temperature}, "
+                                 f"top_p={self.top_p}; asked for {params.temperature}, {params.top_p}")
         self._wake()
         own, first = len(prompts), 0
         if self.tp_group is not None:  # the replica's shares, in rank order, on every member

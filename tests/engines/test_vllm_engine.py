@@ -24,14 +24,14 @@ PROMPTS = ["Q: Ann has 3 pens and buys 4 more. How many pens?\nA: ", "Q: 7 + 5 =
            "Q: Bo has 9 cups and breaks 2. How many cups?\nA: ", "Q: 6 * 3 = ?\nA: "]
 
 
-def _engine(tp: int = 1):
+def _engine(tp: int = 1, temperature: float = 0.8):
     from distflow.config import BUILTIN_MODEL
     from distflow.engines.common import load_tokenizer, resolve_model_path
     from distflow.engines.vllm_rollout import VLLMRolloutEngine
 
     tok = load_tokenizer(BUILTIN_MODEL)
     engine = VLLMRolloutEngine(resolve_model_path(BUILTIN_MODEL), tok, tensor_parallel_size=tp, max_model_len=256,
-                               kv_cache_memory_gb=0.25)
+                               kv_cache_memory_gb=0.25, temperature=temperature)
     return engine, tok
 
 
@@ -89,6 +89,33 @@ def test_vllm_samples_by_seed_scores_like_the_trainer_and_takes_weights_in_place
         assert torch.equal(out["alone"], out["all"]) and out["crowded"]
         assert out["valid"] > 40 and out["gap"] < 2e-4, out["gap"]
         assert out["changed"] and out["restored"] and out["version"] == 2
+
+
+def _nucleus_log_probs(rank: int, world: int) -> dict:
+    """top_p < 1 at temperature 1: vLLM's raw log-probs, over the whole vocabulary."""
+    from distflow.config import BUILTIN_MODEL
+    from distflow.engines.common import forward_response, load_causal_lm, load_tokenizer, resolve_model_path
+    from distflow.engines.rollout import SamplingParams
+    from distflow.engines.vllm_rollout import VLLMRolloutEngine
+
+    tok = load_tokenizer(BUILTIN_MODEL)
+    engine = VLLMRolloutEngine(resolve_model_path(BUILTIN_MODEL), tok, max_model_len=256, kv_cache_memory_gb=0.25,
+                               temperature=1.0, top_p=0.7)
+    prompts, seeds = _requests(tok)
+    out = engine.generate(prompts, seeds, SamplingParams(temperature=1.0, top_p=0.7, max_new_tokens=20))
+    engine.close()
+    trainer_lp, _ = forward_response(load_causal_lm(BUILTIN_MODEL), out["prompts"], out["prompt_mask"],
+                                     out["responses"], out["response_mask"], temperature=1.0)
+    mask = out["response_mask"].bool()
+    return {"gap": (trainer_lp - out["rollout_log_probs"])[mask].abs().max().item(), "valid": int(mask.sum())}
+
+
+def test_with_top_p_the_engine_s_log_probs_are_still_the_trainer_s():
+    """vLLM's processed log-probs are renormalised over the top-p nucleus (log(1/Z) above the
+    trainer's, which biased the importance weights and the KL); at temperature 1 the engine
+    reports its raw log-probs, the trainer's softmax over the whole vocabulary."""
+    (out,) = run_gloo(_nucleus_log_probs, 1, timeout=300)
+    assert out["valid"] > 40 and out["gap"] < 2e-4, out["gap"]
 
 
 def _tensor_parallel(rank: int, world: int) -> dict:
@@ -191,7 +218,8 @@ def _lora_checkpoint(rank: int, world: int, folder: str) -> dict:
             if "lora_B" in name:
                 p.normal_(0, 0.05)
     adapted.save_pretrained(folder)
-    cfg = load_config(None, ["rollout.engine=vllm", f"model.path={folder}", "rollout.kv_cache_memory_gb=0.25"])
+    cfg = load_config(None, ["rollout.engine=vllm", f"model.path={folder}", "rollout.kv_cache_memory_gb=0.25",
+                             "rollout.temperature=0.8"])
     tok = load_tokenizer(BUILTIN_MODEL)
     engine = make_rollout_engine(cfg, folder, tok, torch.device("cpu"), actor=None)
     prompts, seeds = _requests(tok)
