@@ -32,19 +32,22 @@ call prints it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import queue
 import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 OK, ERROR, TIMEOUT, MEMORY, KILLED = "ok", "error", "timeout", "memory", "killed"
 
@@ -228,10 +231,32 @@ def _binds() -> list[str]:
 
 def sandbox_uids(pid: int) -> range:
     """The uids the sandboxes that process `pid` starts run under: eight unused ones of
-    its own (200000 and up), one drawn per sandbox, so that a program's process cap
-    (RLIMIT_NPROC counts the uid's processes) is its alone."""
+    its own (200000 and up), each held by one running program at a time (`_held_uid`),
+    so that a program's process cap (RLIMIT_NPROC counts the uid's processes) is its alone."""
     first = 200_000 + pid % 100_000 * 8
     return range(first, first + 8)
+
+
+_free_uids: dict[int, queue.Queue] = {}  # this process's sandbox uids no program holds (by pid: a fork has its own)
+_free_uids_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _held_uid() -> Iterator[int]:
+    """A sandbox uid of this process that no running program holds, for one program; a
+    ninth program at once (tool calls on several threads) waits for one."""
+    pid = os.getpid()
+    with _free_uids_lock:
+        if pid not in _free_uids:
+            _free_uids[pid] = queue.Queue()
+            for uid in sandbox_uids(pid):
+                _free_uids[pid].put(uid)
+        free = _free_uids[pid]
+    uid = free.get()
+    try:
+        yield uid
+    finally:
+        free.put(uid)
 
 
 def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> Result:
@@ -242,7 +267,8 @@ def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> Result:
 
 def _run(code: str, stdin: str, limits: Limits, isolate: bool) -> Result:
     python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
-    with tempfile.TemporaryDirectory(prefix=_folder_prefix(os.getpid()), ignore_cleanup_errors=True) as tmp:
+    with _held_uid() as uid, tempfile.TemporaryDirectory(prefix=_folder_prefix(os.getpid()),
+                                                          ignore_cleanup_errors=True) as tmp:
         with open(os.path.join(tmp, "main.py"), "w") as f:
             f.write(code)
         os.makedirs(os.path.join(tmp, "root"))
@@ -252,7 +278,7 @@ def _run(code: str, stdin: str, limits: Limits, isolate: bool) -> Result:
             files["stdin"].seek(0)
             spec = {"program": os.path.join(tmp, "main.py"), "root": os.path.join(tmp, "root"), "python": python,
                     "isolate": isolate, "binds": _binds(), "status_fd": files["status"].fileno(),
-                    "uid": sandbox_uids(os.getpid())[int(time.monotonic_ns()) % 8],
+                    "uid": uid,
                     "cpu_s": int(limits.time_s) + 1, "guard": _GUARD} | asdict(limits)
             start = time.perf_counter()
             proc = subprocess.Popen([python, "-I", "-S", "-B", "-c", _LAUNCHER, json.dumps(spec)],
@@ -379,7 +405,10 @@ def _same_return(stdout: str, expected: Any) -> bool:
     _, marker, value = stdout.rpartition("<<distflow-return>>")
     if not marker:
         return False
-    got = json.loads(value)
+    try:
+        got = json.loads(value)
+    except ValueError:  # something printed after the value (an atexit hook, a thread), or output cut short
+        return False
     return got == expected or (isinstance(expected, list) and len(expected) == 1 and got == expected[0])
 
 

@@ -29,7 +29,8 @@ from distflow.engines import sandbox
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 MAX_POWER = 64  # an exponent past this is refused: 9**9**9 must not hang a worker
-MAX_BITS = 16384  # nor may a tower of allowed ones: (((9**64)**64)**64)**64
+MAX_BITS = 16384  # nor may any result grow past this: (((9**64)**64)**64)**64, or products of many big ones
+MAX_RESULT_CHARS = 8192  # of a tool's result the model sees (a program may print megabytes)
 
 
 def tool_call_text(name: str, arguments: dict) -> str:
@@ -69,6 +70,8 @@ def _arith(node: ast.AST) -> int | float:
         value = _BINARY[type(node.op)](left, right)
         if isinstance(value, complex):  # a negative number to a fractional power
             raise ValueError("the result is not a real number")
+        if isinstance(value, int) and value.bit_length() > MAX_BITS:  # so no operand of the next step is larger
+            raise ValueError(f"the result would have more than {MAX_BITS} bits")
         return value
     raise ValueError(f"not arithmetic: {ast.unparse(node) if isinstance(node, ast.expr) else type(node).__name__}")
 
@@ -133,6 +136,14 @@ def schemas(names: list[str], schemas_file: str | None = None) -> list[dict]:
     return own + loaded
 
 
+def _cut(text: str) -> str:
+    """A tool's result, at most MAX_RESULT_CHARS of it (the episode's token budget cuts it
+    further; tokenising megabytes first would not)."""
+    if len(text) <= MAX_RESULT_CHARS:
+        return text
+    return text[:MAX_RESULT_CHARS] + f"\n[{len(text) - MAX_RESULT_CHARS} more characters cut]"
+
+
 class Toolbox:
     """The tools of a rollout (`rollout.tools`), called from the model's text."""
 
@@ -163,7 +174,7 @@ class Toolbox:
         if not isinstance(arguments, dict):
             return ToolResult("error: arguments must be a JSON object", "error")
         try:
-            return ToolResult(tool(**arguments), "ok")
+            return ToolResult(_cut(str(tool(**arguments))), "ok")
         except ToolTimeout as e:
             return ToolResult(f"error: timed out: {e}", "timeout")
         except Exception as e:  # what the tool raised is the model's to see

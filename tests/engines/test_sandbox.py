@@ -85,6 +85,31 @@ def test_a_fork_bomb_is_contained_and_leaves_no_process_behind():
 
 
 @needs_namespaces
+def test_programs_running_at_once_each_hold_a_uid_of_their_own():
+    """Tool calls on several threads: eight programs at once run under eight different
+    sandbox uids (a uid drawn by the clock was shared by two of eight at once almost
+    always, and with it their process cap); a ninth waits for one to be free."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    program = "import os, time; start = time.time(); time.sleep(0.3); print(os.getuid(), start, time.time())"
+    with ThreadPoolExecutor(9) as pool:
+        results = list(pool.map(lambda _: run_python(program), range(9)))
+    assert all(r.status == OK for r in results)
+    runs = [(int(uid), float(a), float(b)) for uid, a, b in (r.stdout.split() for r in results)]
+    assert {uid for uid, _, _ in runs} <= set(sandbox.sandbox_uids(os.getpid()))
+    for i, (uid, a0, a1) in enumerate(runs):  # two programs with one uid never ran at the same time
+        for other, b0, b1 in runs[i + 1:]:
+            assert uid != other or a1 <= b0 or b1 <= a0
+
+
+def test_a_return_value_that_is_not_json_fails_its_case_not_the_sample():
+    from distflow.engines.sandbox import _same_return
+
+    assert _same_return('<<distflow-return>>[1, 2]\n', [1, 2])
+    assert not _same_return('<<distflow-return>>[1, 2]\nbye from atexit\n', [1, 2])
+
+
+@needs_namespaces
 def test_a_huge_allocation_hits_the_memory_limit():
     result = run_python("x = bytearray(8 * 1024 ** 3)\nprint('allocated')\n", limits=LIMITS)
     assert result.status == MEMORY and "allocated" not in result.stdout

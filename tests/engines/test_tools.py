@@ -21,6 +21,8 @@ def test_calculator_by_hand(expression, value):
                                                ("9 ** 9 ** 9", "exponent 387420489 is too large"),
                                                ("'a' * 3", "not arithmetic"),
                                                ("(((9 ** 64) ** 64) ** 64) ** 64", "more than 16384 bits"),
+                                               # a product of many big numbers: each step's result is bounded too
+                                               ("*".join(["((9 ** 64) ** 64)"] * 150), "more than 16384 bits"),
                                                ("(-8) ** 0.5", "not a real number")])
 def test_calculator_refuses_what_is_not_arithmetic(expression, error):
     with pytest.raises(ValueError, match=error):
@@ -59,6 +61,8 @@ def test_python_runs_in_the_sandbox_prints_raises_and_times_out():
     assert (raised.text, raised.status) == ("error: RuntimeError: KeyError: 7", "error")
     slow = box.run('{"name": "python", "arguments": {"code": "while True: pass"}}')
     assert (slow.text, slow.status) == ("error: timed out: the program ran past 1 s", "timeout")
+    loud = box.run('{"name": "python", "arguments": {"code": "print(\'x\' * 100000)"}}')  # megabytes stay out
+    assert loud.status == "ok" and loud.text == "x" * 8192 + "\n[91809 more characters cut]"
 
 
 def test_an_unknown_tool_in_the_config_is_one_line():
