@@ -307,7 +307,8 @@ class RuntimeConfig:
     rollout_workers: int = _spec(1, min=1, doc="disaggregated: the workers that generate (the ranks after them)")
     stream_timeout_s: int = _spec(3600, min=1, doc="disaggregated: how long one side waits for the other's samples "
                                                    "or weights (a whole step of the other side, its evaluation and "
-                                                   "checkpoint included)")
+                                                   "checkpoint included; at the end the rollout side waits "
+                                                   "max_staleness + 2 times it for the trainers' last steps)")
     ray_address: str | None = _spec(None, doc="host:port of a running Ray cluster to join (opt-in); "
                                               "default: a private Ray on this machine")
     network: str = _spec("auto", choices=("auto", "loopback", "host"),

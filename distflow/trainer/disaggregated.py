@@ -195,7 +195,9 @@ class RolloutWorker:
             metrics = self._metrics(step, spans, timer)  # a collective among the rollout workers
             self.sender.send(step, batch, {"metrics": metrics} if self.rank == 0 else {})
         self.sender.close()
-        self.weights.join(cfg.runtime.stream_timeout_s)  # the trainers end the stream after their last update
+        # the trainers end the stream after their last update: up to k + 1 steps after the last samples were sent,
+        # and then the final evaluation and checkpoint
+        self.weights.join(cfg.runtime.stream_timeout_s * (cfg.algorithm.max_staleness + 2))
         return {"role": "rollout", "rank": self.roles.world_rank, "busy_fraction": busy / (time.perf_counter() - start)}
 
     def _rows_to_send(self, store: LocalStore) -> Batch:
