@@ -159,10 +159,16 @@ def check_inputs(cfg: Config, training: bool = True) -> None:
 
         if not torch.cuda.is_available():
             raise ConfigError("runtime.device='cuda': no CUDA device is visible; use auto or cpu")
-    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        from distflow.engines.vllm_rollout import INSTALL_HINT
+    if cfg.rollout.engine == "vllm":
+        from distflow.engines.common import takes_images
 
-        raise ConfigError(INSTALL_HINT)
+        if takes_images(cfg.model.path):  # training's graph refuses it too; evaluation builds none
+            raise ConfigError(f"rollout.engine=vllm: model.path={cfg.model.path} is a vision-language model, which "
+                              "generates with the HF engine here (vLLM gets token ids, not the images)")
+        if importlib.util.find_spec("vllm") is None:
+            from distflow.engines.vllm_rollout import INSTALL_HINT
+
+            raise ConfigError(INSTALL_HINT)
 
 
 class LauncherProgress:

@@ -259,6 +259,7 @@ def greedy_baseline(ctx: WorkerContext, batch: Batch) -> Batch:
     # every rank asks, with no rows too (a rank the filter emptied): a tensor-parallel engine gathers its replica's
     out = ctx.rollout.generate(prompts, None, SamplingParams(max_new_tokens=ctx.cfg.rollout.max_new_tokens,
                                                              greedy=True))
+    ctx.rollout.sleep()  # it woke for these, after the rollout's sleep: asleep again before the update
     if not rows:
         return Batch({"baseline_scores": torch.zeros(0, dtype=torch.float32)})
     out.meta.update({k: [batch[k][i] for i in rows]

@@ -163,6 +163,16 @@ def test_what_a_vlm_run_does_not_take_is_one_line_before_anything_loads(override
         assert {"pixel_values", "image_grid_thw"} <= set(ppo.by_name[node].inputs), node
 
 
+def test_evaluating_a_vlm_on_vllm_is_refused_in_one_line():
+    """`distflow eval` builds no task graph: it sampled from vLLM without the images."""
+    from distflow.cli import check_inputs
+    from distflow.config import ConfigError, load_config
+
+    cfg = load_config(None, ["model.path=builtin:tiny-dots-vl", "rollout.engine=vllm"], training=False)
+    with pytest.raises(ConfigError, match="is a vision-language model, which generates with the HF engine"):
+        check_inputs(cfg, training=False)
+
+
 def test_images_for_a_text_only_model_are_a_bad_row():
     from distflow.data.dataset import DatasetError, load_rows
     from distflow.engines.common import load_tokenizer

@@ -166,6 +166,9 @@ def test_greedy_baseline_scores_one_greedy_response_per_group():
             responses = torch.tensor([[p[-1]] for p in prompts])
             return Batch({"responses": responses, "response_mask": torch.ones_like(responses)})
 
+        def sleep(self):
+            self.calls.append("sleep")
+
     class Tokenizer:
         pad_token_id = 0
 
@@ -181,7 +184,8 @@ def test_greedy_baseline_scores_one_greedy_response_per_group():
     batch = Batch({"prompts": prompts, "prompt_mask": (prompts > 0).long(), "group": torch.tensor([3, 3, 8, 8])},
                   {"ground_truth": ["7", "7", "1", "1"], "data_source": ["a"] * 4, "extra_info": [{}] * 4})
     out = nodes.greedy_baseline(ctx, batch)
-    assert engine.calls == [([[5, 7], [4, 5, 9]], None, True)]  # one greedy prompt per group, padding removed
+    assert engine.calls[0] == ([[5, 7], [4, 5, 9]], None, True)  # one greedy prompt per group, padding removed
+    assert engine.calls[1:] == ["sleep"]  # the engine it woke sleeps again before the update (vLLM on a GPU)
     assert out["baseline_scores"].tolist() == [1.0, 1.0, 0.0, 0.0]  # group 3 answers 7 (right), group 8 answers 9
     # with DAPO's overlong shaping the baseline is shaped as the samples are: its 1 token is 1 into the
     # 2-token buffer before the 2-token limit, -0.5
@@ -190,7 +194,7 @@ def test_greedy_baseline_scores_one_greedy_response_per_group():
     assert nodes.greedy_baseline(shaped, batch)["baseline_scores"].tolist() == [0.5, 0.5, -0.5, -0.5]
     # a rank the filter left without rows still asks (a tensor-parallel engine gathers its replica's prompts)
     empty = nodes.greedy_baseline(ctx, batch.select([]))
-    assert engine.calls[-1] == ([], None, True) and empty["baseline_scores"].shape == (0,)
+    assert engine.calls[-2:] == [([], None, True), "sleep"] and empty["baseline_scores"].shape == (0,)
 
 
 def test_a_row_drawn_twice_in_one_step_samples_anew():
