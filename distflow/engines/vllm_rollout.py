@@ -26,9 +26,11 @@ CPU backend has no sleep mode, so there it stays resident.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -144,7 +146,10 @@ class VLLMRolloutEngine:
         rank of a tensor-parallel engine keeps its own slice. The prefix cache holds keys
         and values of the old weights, so it goes too."""
         self._wake()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        with _reload_warnings() as missed:  # vLLM warns of what it did not load and keeps the old tensors
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        if missed:
+            raise RuntimeError(f"the weight push to vLLM left the engine's old weights in place: {missed[0]}")
         self.llm.reset_prefix_cache()
         self.weight_version = version
 
@@ -169,6 +174,34 @@ class VLLMRolloutEngine:
         self._parallel_state.destroy_model_parallel()
         self._parallel_state._WORLD = None  # a view of the trainer's world group: not vLLM's to destroy
         self.llm = None
+
+
+# its "Following weights were not loaded" (the layer-wise "Failed to load weights" also
+# names layers with buffers only, a rotary embedding's, which no push carries)
+_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.inplace",)
+
+
+@contextlib.contextmanager
+def _reload_warnings() -> Iterator[list[str]]:
+    """The warnings vLLM's in-place reload logs while the block runs, caught even where
+    its logging is quiet."""
+    caught: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            caught.append(record.getMessage())
+
+    handler, loggers = Catch(logging.WARNING), [logging.getLogger(name) for name in _RELOAD_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.setLevel(logging.WARNING)
+    try:
+        yield caught
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.removeHandler(handler)
+            lg.setLevel(level)
 
 
 def _free_port() -> int:

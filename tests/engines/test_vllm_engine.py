@@ -67,6 +67,11 @@ def _placement_log_probs_and_weight_sync(rank: int, world: int) -> dict:
     shuffled = ((k, v.flip(0) if v.dim() == 2 else v) for k, v in original.items())
     engine.update_weights(shuffled, version=1)
     changed = engine.generate(prompts, seeds, params)
+    try:  # a push without the MLP weights: vLLM would keep its old ones, with a warning its quiet logging hides
+        engine.update_weights(((k, v) for k, v in original.items() if "mlp" not in k), version=9)
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
     engine.update_weights(iter(original.items()), version=2)
     restored = engine.generate(prompts, seeds, params)
     few = engine.generate(many[::40], many_seeds[::40], params)["responses"]
@@ -76,7 +81,8 @@ def _placement_log_probs_and_weight_sync(rank: int, world: int) -> dict:
             "crowded": torch.equal(crowded, few),
             "changed": not torch.equal(changed["responses"], everything["responses"]),
             "restored": torch.equal(restored["responses"], everything["responses"])
-            and torch.equal(restored["rollout_log_probs"], everything["rollout_log_probs"]), "version": version}
+            and torch.equal(restored["rollout_log_probs"], everything["rollout_log_probs"]), "version": version,
+            "refused": refused}
 
 
 def test_vllm_samples_by_seed_scores_like_the_trainer_and_takes_weights_in_place():
@@ -89,6 +95,7 @@ def test_vllm_samples_by_seed_scores_like_the_trainer_and_takes_weights_in_place
         assert torch.equal(out["alone"], out["all"]) and out["crowded"]
         assert out["valid"] > 40 and out["gap"] < 2e-4, out["gap"]
         assert out["changed"] and out["restored"] and out["version"] == 2
+        assert out["refused"].startswith("the weight push to vLLM left the engine's old weights in place")
 
 
 def _nucleus_log_probs(rank: int, world: int) -> dict:
