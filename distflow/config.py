@@ -153,9 +153,10 @@ class AlgorithmConfig:
     rollout_correction: str = _spec("auto", choices=("auto", "off", "token_tis", "seq_tis", "token_mask", "seq_mask"),
                                     doc="re-weight the policy loss by exp(old - rollout log-probs), the trainer's "
                                         "over the engine's: truncated (tis) or masked, per token or per sequence "
-                                        "(distflow.algos.correction); auto: token_tis with rollout.engine=vllm "
-                                        "(off where old_log_probs_from=rollout), off with hf (its sampler is the "
-                                        "trainer's own forward)")
+                                        "(distflow.algos.correction); auto: token_tis with rollout.engine=vllm, "
+                                        "with stale samples, and on bf16 rollout workers apart from the trainers "
+                                        "(off where old_log_probs_from=rollout), off with a colocated hf engine "
+                                        "(its sampler is the trainer's own forward)")
     rollout_correction_cap: float = _spec(2.0, min=1.0, doc="the truncation cap / the mask's [1/cap, cap] band")
     old_log_probs_from: str = _spec("recompute", choices=("recompute", "rollout"),
                                     doc="the PPO ratio's old policy: recompute (the trainer's weights before the "
@@ -481,7 +482,9 @@ def _validate_engine(cfg: Config) -> None:
     a = cfg.algorithm
     if a.rollout_correction == "auto":  # wherever the sampler's probabilities are not the trainer's own
         stale = a.max_staleness > 0 and a.old_log_probs_from == "recompute"
-        differ = (r.engine == "vllm" or stale) and a.old_log_probs_from == "recompute"  # rollout: the sampler's own
+        # a rollout worker's HF engine is a copy of its own, in model.dtype: in bf16 not the trainer's fp32 weights
+        apart_in_bf16 = cfg.runtime.placement == "disaggregated" and cfg.model.dtype != "float32"
+        differ = (r.engine == "vllm" or stale or apart_in_bf16) and a.old_log_probs_from == "recompute"
         a.rollout_correction = "token_tis" if differ else "off"
     if a.old_log_probs_from == "rollout" and a.rollout_correction != "off":
         raise ConfigError(f"algorithm.rollout_correction={a.rollout_correction!r}: with "

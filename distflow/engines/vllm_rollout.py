@@ -27,6 +27,7 @@ CPU backend has no sleep mode, so there it stays resident.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import socket
@@ -169,8 +170,12 @@ class VLLMRolloutEngine:
         client = self.llm.llm_engine.engine_core
         if client._finalizer.detach() is not None:  # the in-process engine core
             core = client.engine_core
+            core.structured_output_manager.clear_backend()
             core.model_executor.shutdown()
             core.scheduler.shutdown()
+        # the engine froze the heap at its start (gc.freeze): what it allocated, weights and
+        # KV cache, is garbage again only once unfrozen, as vLLM's own shutdown does
+        gc.unfreeze()
         self._parallel_state.destroy_model_parallel()
         self._parallel_state._WORLD = None  # a view of the trainer's world group: not vLLM's to destroy
         self.llm = None

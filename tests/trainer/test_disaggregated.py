@@ -53,6 +53,9 @@ def test_placement_settings_are_checked_in_one_line():
     assert cfg.algorithm.rollout_correction == "off"  # synchronous: the sampler is the trainer's policy
     cfg = load_config(None, [*DISAGGREGATED, "algorithm.max_staleness=2"])
     assert cfg.algorithm.rollout_correction == "token_tis"  # decoupled PPO by default
+    # synchronous but in bf16: the rollout worker's copy is bf16 weights, not the trainer's fp32 under autocast
+    assert load_config(None, [*DISAGGREGATED, "model.dtype=bfloat16"]).algorithm.rollout_correction == "token_tis"
+    assert load_config(None, ["model.dtype=bfloat16"]).algorithm.rollout_correction == "off"  # colocated: its own
     cases = {
         ("algorithm.max_staleness=1",): "algorithm.max_staleness=1: colocated workers alternate",
         (*DISAGGREGATED, "runtime.mode=centralized"): "runtime.placement=disaggregated: the single-controller",
