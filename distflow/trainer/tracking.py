@@ -119,7 +119,7 @@ class MlflowTracker:
 
         self.client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
         tags = {"git_commit": info["git_commit"] or "unknown"} | {f"version.{k}": v for k, v in info["versions"].items()}
-        params, logged = _flat(info["config"]), {}
+        params = _flat(info["config"])
         try:
             earlier = self.client.get_run(run_id) if run_id else None
         except MlflowException:  # not in this store (the file was replaced): a new run
