@@ -63,6 +63,21 @@ def start_step_of(cfg: Config, run_dir: Path) -> tuple[Path | None, int]:
     return path, checkpoint.read_state(path)["step"] if path is not None else 0
 
 
+def sample_versions(batch: Batch, engine_version: int) -> torch.Tensor:
+    """The weight version each sample's staleness is counted by: with rollout.partial its
+    first token's (later tokens may come from newer weights), else the engine's."""
+    if "rollout_weight_version" in batch.tensors:
+        return batch["rollout_weight_version"][:, 0].clone()
+    return torch.full((len(batch),), engine_version, dtype=torch.long)
+
+
+def changed_weights_mid_sample(batch: Batch) -> torch.Tensor:
+    """rollout.partial: which samples have a response token computed by newer weights than
+    their first token's (tokens past the response, under no mask, do not count)."""
+    versions, mask = batch["rollout_weight_version"], batch["response_mask"].bool()
+    return versions.masked_fill(~mask, -1).max(dim=1).values > batch["weight_version"]
+
+
 class TrainSide:
     """A train worker's ends of the streams: samples in (every rank), weights out (rank 0)."""
 
@@ -97,10 +112,8 @@ class TrainSide:
         acc.add_max("async/version_lag_max", float(lag.max()) if len(lag) else 0.0)
         for k in range(self.cfg.algorithm.max_staleness + 1):  # the lag histogram, as fractions
             acc.add(f"async/version_lag_{k}", float((lag == k).sum()), len(lag))
-        if "rollout_weight_version" in batch.tensors:  # rollout.partial: samples that changed weights mid-way
-            versions, mask = batch["rollout_weight_version"], batch["response_mask"].bool()
-            newest = versions.masked_fill(~mask, -1).max(dim=1).values
-            acc.add("async/partial_samples", float((newest > batch["weight_version"]).sum()), len(batch))
+        if "rollout_weight_version" in batch.tensors:
+            acc.add("async/partial_samples", float(changed_weights_mid_sample(batch).sum()), len(batch))
         return next((n["metrics"] for n in notes if "metrics" in n), {})
 
     def publish(self, actor, version: int) -> None:
@@ -188,9 +201,7 @@ class RolloutWorker:
             store.put(sources)
             spans = self.scheduler.run(self.ctx, store, step)
             batch = self._rows_to_send(store)
-            batch.tensors["weight_version"] = (  # with rollout.partial: the version of the sample's first token
-                batch["rollout_weight_version"][:, 0].clone() if "rollout_weight_version" in batch.tensors
-                else torch.full((len(batch),), self.engine.weight_version, dtype=torch.long))
+            batch.tensors["weight_version"] = sample_versions(batch, self.engine.weight_version)
             busy += time.perf_counter() - t0
             metrics = self._metrics(step, spans, timer)  # a collective among the rollout workers
             self.sender.send(step, batch, {"metrics": metrics} if self.rank == 0 else {})

@@ -16,6 +16,7 @@ import torch
 
 from distflow.config import ConfigError, load_config
 from distflow.data.batch import Batch
+from distflow.trainer.disaggregated import changed_weights_mid_sample, sample_versions
 from helpers import distflow_train, run_metrics
 from distflow.trainer.nodes import make_policy_loss
 from distflow.trainer.recipes import ROLLOUT_ROLES, build_graph
@@ -100,6 +101,19 @@ def test_decoupled_ppo_and_behaviour_ratio_against_hand_computed_values():
     assert not any(k.startswith("rollout_correction/") for k in metrics)
 
 
+def test_partial_samples_are_counted_by_their_first_token_and_flagged_when_weights_changed_mid_way():
+    """rollout.partial: a sample's staleness is its first token's version; it is partial when a
+    later response token came from newer weights. Tokens past its response do not count."""
+    versions = torch.tensor([[3, 3, 3, 9], [3, 4, 4, 4], [3, 3, 4, 4], [2, 2, 2, 2]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]])
+    batch = Batch({"rollout_weight_version": versions, "response_mask": mask})
+    batch.tensors["weight_version"] = sample_versions(batch, engine_version=4)
+    assert batch["weight_version"].tolist() == [3, 3, 3, 2]
+    assert changed_weights_mid_sample(batch).tolist() == [False, True, False, False]
+    plain = Batch({"response_mask": mask})  # without rollout.partial: the engine's version at the step's start
+    assert sample_versions(plain, engine_version=4).tolist() == [4, 4, 4, 4]
+
+
 # ---------------------------------------------------------------------------- end to end
 
 
@@ -133,9 +147,9 @@ def test_asynchronous_dapo_stays_within_its_staleness_and_resumes(tmp_path):
         assert r["rollout_correction/mismatch_kl"] > -1e-6  # k3 >= 0, up to float32 rounding
         assert "dynamic_sampling/refill_rounds" in r  # the filter ran on the rollout side
     assert records[2]["rollout_correction/mismatch_kl"] > 1e-7  # one update apart: the policies differ
-    for r in records[3:]:  # the resumed steps, with rollout.partial
-        assert r["async/swaps_during_generation"] >= 0 and 0 <= r["async/partial_samples"] <= 1
-    assert "async/partial_samples" not in records[2]
+    for r in records[3:]:  # the resumed steps, with rollout.partial: whether a swap lands mid-generation is timing
+        assert "async/swaps_during_generation" in r and "async/partial_samples" in r
+    assert "async/partial_samples" not in records[2] and "async/swaps_during_generation" not in records[2]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["placement"] == "disaggregated" and summary["steps"] == 4
     assert summary["actor_strategy"] == "fsdp2"
