@@ -116,6 +116,11 @@ class RolloutConfig:
     env: str | None = _spec(None, doc="multi-turn: module:Class or file.py:Class of the environment, made per "
                                       "episode with the rollout's tools (default: their results are the "
                                       "observation); openenv:module:Class for an OpenEnv environment, run as it is")
+    on_failed_episode: str = _spec("drop_group", choices=("drop_group", "score_zero"),
+                                   doc="multi-turn or rollout.agent: an episode whose environment or agent raised "
+                                       "(env/failed, agent/failed). drop_group: its prompt group leaves the step "
+                                       "(dynamic sampling refills it), since the failure says nothing about the "
+                                       "policy; score_zero: it trains with reward 0 beside its group")
     partial: bool = _spec(False, doc="runtime.placement=disaggregated, HF engine: weights that arrive during a "
                                      "generation are swapped in at the next token, so in-flight sequences "
                                      "continue on them; each token is tagged with its version "

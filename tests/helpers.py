@@ -144,6 +144,20 @@ class CheckOnce:
                        {"tool_calls": len(self.toolbox.calls(text))})
 
 
+class FailsOneInEight(CheckOnce):
+    """CheckOnce whose check raises in about one episode in eight (by the episode's seed): an
+    environment's infrastructure failing under some samples of a group."""
+
+    def reset(self, task):
+        super().reset(task)
+        self.fails = task["seed"] is not None and task["seed"] % 8 == 0  # not in greedy evaluation
+
+    def step(self, text):
+        if self.fails:
+            raise ConnectionError("the checker went away")
+        return super().step(text)
+
+
 def by_length(data_source, solution_str, ground_truth, extra_info):
     """A reward that differs within groups (the tiny model has never seen a check turn, so
     the task's own reward is 0 for all): the updates are non-trivial."""

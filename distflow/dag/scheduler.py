@@ -340,8 +340,8 @@ class Scheduler:
     def _too_few_to_train(self, node: Node, kept: torch.Tensor) -> bool:
         """Whether the rows kept over all workers (a replica's counted once) are fewer than
         the training layout's ranks: a collective, on every worker alike."""
-        if self.placement.train.world_size == 1:
-            return False
+        if self.placement.train.world_size == 1:  # its rows are all the rows: it needs one
+            return not bool(kept.any())
         return all_reduce_int(int(kept.sum()) if self._counts_rows(node) else 0) < self.placement.train.dp_size
 
     def _refill(self, ctx: Any, store: LocalStore, node: Node) -> None:

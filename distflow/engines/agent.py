@@ -33,6 +33,7 @@ from distflow.engines.tools import Toolbox
 
 Messages = list[dict[str, str]]
 COUNTS = ("tool_calls", "tool_errors", "tool_timeouts", "env_failed")  # per episode, as batch fields
+FAILED_EPISODE_FIELDS = ("env_failed", "agent_failed")  # 1 where an environment / rollout.agent's run raised
 
 
 @dataclass
@@ -49,9 +50,9 @@ class Environment(Protocol):
     gets the dataset row's task (prompt, ground_truth, data_source, extra_info) and the
     episode's seed (None when greedy); the episode's first messages are the row's prompt.
     A `close()` method, if it has one, is called once the episode ends. An environment
-    that raises in reset or step ends its episode there (`env/failed` counts it; with
-    reward.from_env it scores 0), one whose close raises is reported; the other episodes
-    go on."""
+    that raises in reset or step ends its episode there (`env_failed`; with
+    reward.from_env it scores 0, and rollout.on_failed_episode says whether its group
+    trains), one whose close raises is reported; the other episodes go on."""
 
     def reset(self, task: dict) -> None: ...
 

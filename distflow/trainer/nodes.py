@@ -42,6 +42,7 @@ from distflow.data.dataset import DatasetError, PromptRow
 from distflow.data.images import IMAGE_FIELDS, ImagePrompter, attach_images, decode_image, image_fields
 from distflow.engines.actor import Actor
 from distflow.engines.agent import COUNTS as EPISODE_COUNTS
+from distflow.engines.agent import FAILED_EPISODE_FIELDS
 from distflow.engines.agent import EpisodeRunner
 from distflow.engines.common import LogProbModel
 from distflow.engines.critic import Critic
@@ -158,6 +159,9 @@ def rollout(ctx: WorkerContext, batch: Batch) -> Iterator[tuple[range, Batch]]:
                             max_new_tokens=cfg.rollout.max_new_tokens)
     if ctx.episodes is not None:  # multi-turn: every episode to its end, then one chunk
         out = ctx.episodes.generate(prompts, seeds, params, tasks_of(batch))
+        for name in FAILED_EPISODE_FIELDS:  # every episode that failed, a refill round's and a dropped group's too
+            if name in out and ctx.counts_rows:
+                ctx.acc.add_total(name.replace("_", "/", 1), float(out[name].sum()))
         yield range(len(prompts)), out
     elif ctx.rollout.tensor_parallel_size > 1:  # the replica's ranks generate together: one call each, always
         out = ctx.rollout.generate(prompts, seeds, params)
@@ -244,6 +248,18 @@ def dynamic_sampling(ctx: WorkerContext, batch: Batch) -> Batch:
         rows = groups == g
         keep[rows] = bool(scores[rows].max() > scores[rows].min())
     return Batch({"kept": keep})
+
+
+def drop_failed_groups(ctx: WorkerContext, batch: Batch) -> Batch:
+    """rollout.on_failed_episode=drop_group: keep only the prompt groups none of whose
+    episodes failed (an environment or an agent that raised). A failure says nothing about
+    the policy: scored 0 it would push the policy away from what it sampled, and the group's
+    other samples would be judged against that 0."""
+    failed, groups = batch[ctx.params["failed_field"]].bool(), batch["group"]
+    bad = groups[failed].unique()
+    if ctx.counts_rows:
+        ctx.acc.add_total(ctx.params["failed_field"].split("_")[0] + "/dropped_groups", float(len(bad)))
+    return Batch({"no_failed_episode": ~torch.isin(groups, bad)})
 
 
 def greedy_baseline(ctx: WorkerContext, batch: Batch) -> Batch:
@@ -478,6 +494,6 @@ def record_rollout_metrics(batch: Batch, acc: MeanAccumulator, episodes: bool = 
                                                       for f in IMAGE_FIELDS)))
     if episodes:  # multi-turn: turns (or an agent's calls) per sample, tool calls, errors and timeouts of the step
         acc.add("turns/mean", float(batch["num_turns"].sum()) if n else 0.0, n)
-        for name in (*EPISODE_COUNTS, "agent_tool_calls", "agent_failed"):
-            if name in batch:
+        for name in (*EPISODE_COUNTS, "agent_tool_calls"):
+            if name in batch and name not in FAILED_EPISODE_FIELDS:  # counted as they happen (rollout)
                 acc.add_total(name.replace("_", "/", 1), float(batch[name].sum()) if n else 0.0)

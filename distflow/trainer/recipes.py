@@ -4,14 +4,16 @@ A recipe is data (distflow/recipes/NAME.yaml, or your own file): config values f
 the estimator, the policy loss, the loss aggregation and the optional parts. By the time
 the builder runs they are in the config, so the graph follows from the config alone:
 
-    rollout ─┬─ reward ─(dynamic_sampling)─(overlong_penalty)─(greedy_baseline)─┐
-             ├─ ref_log_prob ─(kl_in_reward)─────────────────────────────────────┤
-             │                                                                   advantage ─┐
-             └─ (critic_values) (old_log_prob) ────────────────────────────── actor_update (critic_update)
+    rollout ─┬─ reward ─(drop_failed_groups)─(dynamic_sampling)─(overlong_penalty)─(greedy_baseline)─┐
+             ├─ ref_log_prob ─(kl_in_reward)─────────────────────────────────────────────────────────┤
+             │                                                                          advantage ─┐
+             └─ (critic_values) (old_log_prob) ───────────────────────────────── actor_update (critic_update)
 
   ref_log_prob        with KL in the loss or in the reward
   kl_in_reward        algorithm.use_kl_in_reward: the penalty (from the rollout's own
                         log-probs and the reference's) goes into the token rewards
+  drop_failed_groups  multi-turn or an agent, rollout.on_failed_episode=drop_group: a filter
+                        of the groups with an episode whose environment or agent raised
   dynamic_sampling    algorithm.dynamic_sampling: a refilling filter; later nodes wait for it
   overlong_penalty    algorithm.overlong_buffer_len > 0
   greedy_baseline     an estimator that needs a "baseline" (ReMax)
@@ -115,12 +117,17 @@ def recipe_graph(cfg: Config) -> Graph:
               ("scores", "accuracy", "reward_status")),
     ]
     reward_field = "scores"
-    gate: tuple[str, ...] = ()  # with dynamic sampling, everything after the filter sees only the kept groups
+    gate: tuple[str, ...] = ()  # after a filter, everything sees only the kept groups
     gated = {}  # ... and runs in the filter's (groups) layout or later
+    if episodes and cfg.rollout.on_failed_episode == "drop_group":
+        failed_field = "agent_failed" if agent else "env_failed"
+        built.append(_node("drop_failed_groups", "filter", (failed_field, "group"), ("no_failed_episode",),
+                           params={"failed_field": failed_field}))
+        gate, gated = ("drop_failed_groups",), {"layout": "groups"}
     if a.dynamic_sampling:
         # on the task's score before shaping, as verl's filter_groups on "score"/"acc"
         built.append(_node("dynamic_sampling", "filter", ("scores", "group"), ("kept",), refill=True,
-                           params={"reward_field": "scores"}))
+                           params={"reward_field": "scores"}, deps=gate))
         gate, gated = ("dynamic_sampling",), {"layout": "groups"}
     if a.overlong_buffer_len:
         built.append(_node("overlong_penalty", "reward", ("scores", "response_mask")

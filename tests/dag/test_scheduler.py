@@ -294,3 +294,10 @@ def test_a_filter_that_keeps_fewer_rows_than_training_ranks_masks_the_others(kee
     assert sum(rows for rows, _, _, _ in ranks) == 8 and sum(n for _, n, _, _ in ranks) == tokens
     assert all(counters == {"f/masked_instead_of_dropped": 1.0} for _, _, counters, _ in ranks)
     assert sum(out for _, _, _, out in ranks) == 8 - tokens // 3  # flagged for the metrics, which leave them out
+
+
+def test_a_filter_that_keeps_no_row_of_one_worker_masks_them():
+    """One worker whose filter keeps none of its rows (every group of the step had a failed
+    episode): the update's forwards got an empty batch and the run stopped. The rows stay
+    without response tokens (and flagged), so nothing trains."""
+    assert _filter_leaving_fewer_rows_than_ranks(0, 1, _keep_none) == (4, 0, {"f/masked_instead_of_dropped": 1.0}, 4)

@@ -39,7 +39,9 @@ def runs(tmp_path_factory) -> dict:
                 f"reward.custom_fn={base / 'env.py'}:by_length"]
     tools = [*_overrides(TOOLS), "trainer.total_steps=2", "trainer.eval_every=0", "data.val_max_samples=16"]
     dapo = [*episodes, "algorithm.name=dapo"]
-    folders = distflow_sweep({"w1": episodes, "tools": tools,
+    flaky = [*episodes[:1], f"rollout.env={base / 'env.py'}:FailsOneInEight", *episodes[2:]]
+    folders = distflow_sweep({"w1": episodes, "tools": tools, "failing": flaky,
+                              "failing_scored": [*flaky, "rollout.on_failed_episode=score_zero"],
                               "dapo_half": [*dapo, "trainer.total_steps=1", "trainer.save_final=true"]}, 1, base, COMMON)
     resume = f"trainer.resume={folders['dapo_half'] / 'checkpoints' / 'final'}"
     return folders | distflow_sweep({"w2": episodes, "agent": ["trainer.total_steps=1", f"rollout.agent={AGENT}:run"],
@@ -68,6 +70,23 @@ def test_multi_turn_dapo_resumes_on_another_worker_count_like_an_uninterrupted_r
         assert want[2][key] == got[2][key], key
     for key in [k for k in want[2] if k.startswith("actor/")]:
         assert want[2][key] == pytest.approx(got[2][key], rel=1e-4, abs=1e-6), key
+
+
+def test_a_group_with_a_failed_episode_leaves_the_step_unless_failures_score_zero(runs):
+    """rollout.on_failed_episode: an environment that raises in some episodes. By default
+    (drop_group) their groups leave the step, so fewer tokens train than when the failed
+    episodes train with reward 0 beside their groups (score_zero); the failures are counted
+    alike either way, on the same samples, and the run trains on the groups left (none left:
+    no update, where one worker's empty batch stopped the run)."""
+    dropped, scored = run_metrics(runs["failing"]), run_metrics(runs["failing_scored"])
+    first, second = dropped[1], scored[1]  # step 1: the same weights and seeds, so the same episodes
+    assert first["env/failed"] == second["env/failed"] > 0
+    assert 0 < first["env/dropped_groups"] < 4 and "env/dropped_groups" not in second
+    assert first["tokens/total"] < second["tokens/total"] and first["actor/grad_norm"] > 0
+    # step 2 (these seeds): every group has a failed episode; the worker's rows stay, masked, and nothing trains
+    last = dropped[2]
+    assert last["env/dropped_groups"] == 4 and last["drop_failed_groups/masked_instead_of_dropped"] == 1
+    assert last["tokens/total"] == 0 and "actor/grad_norm" not in last and scored[2]["actor/grad_norm"] > 0
 
 
 def test_the_embedded_tool_task_calls_the_calculator_in_training_and_evaluation(runs):

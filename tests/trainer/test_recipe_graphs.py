@@ -23,6 +23,24 @@ def test_every_recipe_is_valid_and_resolves(name):
     assert ("reference" in roles) == (cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward)
 
 
+def test_episodes_drop_groups_with_a_failed_episode_before_anything_else_uses_them():
+    """rollout.on_failed_episode=drop_group (the default with episodes): a filter on the
+    environment's (or an agent's) failures that DAPO's refilling filter follows, so its
+    refill rounds drop failed groups too; later nodes wait for it. score_zero: no filter."""
+    tools = ["rollout.max_turns=2", "rollout.tools=calculator"]
+    dapo = recipe_graph(load_config(None, [*tools, "algorithm.name=dapo"]))
+    node = dapo.by_name["drop_failed_groups"]
+    assert node.role == "filter" and node.inputs == ("env_failed", "group") and not node.refill
+    assert "drop_failed_groups" in dapo.ancestors("dynamic_sampling")
+    grpo = recipe_graph(load_config(None, tools))
+    assert all("drop_failed_groups" in grpo.ancestors(n) for n in ("ref_log_prob", "advantage", "actor_update"))
+    agent = recipe_graph(load_config(None, ["rollout.agent=examples/agents/arith_agent.py:run"]))
+    assert agent.by_name["drop_failed_groups"].inputs == ("agent_failed", "group")
+    scored = recipe_graph(load_config(None, [*tools, "rollout.on_failed_episode=score_zero"]))
+    assert "drop_failed_groups" not in scored.by_name
+    assert "drop_failed_groups" not in recipe_graph(load_config(None, [])).by_name
+
+
 def test_recipe_defaults_apply_unless_the_user_sets_the_key():
     dapo = load_config(None, ["algorithm.name=dapo"])
     assert dapo.algorithm.clip_ratio_high == 0.28 and not dapo.algorithm.use_kl_loss
