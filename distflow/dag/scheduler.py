@@ -353,8 +353,9 @@ class Scheduler:
         batches = [store.all()]
         counted = self._counts_rows(node)  # a replica's groups are counted and offered once, by its first member
 
-        def passed(batch: Batch) -> set[int]:
-            return {k for k, ok in zip(src.group_keys(batch), batch[flag].tolist()) if ok}
+        def passed(batch: Batch) -> set[int]:  # rows an earlier filter masked out do not pass
+            masked = batch[FILTERED_OUT].tolist() if FILTERED_OUT in batch else [False] * len(batch)
+            return {k for k, ok, out in zip(src.group_keys(batch), batch[flag].tolist(), masked) if ok and not out}
 
         while (all_reduce_int(sum(len(passed(b)) for b in batches) if counted else 0) < src.target_groups
                and rounds < src.max_rounds):
@@ -364,7 +365,10 @@ class Scheduler:
             self.state = "local"
             self._run_nodes(ctx, more, self.graph.ancestors(node.name) + [node.name], top_level=False)
             self.state = state
-            batches.append(more.all())
+            more_rows = more.all()
+            if FILTERED_OUT in batches[0]:  # inside a round an earlier filter drops its rows: none are masked
+                more_rows.tensors[FILTERED_OUT] = torch.zeros(len(more_rows), dtype=torch.bool)
+            batches.append(more_rows)
         batch = Batch.concat(batches) if len(batches) > 1 else batches[0]
         keys, good = src.group_keys(batch), passed(batch)
         mine = sorted({(k not in good, k) for k in keys}) if counted else []

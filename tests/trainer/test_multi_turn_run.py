@@ -42,6 +42,7 @@ def runs(tmp_path_factory) -> dict:
     flaky = [*episodes[:1], f"rollout.env={base / 'env.py'}:FailsOneInEight", *episodes[2:]]
     folders = distflow_sweep({"w1": episodes, "tools": tools, "failing": flaky,
                               "failing_scored": [*flaky, "rollout.on_failed_episode=score_zero"],
+                              "failing_dapo": [*flaky, "algorithm.name=dapo"],
                               "dapo_half": [*dapo, "trainer.total_steps=1", "trainer.save_final=true"]}, 1, base, COMMON)
     resume = f"trainer.resume={folders['dapo_half'] / 'checkpoints' / 'final'}"
     return folders | distflow_sweep({"w2": episodes, "agent": ["trainer.total_steps=1", f"rollout.agent={AGENT}:run"],
@@ -87,6 +88,18 @@ def test_a_group_with_a_failed_episode_leaves_the_step_unless_failures_score_zer
     last = dropped[2]
     assert last["env/dropped_groups"] == 4 and last["drop_failed_groups/masked_instead_of_dropped"] == 1
     assert last["tokens/total"] == 0 and "actor/grad_norm" not in last and scored[2]["actor/grad_norm"] > 0
+
+
+def test_dapo_refills_the_groups_that_failed_episodes_dropped(runs):
+    """DAPO over failing episodes: the refill rounds run episodes (and drop failed groups)
+    until the step's groups are full, so every step trains on passing groups. In step 2
+    (these seeds) every first-round group failed: they stay masked on the one worker, pass
+    no group, and are refilled all the same (the refill counted them as passing)."""
+    records = run_metrics(runs["failing_dapo"])
+    for r in records[1:]:
+        assert r["env/dropped_groups"] > 0 and r["dynamic_sampling/refill_rounds"] >= 1
+        assert r["dynamic_sampling/passed_groups"] >= 4 and r["actor/grad_norm"] > 0
+    assert records[2]["drop_failed_groups/masked_instead_of_dropped"] == 1 and records[2]["tokens/total"] > 0
 
 
 def test_the_embedded_tool_task_calls_the_calculator_in_training_and_evaluation(runs):
