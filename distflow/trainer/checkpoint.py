@@ -298,8 +298,8 @@ def export(path: Path, out: Path, merge: bool, dtype: str | None = None) -> list
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"export --out {out}: exists and is not an empty folder; choose a new folder")
     out.mkdir(parents=True, exist_ok=True)
-    if merge and is_adapter_folder(path):
-        load_causal_lm(str(path), dtype or "float32").save_pretrained(out, safe_serialization=True)
+    if merge and is_adapter_folder(path):  # merged into the fp32 base, then cast (a bf16 base would round first)
+        load_causal_lm(str(path), "float32").save_pretrained(out, safe_serialization=True)
         load_tokenizer(str(path)).save_pretrained(out)
         if (path / IMAGE_PROCESSOR_FILE).is_file():  # a VLM's image processor, as the checkpoint holds it
             shutil.copy2(path / IMAGE_PROCESSOR_FILE, out / IMAGE_PROCESSOR_FILE)
@@ -307,8 +307,8 @@ def export(path: Path, out: Path, merge: bool, dtype: str | None = None) -> list
         for f in path.iterdir():
             if f.is_file() and f.name not in _RESUME_ONLY:
                 shutil.copy2(f, out / f.name)
-        if dtype is not None:
-            _cast_weights(out, getattr(torch, dtype))
+    if dtype is not None:
+        _cast_weights(out, getattr(torch, dtype))
     return sorted(f.name for f in out.iterdir())
 
 

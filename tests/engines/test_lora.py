@@ -53,6 +53,27 @@ def test_merged_weights_are_peft_merge_under_hf_names(random_model_dir):
     assert torch.equal(base, reference.model.layers[0].self_attn.q_proj.weight)
 
 
+def test_export_merges_an_adapter_in_fp32_and_then_casts_it(random_model_dir, tmp_path):
+    """`distflow export --merge --dtype bfloat16`: the adapter merged into the fp32 base, then
+    cast; it merged into a base loaded in bf16, rounding the base before adding the delta."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from distflow.trainer import checkpoint
+
+    adapter = tmp_path / "adapter"
+    _adapted(random_model_dir).save_pretrained(adapter)
+    AutoTokenizer.from_pretrained(random_model_dir).save_pretrained(adapter)
+    checkpoint.export(adapter, tmp_path / "fp32", merge=True)
+    checkpoint.export(adapter, tmp_path / "bf16", merge=True, dtype="bfloat16")
+    full, cast = (load_file(tmp_path / name / "model.safetensors") for name in ("fp32", "bf16"))
+    assert set(full) == set(cast) and all(v.dtype == torch.float32 for v in full.values())
+    for name, tensor in full.items():
+        assert torch.equal(cast[name], tensor.to(torch.bfloat16)), name
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
+
+
 def test_only_the_adapter_trains_and_the_reference_is_the_base(random_model_dir):
     model = _adapted(random_model_dir)
     actor = Actor(model, OptimConfig(lr=1e-2), torch.device("cpu"))
