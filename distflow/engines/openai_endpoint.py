@@ -22,7 +22,8 @@ the call's index; a request's `seed`, `temperature` and `top_p` are not used);
 first stop string (the tokens up to it are trained, the text before it answered);
 `logprobs=true` returns each sampled token's log-prob. Content given as a list of text
 parts is their text. What it cannot honour (`top_logprobs`, a `tool_choice` other than
-auto, image parts) is refused with a 400, not ignored.
+auto, penalties, `logit_bias`, `parallel_tool_calls=false`, a `response_format` other than
+text, image parts) is refused with a 400, not ignored.
 
 Served on 127.0.0.1 only, with a bearer token made per endpoint; a request without it
 gets 401, one over `max_request_bytes` 413, an unknown model 404, in OpenAI's error shape
@@ -136,6 +137,15 @@ def _options(request: dict) -> tuple[int | None, list[str], bool]:
     if request.get("tool_choice") not in (None, "auto"):
         raise RequestError(400, f"tool_choice={request['tool_choice']!r}: the policy's output is not constrained; "
                                 "only 'auto' is served", "unsupported")
+    reshaping = {"presence_penalty": request.get("presence_penalty") not in (None, 0),
+                 "frequency_penalty": request.get("frequency_penalty") not in (None, 0),
+                 "logit_bias": bool(request.get("logit_bias")),
+                 "parallel_tool_calls": request.get("parallel_tool_calls") is False,
+                 "response_format": (request.get("response_format") or {"type": "text"}).get("type") != "text"}
+    for name, asked in reshaping.items():
+        if asked:
+            raise RequestError(400, f"{name}={request[name]!r}: the policy's own distribution is sampled (the "
+                                    "trainer scores it), so nothing may reshape or constrain it", "unsupported")
     return asked, stops, bool(request.get("logprobs"))
 
 

@@ -150,7 +150,10 @@ def test_stop_strings_logprobs_content_parts_and_what_the_endpoint_cannot_honour
         client = _client(endpoint, key)
         for bad, code in (({"max_tokens": 0}, "invalid_request"), ({"tool_choice": "required"}, "unsupported"),
                           ({"logprobs": True, "top_logprobs": 2}, "unsupported"),
-                          ({"stop": ["a", "b", "c", "d", "e"]}, "invalid_request")):
+                          ({"stop": ["a", "b", "c", "d", "e"]}, "invalid_request"),
+                          ({"presence_penalty": 0.5}, "unsupported"), ({"frequency_penalty": -1}, "unsupported"),
+                          ({"logit_bias": {"42": 5}}, "unsupported"), ({"parallel_tool_calls": False}, "unsupported"),
+                          ({"response_format": {"type": "json_object"}}, "unsupported")):
             with pytest.raises(openai.BadRequestError) as e:
                 client.chat.completions.create(model="policy", messages=QUESTION, **bad)
             assert e.value.code == code
