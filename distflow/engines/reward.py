@@ -21,11 +21,13 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import re
 import select
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from fractions import Fraction
 from typing import Any, Protocol
@@ -178,10 +180,23 @@ import json, os, sys
 replies = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)
 sys.stdout = sys.stderr
-from distflow.engines.reward import serve
+from distflow.engines.reward import end_with_parent, serve
+end_with_parent(os.getppid())
 spec, gsm8k_mode = json.loads(sys.argv[1])
 serve(spec, sys.stdin, replies, gsm8k_mode)
 """
+
+
+def end_with_parent(parent: int, every_s: float = 0.5) -> None:
+    """In the reward child: exit once the worker that started it is gone, also in the middle
+    of a call (its closed input is read only between calls). Not PR_SET_PDEATHSIG, which
+    fires when the starting thread ends, not the process."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
 
 
 def score_of(result: Any) -> float:

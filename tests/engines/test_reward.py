@@ -1,7 +1,10 @@
-import pytest
-
 import functools
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from distflow.engines.reward import (default_compute_score, extract_gsm8k_answer, extract_hash_answer, gsm8k_score,
                                      load_reward_fn, math_verify_score)
@@ -118,6 +121,50 @@ def test_reward_runner_times_out_a_hanging_call_and_survives_a_dying_one(tmp_pat
         assert runner("d", "abc", "x") == (3.0, OK)
     finally:
         runner.close()
+
+
+def test_the_reward_process_ends_when_the_worker_that_started_it_is_killed_mid_call(tmp_path):
+    """A worker killed (SIGKILL) while its reward child runs a long call: the child did not
+    read its closed input until the call ended, an hour here, and lived on as an orphan."""
+    import signal
+    import time
+
+    (tmp_path / "hostile.py").write_text(HOSTILE_REWARDS)
+    worker = subprocess.Popen([sys.executable, "-c", f"""
+import threading, time
+from distflow.engines.reward import RewardRunner
+runner = RewardRunner({str(tmp_path / 'hostile.py')!r} + ":score", 3600.0)
+threading.Thread(target=runner, args=("d", "hang", "x"), daemon=True).start()
+while runner._proc is None:
+    time.sleep(0.05)
+print(runner._proc.pid, flush=True)
+time.sleep(3600)
+"""], stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = int(worker.stdout.readline())
+        time.sleep(2.0)  # the child has started and taken the call
+        assert _alive(child)
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(10)
+        deadline = time.monotonic() + 15
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child)
+    finally:
+        worker.kill()
+        worker.wait(10)
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie left for a reaper)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_a_reward_process_that_fails_to_start_fails_the_sample_not_the_run(tmp_path, capsys):
