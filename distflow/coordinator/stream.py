@@ -267,17 +267,23 @@ class WeightSubscriber(_Thread):
         slice of one set of weights, so all must load the same version): the newest
         version any of them has received, on every one (a rank without it yet waits for
         it), or None where none has a version newer than `current`. Newer versions that
-        arrive meanwhile stay for the next call."""
-        with self.cond:
-            mine = max(self.pending, default=current)
-        agreed = torch.tensor([mine], dtype=torch.int64)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-        version = int(agreed)
-        if version <= current:
-            return None
-        self.wait_for(version, timeout_s)
-        with self.cond:
-            return self._take(version)
+        arrive meanwhile stay for the next call, unless two of them push the agreed one
+        out of a rank's two kept: then they agree again, on the newest."""
+        while True:
+            with self.cond:
+                mine = max(self.pending, default=current)
+            agreed = torch.tensor([mine], dtype=torch.int64)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+            version = int(agreed)
+            if version <= current:
+                return None
+            self.wait_for(version, timeout_s)
+            with self.cond:
+                taken = self._take(version) if version in self.pending else None
+            held = torch.tensor([taken is not None], dtype=torch.int64)
+            dist.all_reduce(held, op=dist.ReduceOp.MIN, group=group)
+            if int(held):
+                return taken
 
     def _take(self, version: int) -> tuple[int, list[tuple[str, Any]]]:
         """`version`'s weights; those of it and older versions are dropped (under `cond`)."""

@@ -168,3 +168,47 @@ def _one_version_per_replica(rank: int, world: int) -> list:
 def test_the_ranks_of_a_tensor_parallel_engine_take_one_version():
     results = run_gloo(_one_version_per_replica, 3)
     assert results[1] == results[2] == [2, [2.0, 2.0], None, [4, 5]]
+
+
+class _SlowToTake(WeightSubscriber):
+    """Rank 2's window between agreeing on version 1 and taking it, widened: the publisher
+    sends versions 2 and 3 in it, so rank 2 keeps only those two."""
+
+    def __init__(self, pg, version: int, late: dist.ProcessGroup):
+        super().__init__(pg, version)
+        self.late, self.widened = late, False
+
+    def wait_for(self, version: int, timeout_s: float) -> float:
+        waited = super().wait_for(version, timeout_s)
+        if version == 1 and not self.widened:
+            self.widened = True
+            dist.barrier(group=self.late)  # the publisher may go on
+            super().wait_for(3, timeout_s)
+        return waited
+
+
+def _a_version_dropped_while_agreeing(rank: int, world: int) -> list:
+    pg = dist.new_group(backend="gloo")
+    replica, late = dist.new_group([1, 2], backend="gloo"), dist.new_group([0, 2], backend="gloo")
+    if rank == 0:
+        publisher = WeightPublisher(pg)
+        publisher.publish([("w", torch.full((2,), 1.0))], 1)
+        dist.barrier(group=late)
+        for version in (2, 3):
+            publisher.publish([("w", torch.full((2,), float(version)))], version)
+        publisher.close()
+        return []
+    subscriber = _SlowToTake(pg, 0, late) if rank == 2 else WeightSubscriber(pg, version=0)
+    if rank == 1:
+        subscriber.wait_for(1, timeout_s=60)  # it holds version 1: the replica agrees on 1
+    version, weights = subscriber.take_agreed(replica, current=0, timeout_s=60)
+    subscriber.join(timeout_s=60)
+    return [version, weights[0][1].tolist()]
+
+
+def test_a_replica_agrees_again_when_the_version_it_agreed_on_gave_way_on_one_rank():
+    """Both ranks agree on version 1; before rank 2 takes it, versions 2 and 3 arrive and
+    its copy of 1 is dropped (two are kept). It raised a KeyError there; the ranks now
+    agree again, on 3, and load the same weights."""
+    results = run_gloo(_a_version_dropped_while_agreeing, 3)
+    assert results[1] == results[2] == [3, [3.0, 3.0]]
