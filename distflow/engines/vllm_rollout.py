@@ -20,8 +20,9 @@ temperature is 1; the two together are refused by the config.
 Weights go from the actor (DDP or FSDP2) into the running engine in place, one tensor at a time
 (`reload_weights` with a tensor stream; never through disk); the prefix cache is reset
 with them. On GPU the engine sleeps after each rollout (weights offloaded, KV cache
-dropped: `rollout.release_memory_after_rollout`) and wakes for the weight push; vLLM's
-CPU backend has no sleep mode, so there it stays resident.
+dropped: `rollout.release_memory_after_rollout`); its weights wake for the push and its
+KV cache after it, as verl's staged wake-up does, so the two never peak with the push's
+buffers. vLLM's CPU backend has no sleep mode, so there it stays resident.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class VLLMRolloutEngine:
         self.tensor_parallel_size = tensor_parallel_size
         self.release_memory_after_rollout = release_memory_after_rollout and on_gpu
         self.weight_version = 0
-        self._asleep = False
+        self._asleep: set[str] = set()  # the memory released by sleep: "weights", "kv_cache"
         if temperature != 1.0 and top_p < 1.0:
             raise ValueError(f"vLLM reports log-probs over the top-p nucleus once the temperature is applied: "
                              f"temperature={temperature} with top_p={top_p} would not be the trainer's")
@@ -146,23 +147,28 @@ class VLLMRolloutEngine:
         """In place, tensor by tensor, from the trainer's (HF-named) full weights; each
         rank of a tensor-parallel engine keeps its own slice. The prefix cache holds keys
         and values of the old weights, so it goes too."""
-        self._wake()
+        self._wake("weights")  # the KV cache is made once the push is done and its buffers are freed
         with _reload_warnings() as missed:  # vLLM warns of what it did not load and keeps the old tensors
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         if missed:
             raise RuntimeError(f"the weight push to vLLM left the engine's old weights in place: {missed[0]}")
+        if "kv_cache" in self._asleep and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the push's freed blocks, for vLLM's own allocator to take
+        self._wake()
         self.llm.reset_prefix_cache()
         self.weight_version = version
 
     def sleep(self) -> None:
         if self.release_memory_after_rollout and not self._asleep:
             self.llm.sleep(level=1)  # weights to host memory, KV cache dropped
-            self._asleep = True
+            self._asleep = {"weights", "kv_cache"}
 
-    def _wake(self) -> None:
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+    def _wake(self, *tags: str) -> None:
+        """The memory of `tags` (all when none) back from sleep, if it is asleep."""
+        waking = [t for t in tags or ("weights", "kv_cache") if t in self._asleep]
+        if waking:
+            self.llm.wake_up(tags=waking)
+            self._asleep -= set(waking)
 
     def close(self) -> None:
         """Stop the engine and drop vLLM's own groups, but leave the trainer's process
