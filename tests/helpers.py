@@ -145,12 +145,13 @@ class CheckOnce:
 
 
 class FailsOneInEight(CheckOnce):
-    """CheckOnce whose check raises in about one episode in eight (by the episode's seed): an
-    environment's infrastructure failing under some samples of a group."""
+    """CheckOnce whose check raises in about one episode in eight (by the episode's seed; in
+    greedy evaluation, by the answer): an environment's infrastructure failing under some
+    samples of a group."""
 
     def reset(self, task):
         super().reset(task)
-        self.fails = task["seed"] is not None and task["seed"] % 8 == 0  # not in greedy evaluation
+        self.fails = (task["seed"] if task["seed"] is not None else int(task["ground_truth"])) % 8 == 0
 
     def step(self, text):
         if self.fails:

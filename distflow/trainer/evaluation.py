@@ -23,7 +23,7 @@ import torch
 
 from distflow.collectives import all_gather_objects
 from distflow.data.dataset import PromptRow
-from distflow.engines.agent import EpisodeRunner
+from distflow.engines.agent import FAILED_EPISODE_FIELDS, EpisodeRunner
 from distflow.engines.reward import RewardRunner
 from distflow.engines.rollout import RolloutEngine, SamplingParams, sample_seed
 from distflow.trainer.nodes import score_responses
@@ -58,11 +58,12 @@ def _add(tally: Tally, name: str, value: float) -> None:
 
 def _scored(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[list[int]], seeds, params,
             reward_fn: RewardRunner, accuracy_fn: RewardRunner, episodes: EpisodeRunner | None,
-            reward_field: str | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rewards (B,), correct (B,), response lengths (B,), ended with EOS (B,)) of one
-    generation (multi-turn episodes or an agent's samples with `episodes`); the rewards
-    are the rollout's `reward_field` where the run takes them from the rollout."""
-    nothing = torch.zeros(0), torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.bool)
+            reward_field: str | None) -> tuple[torch.Tensor, ...]:
+    """(rewards (B,), correct (B,), response lengths (B,), ended with EOS (B,), failed (B,))
+    of one generation (multi-turn episodes or an agent's samples with `episodes`; failed: its
+    environment or agent raised); the rewards are the rollout's `reward_field` where the run
+    takes them from the rollout."""
+    nothing = torch.zeros(0), torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.bool), torch.zeros(0)
     if not rows and engine.tensor_parallel_size == 1:
         return nothing
     if episodes is not None:
@@ -84,7 +85,8 @@ def _scored(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[l
     # whose last turn was cut; padding after the response is not the model's)
     last = (mask.cumsum(-1) == lengths.unsqueeze(-1)) & mask.bool()
     ended = ((out["responses"] == tokenizer.eos_token_id) & last).any(-1)
-    return rewards, correct, lengths, ended
+    failed = next((out[f] for f in FAILED_EPISODE_FIELDS if f in out), torch.zeros(len(rows)))
+    return rewards, correct, lengths, ended, failed
 
 
 def evaluate(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[list[int]],
@@ -94,12 +96,15 @@ def evaluate(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[
     calls it, a worker of a tensor-parallel replica even with no rows)."""
     tally: Tally = {}
     greedy = SamplingParams(max_new_tokens=settings.max_new_tokens, greedy=True)
-    rewards, correct, lengths, ended = _scored(engine, tokenizer, rows, ids, None, greedy, reward_fn, accuracy_fn,
-                                               episodes, settings.reward_field)
-    for row, r, c, n, e in zip(rows, rewards.tolist(), correct.tolist(), lengths.tolist(), ended.tolist()):
+    rewards, correct, lengths, ended, failed = _scored(engine, tokenizer, rows, ids, None, greedy, reward_fn,
+                                                       accuracy_fn, episodes, settings.reward_field)
+    for row, r, c, n, e, f in zip(rows, rewards.tolist(), correct.tolist(), lengths.tolist(), ended.tolist(),
+                                  failed.tolist()):
         for group in _groups(row, by_source):
             _add(tally, f"accuracy{group}", c)
             _add(tally, f"reward{group}", r)
+        if episodes is not None:  # an episode whose environment or agent raised counts as wrong: how many
+            _add(tally, "failed_episodes", f)
         _add(tally, "response_length/mean", n)
         _add(tally, "response_length/clip_ratio", 0.0 if e else 1.0)
         tally["response_length/max"] = [max(tally.get("response_length/max", [0.0])[0], n), 1.0]
@@ -115,9 +120,9 @@ def _sampled(engine, tokenizer, rows, ids, reward_fn, accuracy_fn, settings: Eva
     params = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                             top_p=settings.top_p)
     # only accuracy is kept of the samples: scored by the rule alone (a reward model's forwards would be thrown away)
-    _, correct, _, _ = _scored(engine, tokenizer, [r for r in rows for _ in range(k)],
-                            [p for p in ids for _ in range(k)], seeds, params, accuracy_fn, accuracy_fn, episodes,
-                            None)
+    _, correct, _, _, _ = _scored(engine, tokenizer, [r for r in rows for _ in range(k)],
+                                  [p for p in ids for _ in range(k)], seeds, params, accuracy_fn, accuracy_fn,
+                                  episodes, None)
     per_row = correct.view(len(rows), k) if rows else correct.view(0, k)
     for row, samples in zip(rows, per_row.tolist()):
         for group in _groups(row, by_source):
@@ -160,6 +165,9 @@ def table(report: dict[str, float], k: int) -> str:
     lines.append(f"{scored}; greedy responses: {report['response_length/mean']:.1f} tokens on "
                  f"average, at most {report['response_length/max']:.0f}, "
                  f"{report['response_length/clip_ratio']:.1%} cut at the token limit")
+    if report.get("failed_episodes"):
+        lines.append(f"{report['failed_episodes']:.1%} of the greedy episodes failed (their environment or agent "
+                     "raised) and count as wrong")
     return "\n".join(lines)
 
 

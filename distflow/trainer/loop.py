@@ -468,13 +468,14 @@ class Trainer:
     def _evaluate(self) -> dict[str, float]:
         """Greedy held-out accuracy over all workers (validation rows interleaved), overall
         and per `extra_info["level"]` where the rows have one (the built-in task's 1-3),
-        and the mean reward (as training scores it: an agent's or environment's own)."""
+        and the mean reward (as training scores it: an agent's or environment's own); with
+        episodes, the share whose environment or agent raised (they count as wrong)."""
         report = evaluate(self.rollout, self.tokenizer, [row for row, _ in self.val], [ids for _, ids in self.val],
                           self.ctx.reward_fn, self.ctx.accuracy_fn,
                           EvalSettings(max_new_tokens=self.cfg.rollout.max_new_tokens,
                                        reward_field=rollout_reward_field(self.cfg)), episodes=self.ctx.episodes)
         return {f"val/{name}": value for name, value in report.items() if name.startswith("accuracy")
-                or name == "reward"}
+                or name in ("reward", "failed_episodes")}
 
     # ------------------------------------------------------------------ the run
 

@@ -159,6 +159,34 @@ def test_with_rewards_from_the_environment_the_report_s_reward_is_theirs_as_in_t
         assert (report["reward"], report["accuracy"]) == (reward, 0.5)
 
 
+def test_held_out_episodes_whose_environment_raised_are_reported_and_count_as_wrong():
+    """An environment that raises ends its episode: the episode scores as wrong, and the
+    report (and its table) says what share failed, so accuracy is not read as the policy's."""
+    from distflow.engines.agent import EnvStep, EpisodeRunner, EpisodeSettings
+    from helpers import ScriptedEngine as EpisodeScripts
+
+    class DownOnLevel2:
+        def reset(self, task):
+            if task["extra_info"]["level"] == 2:
+                raise ConnectionError("the checker is down")
+
+        def step(self, text):
+            return EnvStep([], True)
+
+    tok = build_tokenizer()
+    rows = [_row(0, 4, 1, "a"), _row(1, 45, 2, "a")]
+    engine = EpisodeScripts(tok, {5: ["#### 4"], 7: ["#### 45"]})
+    episodes = EpisodeRunner(engine, tok, DownOnLevel2, EpisodeSettings(max_turns=2, max_total_tokens=16))
+    runner = RewardRunner(None, 0)
+    report = evaluate(engine, tok, rows, [[5, 6], [7, 6]], runner, runner, EvalSettings(max_new_tokens=16),
+                      episodes=episodes)
+    assert (report["failed_episodes"], report["accuracy"]) == (0.5, 0.5)
+    assert table(report, 0).splitlines()[-1] == ("50.0% of the greedy episodes failed (their environment or agent "
+                                                 "raised) and count as wrong")
+    plain = evaluate(EpisodeEngine(tok), tok, rows, [[5, 6]] * 2, runner, runner, EvalSettings(max_new_tokens=32))
+    assert "failed_episodes" not in plain and "failed" not in table(plain, 0)
+
+
 def test_a_report_of_no_prompts_is_said_and_written_as_valid_json(tmp_path):
     from distflow.trainer.evaluation import write_report
 

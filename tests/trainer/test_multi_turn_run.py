@@ -88,6 +88,8 @@ def test_a_group_with_a_failed_episode_leaves_the_step_unless_failures_score_zer
     last = dropped[2]
     assert last["env/dropped_groups"] == 4 and last["drop_failed_groups/masked_instead_of_dropped"] == 1
     assert last["tokens/total"] == 0 and "actor/grad_norm" not in last and scored[2]["actor/grad_norm"] > 0
+    # the held-out evaluation says how many of its episodes failed (they count as wrong)
+    assert 0 < dropped[0]["val/failed_episodes"] < 1 and run_metrics(runs["w1"])[0]["val/failed_episodes"] == 0
 
 
 def test_dapo_refills_the_groups_that_failed_episodes_dropped(runs):
