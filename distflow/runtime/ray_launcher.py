@@ -230,12 +230,17 @@ def _packed_by_node(num_workers: int, use_gpu: bool, ray_address: str, timeout_s
     except BaseException:
         ray.util.remove_placement_group(group)
         raise
-    first_seen: dict[str, int] = {}
-    for b in range(num_workers):
-        first_seen.setdefault(node_of[b], len(first_seen))
-    bundles = sorted(range(num_workers), key=lambda b: (first_seen[node_of[b]], b))
     return group, [{"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=b)}
-                   for b in bundles]
+                   for b in bundles_by_node(node_of, num_workers)]
+
+
+def bundles_by_node(node_of: dict[int, str], count: int) -> list[int]:
+    """The bundle each rank takes: a node's bundles in a run of consecutive ranks, the nodes
+    in the order their first bundle comes (Ray may interleave a PACK group's bundles)."""
+    first_seen: dict[str, int] = {}
+    for b in range(count):
+        first_seen.setdefault(node_of[b], len(first_seen))
+    return sorted(range(count), key=lambda b: (first_seen[node_of[b]], b))
 
 
 def _root_cause(rank: int, error: Exception, pending: dict, run_dir: Path, meter: LauncherMeter,

@@ -12,9 +12,8 @@ import pytest
 
 from distflow.runtime.cluster import ClusterSpec, EmulatedCluster, leftovers
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not sys.platform.startswith("linux") or os.geteuid() != 0,
-                                 reason="the emulated cluster needs root on Linux (CI has it)")]
+needs_root = pytest.mark.skipif(not sys.platform.startswith("linux") or os.geteuid() != 0,
+                                reason="the emulated cluster needs root on Linux (CI has it)")
 
 PLACE = """
 import json, sys
@@ -45,6 +44,8 @@ print(json.dumps({"hosts": hosts, "refused": refused}))
 """
 
 
+@pytest.mark.slow
+@needs_root
 def test_ranks_fill_a_node_before_the_next(tmp_path):
     spec = ClusterSpec(hosts=3, rate_mbit=400, cpus_per_host=2, name="dfp")
     with EmulatedCluster(spec) as c:
@@ -57,3 +58,13 @@ def test_ranks_fill_a_node_before_the_next(tmp_path):
     assert hosts[0] == hosts[1] and hosts[2] == hosts[3] and hosts[0] != hosts[2]
     assert set(hosts) == {spec.address(1), spec.address(2)}
     assert out["refused"].startswith(f"runtime.num_workers=5: the Ray cluster at {spec.ray_address} could not place")
+
+
+def test_bundles_ray_interleaved_over_nodes_are_given_out_node_by_node():
+    """Where Ray put a PACK group's bundles on nodes A B A B C (the emulated cluster's PACK
+    filled its nodes in order, so the test above does not reach this), ranks 0-1 take A's
+    bundles, 2-3 B's and 4 C's."""
+    from distflow.runtime.ray_launcher import bundles_by_node
+
+    assert bundles_by_node({0: "A", 1: "B", 2: "A", 3: "B", 4: "C"}, 5) == [0, 2, 1, 3, 4]
+    assert bundles_by_node({0: "B", 1: "A", 2: "B"}, 3) == [0, 2, 1]
