@@ -137,13 +137,16 @@ def _options(request: dict) -> tuple[int | None, list[str], bool]:
     if request.get("tool_choice") not in (None, "auto"):
         raise RequestError(400, f"tool_choice={request['tool_choice']!r}: the policy's output is not constrained; "
                                 "only 'auto' is served", "unsupported")
+    response_format = request.get("response_format") or {"type": "text"}
+    if not isinstance(response_format, dict):
+        raise RequestError(400, f"response_format must be an object, not {response_format!r}", "invalid_request")
     reshaping = {"presence_penalty": request.get("presence_penalty") not in (None, 0),
                  "frequency_penalty": request.get("frequency_penalty") not in (None, 0),
                  "logit_bias": bool(request.get("logit_bias")),
                  "parallel_tool_calls": request.get("parallel_tool_calls") is False,
-                 "response_format": (request.get("response_format") or {"type": "text"}).get("type") != "text"}
-    for name, asked in reshaping.items():
-        if asked:
+                 "response_format": response_format.get("type") != "text"}
+    for name, refused in reshaping.items():
+        if refused:
             raise RequestError(400, f"{name}={request[name]!r}: the policy's own distribution is sampled (the "
                                     "trainer scores it), so nothing may reshape or constrain it", "unsupported")
     return asked, stops, bool(request.get("logprobs"))

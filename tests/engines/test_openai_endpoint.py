@@ -137,7 +137,8 @@ def test_tool_calls_come_back_in_openai_shape_and_a_rewritten_history_is_refused
 def test_stop_strings_logprobs_content_parts_and_what_the_endpoint_cannot_honour(tiny):
     """`stop` ends the completion at its first stop string: the tokens up to it are the
     sample's (as an engine stopping there samples them), the text before it the answer;
-    `logprobs` are the sampled tokens'; content as a list of text parts is their text;
+    `logprobs` are the sampled tokens'; `max_tokens` lowers the run's limit; content as a
+    list of text parts is their text;
     what cannot be honoured is a 400, and leaves no trace in the sample."""
     _, tok = tiny
     prompt = _prompt(tok)
@@ -153,7 +154,8 @@ def test_stop_strings_logprobs_content_parts_and_what_the_endpoint_cannot_honour
                           ({"stop": ["a", "b", "c", "d", "e"]}, "invalid_request"),
                           ({"presence_penalty": 0.5}, "unsupported"), ({"frequency_penalty": -1}, "unsupported"),
                           ({"logit_bias": {"42": 5}}, "unsupported"), ({"parallel_tool_calls": False}, "unsupported"),
-                          ({"response_format": {"type": "json_object"}}, "unsupported")):
+                          ({"response_format": {"type": "json_object"}}, "unsupported"),
+                          ({"response_format": "json"}, "invalid_request")):
             with pytest.raises(openai.BadRequestError) as e:
                 client.chat.completions.create(model="policy", messages=QUESTION, **bad)
             assert e.value.code == code
@@ -171,8 +173,9 @@ def test_stop_strings_logprobs_content_parts_and_what_the_endpoint_cannot_honour
         assert [t.logprob for t in choice.logprobs.content] == [-0.5] * len(cut)
         assert "".join(t.token for t in choice.logprobs.content) == "Let me think. DONE"
         follow = [{"role": "user", "content": "Go on."}]
-        client.chat.completions.create(model="policy", messages=parts + [
-            choice.message.model_dump(exclude_none=True)] + follow)
+        second = client.chat.completions.create(model="policy", messages=parts + [
+            choice.message.model_dump(exclude_none=True)] + follow, max_tokens=2)  # "#### 7" cut at 2 tokens
+        assert second.usage.completion_tokens == 2 and second.choices[0].finish_reason == "length"
         trajectory = endpoint.collect(key)
     finally:
         endpoint.close()
