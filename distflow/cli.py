@@ -648,7 +648,8 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="a checkpoint as a plain HF folder, without what only resuming needs")
     export.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/x/checkpoints/final")
     export.add_argument("--out", required=True, help="a new folder")
-    export.add_argument("--merge", action="store_true", help="a LoRA checkpoint: merge the adapter into its base")
+    export.add_argument("--merge", action="store_true", help="a LoRA checkpoint: merge the adapter into its base, "
+                                                             "in fp32 (host memory for the fp32 model), then --dtype")
     export.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                         help="cast the weights (default: as trained, fp32 master weights)")
     export.set_defaults(fn=cmd_export)

@@ -79,8 +79,13 @@ class Span:
 
 class Scheduler:
     def __init__(self, graph: Graph, *, placement: Placement, overlap: bool = True, threads: int = 2,
-                 refill: RefillSource | None = None, on_node: Callable[[str], None] | None = None):
+                 refill: RefillSource | None = None, on_node: Callable[[str], None] | None = None,
+                 train_ranks: int | None = None):
+        """`train_ranks`: the data-parallel ranks that train the rows, each needing one
+        (default: the placement's training layout's; the rollout workers of a disaggregated
+        run pass the train side's)."""
         self.graph, self.placement = graph, placement
+        self.train_ranks = placement.train.dp_size if train_ranks is None else train_ranks
         self.fns = graph.resolve()
         self.refill, self.on_node = refill, on_node
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -321,12 +326,12 @@ class Scheduler:
             # Fewer rows kept over all workers than training ranks, each of which needs one: the rows
             # stay, the dropped ones with no response tokens (and flagged, for the metrics), so the
             # update trains on the kept ones alone (none: no update), as one worker does with the kept rows.
-            if len(store):
-                batch = store.all()
+            batch = store.all()  # a worker without rows too: every worker's rows have the flag, or none's
+            if "response_mask" in batch.tensors:
                 mask = batch.tensors["response_mask"]
                 batch.tensors["response_mask"] = mask * kept.unsqueeze(-1).to(mask.dtype)
-                dropped = batch.tensors.get(FILTERED_OUT, torch.zeros_like(kept))
-                batch.tensors[FILTERED_OUT] = dropped | ~kept
+            dropped = batch.tensors.get(FILTERED_OUT, torch.zeros_like(kept))
+            batch.tensors[FILTERED_OUT] = dropped | ~kept
             self.counters[f"{node.name}/masked_instead_of_dropped"] = 1.0
             return
         store.replace(store.all().select(kept.nonzero().flatten()))
@@ -339,10 +344,10 @@ class Scheduler:
 
     def _too_few_to_train(self, node: Node, kept: torch.Tensor) -> bool:
         """Whether the rows kept over all workers (a replica's counted once) are fewer than
-        the training layout's ranks: a collective, on every worker alike."""
-        if self.placement.train.world_size == 1:  # its rows are all the rows: it needs one
-            return not bool(kept.any())
-        return all_reduce_int(int(kept.sum()) if self._counts_rows(node) else 0) < self.placement.train.dp_size
+        the training ranks (`train_ranks`): a collective, on every worker alike."""
+        if self.placement.train.world_size == 1:  # its rows are all the rows
+            return int(kept.sum()) < self.train_ranks
+        return all_reduce_int(int(kept.sum()) if self._counts_rows(node) else 0) < self.train_ranks
 
     def _refill(self, ctx: Any, store: LocalStore, node: Node) -> None:
         """Re-run the filter's ancestors on new prompts until enough groups pass over all
@@ -353,9 +358,10 @@ class Scheduler:
         batches = [store.all()]
         counted = self._counts_rows(node)  # a replica's groups are counted and offered once, by its first member
 
-        def passed(batch: Batch) -> set[int]:  # rows an earlier filter masked out do not pass
-            masked = batch[FILTERED_OUT].tolist() if FILTERED_OUT in batch else [False] * len(batch)
-            return {k for k, ok, out in zip(src.group_keys(batch), batch[flag].tolist(), masked) if ok and not out}
+        def passed(batch: Batch) -> set[int]:  # a group with a row an earlier filter masked out does not pass
+            keys = src.group_keys(batch)
+            masked = {k for k, out in zip(keys, batch[FILTERED_OUT].tolist()) if out} if FILTERED_OUT in batch else ()
+            return {k for k, ok in zip(keys, batch[flag].tolist()) if ok and k not in masked}
 
         while (all_reduce_int(sum(len(passed(b)) for b in batches) if counted else 0) < src.target_groups
                and rounds < src.max_rounds):

@@ -180,20 +180,24 @@ import json, os, sys
 replies = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)
 sys.stdout = sys.stderr
+spec, gsm8k_mode, parent = json.loads(sys.argv[1])
 from distflow.engines.reward import end_with_parent, serve
-end_with_parent(os.getppid())
-spec, gsm8k_mode = json.loads(sys.argv[1])
+end_with_parent(parent)
 serve(spec, sys.stdin, replies, gsm8k_mode)
 """
 
 
 def end_with_parent(parent: int, every_s: float = 0.5) -> None:
-    """In the reward child: exit once the worker that started it is gone, also in the middle
-    of a call (its closed input is read only between calls). Not PR_SET_PDEATHSIG, which
-    fires when the starting thread ends, not the process."""
+    """In the reward child: exit once the worker `parent` that started it is gone, also in
+    the middle of a call (its closed input is read only between calls), removing the
+    folders of a code sandbox the call was running. Not PR_SET_PDEATHSIG, which fires when
+    the starting thread ends, not the process."""
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(every_s)
+        from distflow.engines.sandbox import remove_leftovers
+
+        remove_leftovers(os.getpid())
         os._exit(1)
 
     threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
@@ -289,7 +293,7 @@ class RewardRunner:
     def _start(self) -> None:
         # a fresh interpreter (not a fork of this threaded, torch-loaded one) that imports
         # only the reward module; its stdout is the reply channel, its prints go to stderr
-        argv = [sys.executable, "-c", _CHILD, json.dumps([self.spec, self.gsm8k_mode])]
+        argv = [sys.executable, "-c", _CHILD, json.dumps([self.spec, self.gsm8k_mode, os.getpid()])]
         self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         line = self._readline(START_TIMEOUT_S)
         if not line or json.loads(line) != ["ready", None]:

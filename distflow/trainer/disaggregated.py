@@ -161,7 +161,8 @@ class RolloutWorker:
                                    threads=cfg.scheduler.threads,
                                    refill=RefillPrompts(self.prompts, self.tokenizer, self.ctx)
                                    if any(n.refill for n in self.graph.nodes) else None,
-                                   on_node=lambda name: self._status(self.ctx.step, name))
+                                   on_node=lambda name: self._status(self.ctx.step, name),
+                                   train_ranks=cfg.runtime.train_workers)  # a filter leaves each of them a row
         self.sender = TrajectorySender(roles.bridge, roles.train_ranks, self.rank)
         self.weights = WeightSubscriber(roles.weights, self.start_step)
         self.swaps_in_flight = 0  # rollout.partial: weights swapped in during a generation

@@ -12,7 +12,7 @@ from distflow.coordinator.layout import Layout
 from distflow.coordinator.store import LocalStore
 from distflow.dag.graph import Graph, Node
 from distflow.dag.scheduler import NodeFailed, Placement, Scheduler, chrome_trace, node_seconds
-from distflow.data.batch import Batch
+from distflow.data.batch import FILTERED_OUT, Batch
 from helpers import run_gloo
 
 WAIT = 10.0  # seconds a node waits for an event that overlap should produce
@@ -242,6 +242,43 @@ def _refill_on_replicas(rank, world, replica_size):
     return sorted(set(store.get("group")["group"].tolist())), sched.counters
 
 
+def _drop_the_step_s_own_rows(ctx, batch):
+    return Batch({"fresh": batch["group"] >= 10})  # a refill round's rows pass
+
+
+def _masked_then_refilled(rank, world):
+    g = Graph([Node(name="drop", role="filter", fn=_drop_the_step_s_own_rows, inputs=("group",), outputs=("fresh",)),
+               Node(name="f", role="filter", fn=keep_odd_groups, inputs=("group",), outputs=("keep",),
+                    refill=True, deps=("drop",))], ["x", "group", "prompt_mask", "sample_id", "response_mask"])
+    store, ctx = LocalStore(), Ctx()
+    rows = _rank_rows([2 * rank, 2 * rank + 1])
+    rows.tensors["response_mask"] = torch.ones(len(rows), 3, dtype=torch.long)
+    store.put(rows)
+    refill = RankRefill(rank)
+    refill.prompts = lambda round_: _with_responses(RankRefill.prompts(refill, round_))
+    sched = Scheduler(g, placement=Placement(Layout(world), Layout.data_parallel(world)), overlap=False, refill=refill)
+    try:
+        sched.run(ctx, store, step=1)
+    finally:
+        sched.close()
+    return sorted(set(store.get("group")["group"].tolist())), sched.counters
+
+
+def _with_responses(batch):
+    batch.tensors["response_mask"] = torch.ones(len(batch), 3, dtype=torch.long)
+    return batch
+
+
+def test_groups_an_earlier_filter_masked_do_not_pass_a_refilling_filter():
+    """The first filter keeps none of the step's rows, so it masks them (each training rank
+    needs a row). Odd groups 1 and 3 among them passed DAPO's filter all the same, and the
+    step trained on 2 masked groups; they pass no more, and the refill brings 4 that train."""
+    ranks = run_gloo(_masked_then_refilled, 2)
+    assert [groups for groups, _ in ranks] == [[11, 21], [13, 23]]
+    assert all(c == {"drop/masked_instead_of_dropped": 1.0, "f/refill_rounds": 2.0, "f/passed_groups": 4.0}
+               for _, c in ranks)
+
+
 def test_a_refill_counts_and_chooses_each_group_once_where_a_replica_s_members_all_hold_it():
     """With rollout.replica_size=2 both members of the replica hold every group in the
     filter's layout: the groups passed so far and the ones offered for the choice are
@@ -266,7 +303,11 @@ def _response_tokens(ctx, batch):
     return Batch({"n": batch["response_mask"].sum(-1)})
 
 
-def _filter_leaving_fewer_rows_than_ranks(rank, world, keep):
+def _keep_rank_0_s_rows(ctx, batch):
+    return Batch({"first": batch["sample_id"] < 4})
+
+
+def _filter_leaving_fewer_rows_than_ranks(rank, world, keep, train_ranks=None):
     """Each rank holds 4 rows; the filter keeps `keep` rows over both ranks, then a node
     runs in the training layout."""
     g = Graph([Node(name="f", role="filter", fn=keep, inputs=("sample_id",), outputs=("keep",)),
@@ -277,7 +318,8 @@ def _filter_leaving_fewer_rows_than_ranks(rank, world, keep):
     ids = torch.arange(4) + 4 * rank
     store.put(Batch({"x": ids.float(), "group": ids // 2, "prompt_mask": torch.ones(4, 2, dtype=torch.long),
                      "sample_id": ids, "response_mask": torch.ones(4, 3, dtype=torch.long)}))
-    sched = Scheduler(g, placement=Placement(Layout(world), Layout.data_parallel(world)), overlap=False)
+    sched = Scheduler(g, placement=Placement(Layout(world), Layout.data_parallel(world)), overlap=False,
+                      train_ranks=train_ranks)
     try:
         sched.run(Ctx(), store, step=1)
     finally:
@@ -296,8 +338,40 @@ def test_a_filter_that_keeps_fewer_rows_than_training_ranks_masks_the_others(kee
     assert sum(out for _, _, _, out in ranks) == 8 - tokens // 3  # flagged for the metrics, which leave them out
 
 
-def test_a_filter_that_keeps_no_row_of_one_worker_masks_them():
+def test_a_one_worker_run_whose_filter_keeps_no_row_masks_them():
     """One worker whose filter keeps none of its rows (every group of the step had a failed
     episode): the update's forwards got an empty batch and the run stopped. The rows stay
     without response tokens (and flagged), so nothing trains."""
     assert _filter_leaving_fewer_rows_than_ranks(0, 1, _keep_none) == (4, 0, {"f/masked_instead_of_dropped": 1.0}, 4)
+
+
+def test_rows_kept_for_fewer_training_ranks_than_train_elsewhere_are_masked():
+    """A disaggregated run's rollout worker: one row kept for the 2 train workers' 2 ranks
+    is masked (the train side could not give each a row), though its own layout has one."""
+    assert _filter_leaving_fewer_rows_than_ranks(0, 1, _keep_the_first_row_of_rank_0, train_ranks=2) == \
+        (4, 3, {"f/masked_instead_of_dropped": 1.0}, 3)
+
+
+def _flag_columns_after_two_filters(rank, world):
+    g = Graph([Node(name="f0", role="filter", fn=_keep_rank_0_s_rows, inputs=("sample_id",), outputs=("first",)),
+               Node(name="f", role="filter", fn=_keep_the_first_row_of_rank_0, inputs=("sample_id",),
+                    outputs=("keep",), deps=("f0",))],
+              ["x", "group", "prompt_mask", "sample_id", "response_mask"])
+    store = LocalStore()
+    ids = torch.arange(4) + 4 * rank
+    store.put(Batch({"x": ids.float(), "group": ids // 2, "prompt_mask": torch.ones(4, 2, dtype=torch.long),
+                     "sample_id": ids, "response_mask": torch.ones(4, 3, dtype=torch.long)}))
+    sched = Scheduler(g, placement=Placement(Layout(world), Layout.data_parallel(world)), overlap=False)
+    try:
+        sched.run(Ctx(), store, step=1)
+    finally:
+        sched.close()
+    return len(store), store.all()[FILTERED_OUT].tolist() if FILTERED_OUT in store else None
+
+
+def test_a_worker_an_earlier_filter_emptied_flags_its_rows_as_masked_too():
+    """The first filter drops all of rank 1's rows; the second keeps one row over both
+    ranks, so it masks. Rank 1, with no rows, had no flag column: rows a refill then made
+    there lacked it beside rank 0's, and pieces with different fields cannot be moved or
+    joined. Every worker's rows have the column (rank 1's none)."""
+    assert run_gloo(_flag_columns_after_two_filters, 2) == [(4, [False, True, True, True]), (0, [])]

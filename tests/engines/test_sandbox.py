@@ -247,6 +247,47 @@ def test_a_child_the_program_leaves_running_is_ended_with_it():
 
 
 @needs_namespaces
+def test_a_worker_killed_while_its_reward_process_runs_a_program_leaves_no_sandbox_or_folder_behind(tmp_path):
+    """The worker is SIGKILLed while its reward process's sandbox runs a program that
+    sleeps: the reward process exits (it watches its parent), the sandbox ends with it,
+    and the sandbox's folder is removed."""
+    import signal
+    import subprocess
+    import tempfile
+
+    slow = json.dumps({"inputs": [""], "outputs": ["1\n"], "time_limit": 60})
+    program = "```python\nimport time\ntime.sleep(60)\nprint(1)\n```"
+    worker = subprocess.Popen([sys.executable, "-c", f"""
+import threading, time
+from distflow.engines.reward import RewardRunner
+runner = RewardRunner(None, 3600.0)
+runner("codecontests", "", {slow!r})  # the reward process is up
+threading.Thread(target=runner, args=("codecontests", {program!r}, {slow!r}), daemon=True).start()
+print(runner._proc.pid, flush=True)
+time.sleep(3600)
+"""], stdout=subprocess.PIPE, text=True)
+    reward_pid = None
+    try:
+        reward_pid = int(worker.stdout.readline())
+        folders = f"distflow-sandbox-{reward_pid}-*"
+        deadline = time.monotonic() + 30
+        while not list(Path(tempfile.gettempdir()).glob(folders)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(Path(tempfile.gettempdir()).glob(folders)), "the program never started"
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(10)
+        deadline = time.monotonic() + 15
+        while Path(f"/proc/{reward_pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _no_sandbox_processes_left({reward_pid})
+        assert not list(Path(tempfile.gettempdir()).glob(folders))
+    finally:
+        worker.kill()
+        worker.wait(10)
+        if reward_pid is not None and Path(f"/proc/{reward_pid}").exists():
+            os.kill(reward_pid, signal.SIGKILL)
+
+
 def test_a_reward_call_cut_by_its_timeout_leaves_no_sandbox_or_folder_behind():
     """The reward process is killed while its code sandbox runs a program that sleeps (no
     CPU limit ends it): the sandbox ends with it and its folder goes."""

@@ -96,7 +96,8 @@ def test_dapo_refills_the_groups_that_failed_episodes_dropped(runs):
     """DAPO over failing episodes: the refill rounds run episodes (and drop failed groups)
     until the step's groups are full, so every step trains on passing groups. In step 2
     (these seeds) every first-round group failed: they stay masked on the one worker, pass
-    no group, and are refilled all the same (the refill counted them as passing)."""
+    no group, and are refilled all the same (the refill had counted them as passing, and
+    the step trained nothing)."""
     records = run_metrics(runs["failing_dapo"])
     for r in records[1:]:
         assert r["env/dropped_groups"] > 0 and r["dynamic_sampling/refill_rounds"] >= 1
