@@ -17,7 +17,7 @@ import torch
 from distflow.config import ConfigError, load_config
 from distflow.data.batch import Batch
 from distflow.trainer.disaggregated import changed_weights_mid_sample, sample_versions
-from helpers import distflow_train, run_metrics
+from helpers import CHECK_ONCE_ENV, distflow_train, run_metrics
 from distflow.trainer.nodes import make_policy_loss
 from distflow.trainer.recipes import ROLLOUT_ROLES, build_graph
 
@@ -162,3 +162,25 @@ def test_asynchronous_dapo_stays_within_its_staleness_and_resumes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     accuracy = json.loads((evaluated / "eval.json").read_text())["metrics"]["accuracy"]
     assert accuracy == summary["heldout_accuracy_final"] != summary["heldout_accuracy_initial"]
+
+
+@pytest.mark.slow
+def test_multi_turn_episodes_train_apart_from_their_rollout_and_drop_failed_groups_there(tmp_path):
+    """Multi-turn episodes with a tool and an environment that fails now and then, on a
+    rollout worker apart from the trainer, one step behind: the failed groups are dropped
+    (or, when every group failed, masked) on the rollout side before the samples are sent,
+    and the trainer trains on what is left."""
+    (tmp_path / "env.py").write_text(CHECK_ONCE_ENV)
+    out = tmp_path / "run"
+    distflow_train([*SMALL, *DISAGGREGATED, "algorithm.max_staleness=1", "rollout.max_turns=2",
+                    "rollout.tools=calculator", f"rollout.env={tmp_path / 'env.py'}:FailsOneInEight",
+                    f"reward.custom_fn={tmp_path / 'env.py'}:by_length", "rollout.max_total_tokens=96",
+                    f"trainer.output_dir={out}"], tmp_path)
+    records = run_metrics(out)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert sum(r["env/failed"] for r in records[1:]) >= sum(r["env/dropped_groups"] for r in records[1:]) > 0
+    trained = [r for r in records[1:] if "actor/grad_norm" in r]
+    assert trained and all(r["actor/grad_norm"] > 0 and r["turns/mean"] > 1.0 for r in trained)
+    for r in records[1:]:
+        assert r["async/version_lag_max"] <= 1
+        assert ("actor/grad_norm" in r) == ("drop_failed_groups/masked_instead_of_dropped" not in r)
