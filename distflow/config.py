@@ -259,9 +259,10 @@ class RewardConfig:
     from_env: bool = _spec(False, doc="multi-turn with rollout.env: the sum of the environment's step rewards is the "
                                       "sample's reward instead of the function's (accuracy stays the function's)")
     model_path: str | None = _spec(None, doc="a HF sequence-classification folder with one label (a reward model): "
-                                             "its score of the prompt and response, rendered by its own chat "
-                                             "template, is the reward instead of the function's (accuracy stays "
-                                             "the rule's), as verl's reward_model and TRL's reward_funcs=<model>")
+                                             "its score of the prompt and response (a multi-turn episode's turns "
+                                             "and observations), rendered by its own chat template, is the reward "
+                                             "instead of the function's (accuracy stays the rule's), as verl's "
+                                             "reward_model and TRL's reward_funcs=<model>")
     model_micro_batch_size: int = _spec(8, min=1, doc="reward.model_path: conversations per forward")
     model_max_length: int = _spec(4096, min=2, doc="reward.model_path: tokens of a conversation scored (a longer "
                                                    "one keeps its end)")
@@ -557,9 +558,6 @@ def _validate_turns(cfg: Config) -> None:
     if cfg.reward.model_path is not None and given:
         raise ConfigError(f"reward.model_path={cfg.reward.model_path!r}: the reward model gives the reward; "
                           f"leave {given[0]} unset")
-    if cfg.reward.model_path is not None and r.max_turns > 1:
-        raise ConfigError(f"reward.model_path={cfg.reward.model_path!r}: scores single-turn responses; an episode's "
-                          "turns and observations are not rendered as a conversation for it (rollout.max_turns=1)")
     if r.tool_schemas is not None and not (r.env or r.agent):
         raise ConfigError(f"rollout.tool_schemas={r.tool_schemas!r}: the schemas of the tools rollout.env or "
                           "rollout.agent runs; the built-in tool environment runs rollout.tools alone (their "

@@ -130,6 +130,9 @@ class EpisodeSettings:
     # (tool output that writes one would stand for an image there is none of)
     dropped_ids: frozenset[int] = frozenset()
     env_workers: int = 8  # threads stepping different episodes' environments at once (1: one after another)
+    # each episode's messages after its prompt (its turns as the assistant's, then what the environment answered),
+    # as the batch's `episode_messages`: what a reward model reads
+    keep_messages: bool = False
 
 
 _FAILED = object()  # what an environment call that raised gives
@@ -173,6 +176,7 @@ class EpisodeRunner:
         envs: list[Environment | None] = [None] * n
         tokens, trained, log_probs = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
         turns, counts, rewards = [0] * n, [Counter() for _ in range(n)], [0.0] * n
+        messages: list[list[dict]] = [[] for _ in range(n)]  # with settings.keep_messages
         lanes = _Lanes(max(1, min(s.env_workers, n)))
 
         def start(i: int) -> None:
@@ -220,9 +224,11 @@ class EpisodeRunner:
                     log_probs[i] += out["rollout_log_probs"][j, :len(new)].tolist()
                     turns[i] += 1
                     last = turn == s.max_turns - 1 or len(tokens[i]) >= s.max_total_tokens  # turns or tokens used up
+                    if not last or s.step_last_turn or s.keep_messages:
+                        texts[i] = self.tokenizer.decode(new, skip_special_tokens=True)
+                        messages[i].append({"role": "assistant", "content": texts[i]})
                     if not last or s.step_last_turn:
                         stepped.append((i, new, last))
-                        texts[i] = self.tokenizer.decode(new, skip_special_tokens=True)
                 steps = lanes.map(guarded(lambda i: _checked(envs[i].step(texts[i]))), [i for i, _, _ in stepped])
                 running = []
                 for (i, new, last), step in zip(stepped, steps):
@@ -234,6 +240,8 @@ class EpisodeRunner:
                         continue
                     observed = [t for t in observation_ids(self.tokenizer, step.observation, new)
                                 if t not in s.dropped_ids][: s.max_total_tokens - len(tokens[i])]
+                    if observed:  # what the policy was shown of it
+                        messages[i] += step.observation
                     tokens[i] += observed
                     trained[i] += [0] * len(observed)
                     log_probs[i] += [0.0] * len(observed)
@@ -245,7 +253,10 @@ class EpisodeRunner:
         finally:
             lanes.map(close, [i for i in range(n) if envs[i] is not None])
             lanes.close()
-        return self._batch(tokens, trained, log_probs, turns, counts, rewards)
+        batch = self._batch(tokens, trained, log_probs, turns, counts, rewards)
+        if s.keep_messages:
+            batch.meta["episode_messages"] = messages
+        return batch
 
     def _report(self, what: str, e: Exception) -> None:
         """The first environment error of this runner, printed once."""

@@ -67,18 +67,25 @@ class RewardModel:
         self.device, self.micro_batch_size, self.max_length = device, micro_batch_size, min(max_length, positions)
         self.templated = bool(getattr(self.tokenizer, "chat_template", None))
 
-    def conversation(self, prompt: list[dict], response: str) -> str:
-        messages = [*prompt, {"role": "assistant", "content": response}]
-        if self.templated:
+    def conversation(self, messages: list[dict]) -> str:
+        """`messages` as the reward model reads them: its own chat template's text (the
+        messages' contents, a line each, without one)."""
+        if not self.templated:
+            return "\n".join(m["content"] for m in messages)
+        try:
             return self.tokenizer.apply_chat_template(messages, tokenize=False)
-        return "\n".join(m["content"] for m in messages)
+        except Exception as e:  # e.g. a template without a role an environment answers in
+            roles = sorted({m["role"] for m in messages})
+            raise ValueError(f"reward.model_path: its chat template cannot render a conversation of the roles "
+                             f"{roles}: {type(e).__name__}: {e}") from None
 
     @torch.no_grad()
-    def score(self, prompts: list[list[dict]], responses: list[str]) -> torch.Tensor:
-        """Each (prompt messages, response text)'s score, float32 on the CPU: the head's
+    def score(self, conversations: list[list[dict]]) -> torch.Tensor:
+        """Each conversation's score (its messages: the prompt's, then the response as the
+        assistant's, or an episode's turns and observations), float32 on the CPU: the head's
         output at the conversation's last token by the attention mask (as verl reads it;
         HF's own pooling, by the pad id, where the head is not one per token)."""
-        texts = [self.conversation(p, r) for p, r in zip(prompts, responses)]
+        texts = [self.conversation(c) for c in conversations]
         scores = []
         for start in range(0, len(texts), self.micro_batch_size):
             # a template's text holds its special tokens; plain text gets the model's own (BOS, [CLS])

@@ -189,7 +189,7 @@ def score_responses(tokenizer, batch: Batch, reward_fn: RewardRunner | RewardMod
     marks (a code response passes every test), else 0 (and 0 without `accuracy_fn`); status
     is OK, FAILED (raised or not a number) or TIMED_OUT per sample; a failed sample scores 0
     and the run goes on. A reward model scores the batch at once, from the prompts'
-    messages and the responses."""
+    messages and the responses (an episode's: its turns and observations, `episode_messages`)."""
     texts = tokenizer.batch_decode(batch["responses"] * batch["response_mask"]
                                    + tokenizer.pad_token_id * (1 - batch["response_mask"]),
                                    skip_special_tokens=True)
@@ -204,7 +204,9 @@ def score_responses(tokenizer, batch: Batch, reward_fn: RewardRunner | RewardMod
         correct.append(1.0 if marks >= 1.0 else 0.0)
     scores, status = torch.tensor(rewards, dtype=torch.float32), torch.tensor(status, dtype=torch.long)
     if learned:  # a non-finite score (an overflow) scores 0 and counts as failed, as a function's does
-        scores = reward_fn.score(batch["prompt_messages"], texts)
+        after = batch["episode_messages"] if "episode_messages" in batch else \
+            [[{"role": "assistant", "content": text}] for text in texts]
+        scores = reward_fn.score([[*prompt, *rest] for prompt, rest in zip(batch["prompt_messages"], after)])
         bad = ~torch.isfinite(scores)
         scores, status = scores.masked_fill(bad, 0.0), status.masked_fill(bad, FAILED)
     return scores, torch.tensor(correct, dtype=torch.float32), status

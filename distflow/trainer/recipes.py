@@ -103,11 +103,14 @@ def recipe_graph(cfg: Config) -> Graph:
     scoring = SCORING + images + (("observation_mask",) if episodes else ())
     rollout_out = ("responses", "response_mask", "rollout_log_probs")
     rollout_out += ("rollout_weight_version",) if cfg.rollout.partial else ()  # each token's weight version
+    # a reward model reads the prompt's messages too, and an episode's own (its turns and observations)
+    episode_messages = ("episode_messages",) if episodes and cfg.reward.model_path else ()
     rollout_out += (("observation_mask", "num_turns", *AGENT_FIELDS) if agent else
-                    ("observation_mask", "num_turns", *EPISODE_COUNTS, "env_scores") if episodes else ())
-    # what scoring a response reads besides it; a reward model reads the prompt's messages too
+                    ("observation_mask", "num_turns", *EPISODE_COUNTS, "env_scores", *episode_messages) if episodes
+                    else ())
+    # what scoring a response reads besides it
     reward_inputs = (("ground_truth", "data_source", "extra_info")
-                     + (("prompt_messages",) if cfg.reward.model_path else ()))
+                     + (("prompt_messages",) if cfg.reward.model_path else ()) + episode_messages)
     rollout_in = ("prompts", "prompt_mask", "uid", "draw", "sample_k", *images)
     rollout_in += ("ground_truth", "data_source", "extra_info", "prompt_messages") if episodes else ()
     built = [

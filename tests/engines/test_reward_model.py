@@ -14,18 +14,22 @@ import torch
 from distflow.cli import check_inputs
 from distflow.config import ConfigError, load_config
 from distflow.engines.reward_model import RewardModel
-from helpers import distflow_sweep, run_metrics
+from helpers import CHECK_ONCE_ENV, distflow_sweep, run_metrics
 
 PROMPTS = [[{"role": "user", "content": "Q: 3 + 4?"}], [{"role": "user", "content": "Q: 12 * 7, and show it?"}],
            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q: 1 + 1?"}]]
 RESPONSES = ["#### 7", "12 * 7 = 84, so the answer is #### 84", ""]
 
 
+def _single_turn(prompts, responses):
+    return [[*p, {"role": "assistant", "content": r}] for p, r in zip(prompts, responses)]
+
+
 def test_scores_are_the_model_s_own_at_the_last_token_in_any_batching(qwen2_reward_model_dir):
     from transformers import AutoModelForSequenceClassification
 
     rm = RewardModel(qwen2_reward_model_dir, torch.device("cpu"), micro_batch_size=2)
-    scores = rm.score(PROMPTS, RESPONSES)
+    scores = rm.score(_single_turn(PROMPTS, RESPONSES))
     reference = AutoModelForSequenceClassification.from_pretrained(qwen2_reward_model_dir).eval()
     for prompt, response, score in zip(PROMPTS, RESPONSES, scores.tolist()):
         text = rm.tokenizer.apply_chat_template([*prompt, {"role": "assistant", "content": response}], tokenize=False)
@@ -33,10 +37,10 @@ def test_scores_are_the_model_s_own_at_the_last_token_in_any_batching(qwen2_rewa
         with torch.no_grad():
             assert score == pytest.approx(float(reference(input_ids=ids).logits[0, 0]), abs=1e-5)
     one_by_one = RewardModel(qwen2_reward_model_dir, torch.device("cpu"), micro_batch_size=1)
-    assert torch.allclose(one_by_one.score(PROMPTS, RESPONSES), scores, atol=1e-5)
+    assert torch.allclose(one_by_one.score(_single_turn(PROMPTS, RESPONSES)), scores, atol=1e-5)
     assert len(set(scores.tolist())) == 3  # it reads the conversation: different ones score differently
     short = RewardModel(qwen2_reward_model_dir, torch.device("cpu"), max_length=8)  # a long one keeps its end
-    assert short.score(PROMPTS[1:2], RESPONSES[1:2]).shape == (1,)
+    assert short.score(_single_turn(PROMPTS[1:2], RESPONSES[1:2])).shape == (1,)
 
 
 def test_the_score_is_read_at_the_last_token_when_the_config_s_pad_id_ends_every_turn(qwen2_reward_model_dir,
@@ -51,14 +55,15 @@ def test_the_score_is_read_at_the_last_token_when_the_config_s_pad_id_ends_every
     copytree(qwen2_reward_model_dir, folder)
     config = json.loads((folder / "config.json").read_text())
     rm = RewardModel(qwen2_reward_model_dir, torch.device("cpu"))
-    ending = rm.tokenizer(rm.conversation(PROMPTS[0], RESPONSES[0]), add_special_tokens=False)["input_ids"][-1]
+    ending = rm.tokenizer(rm.conversation(_single_turn(PROMPTS, RESPONSES)[0]),
+                          add_special_tokens=False)["input_ids"][-1]
     assert ending != rm.tokenizer.pad_token_id
     config["pad_token_id"] = ending
     (folder / "config.json").write_text(json.dumps(config))
-    scores = RewardModel(str(folder), torch.device("cpu"), micro_batch_size=3).score(PROMPTS, RESPONSES)
+    scores = RewardModel(str(folder), torch.device("cpu"), micro_batch_size=3).score(_single_turn(PROMPTS, RESPONSES))
     reference = AutoModelForSequenceClassification.from_pretrained(folder).eval()
-    for prompt, response, score in zip(PROMPTS, RESPONSES, scores.tolist()):
-        text = rm.conversation(prompt, response)
+    for conversation, score in zip(_single_turn(PROMPTS, RESPONSES), scores.tolist()):
+        text = rm.conversation(conversation)
         ids = rm.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
         assert ids[0, -1] == ending  # every conversation ends with the config's pad id
         with torch.no_grad():
@@ -82,11 +87,57 @@ def test_the_reward_is_the_model_s_score_and_accuracy_the_rule_s(qwen2_reward_mo
                   {"ground_truth": ["7", "85"], "data_source": ["gsm8k"] * 2, "extra_info": [{}] * 2,
                    "prompt_messages": PROMPTS[:2]})
     scores, accuracy, status = score_responses(policy_tok, batch, rm, RewardRunner(None, 0))
-    assert torch.allclose(scores, rm.score(PROMPTS[:2], RESPONSES[:2]), atol=1e-5)
+    assert torch.allclose(scores, rm.score(_single_turn(PROMPTS[:2], RESPONSES[:2])), atol=1e-5)
     assert accuracy.tolist() == [1.0, 0.0] and status.tolist() == [0, 0]  # '#### 7' right, '#### 84' not 85
     rm.model.score.weight.data.fill_(float("inf"))  # an overflow: the scores are not finite
     scores, _, status = score_responses(policy_tok, batch, rm, RewardRunner(None, 0))
     assert scores.tolist() == [0.0, 0.0] and status.tolist() == [FAILED, FAILED]  # counted in reward/failed
+
+
+def test_an_episode_is_scored_as_its_whole_conversation(qwen2_reward_model_dir, qwen2_model_dir):
+    """Multi-turn: the reward model reads the prompt, then each of the episode's turns as
+    the assistant's and what the environment answered between them, in its own template
+    (it was refused); a template that cannot render a role is named in one line."""
+    from distflow.data.batch import Batch
+    from distflow.engines.agent import EnvStep, EpisodeRunner, EpisodeSettings
+    from distflow.engines.common import load_tokenizer, render_prompt
+    from distflow.engines.reward import RewardRunner
+    from distflow.engines.rollout import SamplingParams
+    from distflow.trainer.nodes import score_responses
+    from helpers import ScriptedEngine
+
+    class CheckOnce:
+        def reset(self, task):
+            self.asked = False
+
+        def step(self, text):
+            if self.asked:
+                return EnvStep([], True)
+            self.asked = True
+            return EnvStep([{"role": "user", "content": "Check it."}], False)
+
+    tok = load_tokenizer(qwen2_model_dir)
+    rm = RewardModel(qwen2_reward_model_dir, torch.device("cpu"))
+    prompt = tok(render_prompt(tok, PROMPTS[0]), add_special_tokens=False)["input_ids"]
+    engine = ScriptedEngine(tok, {prompt[0]: ["It is 8.", "No: #### 7"]})
+    runner = EpisodeRunner(engine, tok, CheckOnce, EpisodeSettings(max_turns=2, max_total_tokens=64,
+                                                                   keep_messages=True))
+    out = runner.generate([prompt], [3], SamplingParams(max_new_tokens=16), [{"prompt": PROMPTS[0]}])
+    turns = [{"role": "assistant", "content": "It is 8."}, {"role": "user", "content": "Check it."},
+             {"role": "assistant", "content": "No: #### 7"}]
+    assert out["episode_messages"] == [turns]
+    out.meta.update({"ground_truth": ["7"], "data_source": ["gsm8k"], "extra_info": [{}],
+                     "prompt_messages": PROMPTS[:1]})
+    scores, accuracy, _ = score_responses(tok, out, rm, RewardRunner(None, 0))
+    assert torch.allclose(scores, rm.score([[*PROMPTS[0], *turns]]), atol=1e-5) and accuracy.tolist() == [1.0]
+    last_turn_alone = rm.score(_single_turn(PROMPTS[:1], ["No: #### 7"]))
+    assert abs(float(scores[0] - last_turn_alone[0])) > 1e-4
+    with pytest.raises(ValueError, match=r"^reward.model_path: its chat template cannot render a conversation of "
+                                         r"the roles \['narrator', 'user'\]"):
+        rm.tokenizer.chat_template = "{% for m in messages %}{% if m.role != 'user' %}" \
+                                     "{{ raise_exception('no ' + m.role) }}{% endif %}{% endfor %}"
+        rm.score([[*PROMPTS[0], {"role": "narrator", "content": "x"}]])
+    assert Batch.concat([out, out])["episode_messages"] == [turns, turns]
 
 
 def test_what_is_not_a_reward_model_is_refused_before_launch(qwen2_model_dir, qwen2_reward_model_dir, tmp_path):
@@ -103,9 +154,6 @@ def test_what_is_not_a_reward_model_is_refused_before_launch(qwen2_model_dir, qw
         check_inputs(load_config(None, [f"reward.model_path={two}"]))
     with pytest.raises(ConfigError, match="the reward model gives the reward; leave reward.custom_fn unset"):
         load_config(None, [f"reward.model_path={qwen2_reward_model_dir}", "reward.custom_fn=x.py:score"])
-    with pytest.raises(ConfigError, match="scores single-turn responses"):
-        load_config(None, [f"reward.model_path={qwen2_reward_model_dir}", "rollout.max_turns=2",
-                           "rollout.tools=calculator"])
 
 
 @pytest.mark.slow
@@ -115,8 +163,11 @@ def test_a_run_takes_its_rewards_from_the_reward_model(qwen2_model_dir, qwen2_re
               "rollout.max_new_tokens=16", "trainer.progress=false", "trainer.save_final=false",
               "trainer.eval_every=0"]
     reward_model = f"reward.model_path={qwen2_reward_model_dir}"
-    runs = distflow_sweep({"rm": [reward_model], "rule": [],
-                           "remax": [reward_model, "algorithm.name=remax"]}, 2, tmp_path, common)
+    (tmp_path / "env.py").write_text(CHECK_ONCE_ENV)
+    episodes = [reward_model, "rollout.max_turns=2", "rollout.max_total_tokens=96", "rollout.tools=calculator",
+                f"rollout.env={tmp_path / 'env.py'}:CheckOnce"]
+    runs = distflow_sweep({"rm": [reward_model], "rule": [], "remax": [reward_model, "algorithm.name=remax"],
+                           "episodes": episodes}, 2, tmp_path, common)
     rm, rule = run_metrics(runs["rm"]), run_metrics(runs["rule"])
     assert all(r["actor/grad_norm"] > 0 for r in run_metrics(runs["remax"])[1:])  # its greedy baseline scored too
     for record in rm[1:]:
@@ -124,3 +175,6 @@ def test_a_run_takes_its_rewards_from_the_reward_model(qwen2_model_dir, qwen2_re
         assert record["reward/mean"] != 0.0 and record["reward/mean"] != record["reward/accuracy"]
     assert rm[0]["val/reward"] != rule[0]["val/reward"]  # the held-out reward is the model's too
     assert rm[0]["val/accuracy"] == rule[0]["val/accuracy"]
+    for record in run_metrics(runs["episodes"])[1:]:  # episodes scored as conversations, in training and held out
+        assert record["reward/failed"] == 0.0 and record["turns/mean"] == 2.0 and record["actor/grad_norm"] > 0
+    assert run_metrics(runs["episodes"])[0]["val/reward"] not in (0.0, rm[0]["val/reward"])
