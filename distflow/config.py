@@ -134,7 +134,8 @@ class RolloutConfig:
 class AlgorithmConfig:
     name: str = _spec("grpo", doc="the recipe: a built-in name (distflow dag show NAME) or a recipe YAML file; "
                                   "it sets the keys below that you do not set yourself")
-    graph: str | None = _spec(None, doc="YAML graph file: nodes added to (or replacing) the recipe's")
+    graph: str | None = _spec(None, doc="YAML graph file: with base: (the run's recipe) nodes added to, replacing "
+                                        "or removed from the recipe's; without it, the whole graph")
     estimator: str = _spec("grpo", doc="advantage estimator: a registered name (distflow.algos.estimators) "
                                        "or module:function / file.py:function")
     policy_loss: str = _spec("vanilla", doc="policy loss: a registered name (distflow.algos.core)")
