@@ -18,6 +18,7 @@ episode is the same on any worker, whatever else shares its batch.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -59,14 +60,20 @@ class Environment(Protocol):
     def step(self, assistant_text: str) -> EnvStep: ...
 
 
+@dataclass(frozen=True)
+class ToolResultForm:
+    """How tool results are shown to the model under a chat template (`tool_result_form`)."""
+    role: str = "tool"  # "user" where the template refuses the tool role
+    framed: bool = True  # in Hermes' <tool_response> tags (False where the template adds them itself)
+
+
 class ToolEnvironment:
     """The default environment: the tool calls of a turn are run and their results are
-    the observation; a turn that calls no tool is the final answer. `frame_results`:
-    put each result in Hermes' <tool_response> tags (False where the chat template does
-    it itself: `template_frames_tool_results`)."""
+    the observation, in the chat template's `form`; a turn that calls no tool is the
+    final answer."""
 
-    def __init__(self, toolbox: Toolbox, frame_results: bool = True):
-        self.toolbox, self.frame_results = toolbox, frame_results
+    def __init__(self, toolbox: Toolbox, form: ToolResultForm = ToolResultForm()):
+        self.toolbox, self.form = toolbox, form
 
     def reset(self, task: dict) -> None:
         pass
@@ -78,47 +85,56 @@ class ToolEnvironment:
         results = [self.toolbox.run(body) for body in calls]
         counts = {"tool_calls": len(results), "tool_errors": sum(r.status == "error" for r in results),
                   "tool_timeouts": sum(r.status == "timeout" for r in results)}
-        return EnvStep([tool_message(r.text, self.frame_results) for r in results], False, counts)
+        return EnvStep(tool_messages([r.text for r in results], self.form), False, counts)
 
 
-def tool_message(result: str, framed: bool = True) -> dict[str, str]:
-    """A tool's result as the observation message the model sees (`framed`: in Hermes'
-    <tool_response> tags)."""
-    return {"role": "tool", "content": f"<tool_response>\n{result}\n</tool_response>" if framed else result}
+def tool_messages(results: list[str], form: ToolResultForm = ToolResultForm()) -> Messages:
+    """Tools' results as the observation messages the model sees: a tool message each, or
+    with the user role one message for all (templates that refuse the tool role make the
+    roles alternate)."""
+    texts = [f"<tool_response>\n{r}\n</tool_response>" if form.framed else r for r in results]
+    if form.role == "tool":
+        return [{"role": "tool", "content": t} for t in texts]
+    return [{"role": form.role, "content": "\n".join(texts)}]
 
 
-_BEFORE = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+_TURN = "(an assistant turn)"  # the assistant's message of _BEFORE, found by its text where it ends
+_BEFORE = [{"role": "user", "content": "1"}, {"role": "assistant", "content": _TURN}]
 
 
-def template_frames_tool_results(tokenizer) -> bool:
-    """Whether the chat template puts a tool message's content in <tool_response> tags
-    itself (Qwen2.5's, Qwen3's and other Hermes-style templates do)."""
+def tool_result_form(tokenizer) -> ToolResultForm:
+    """How this chat template takes tool results: in tool messages, in <tool_response> tags
+    unless it adds them itself (Qwen2.5's, Qwen3's and other Hermes-style templates do);
+    in a user message, in our tags, where it refuses the tool role (Gemma's, for one)."""
     try:
         text = tokenizer.apply_chat_template(_BEFORE + [{"role": "tool", "content": "7"}], tokenize=False)
-    except Exception:  # a template that refuses the tool role: the tags are ours to add
-        return False
-    return "<tool_response>" in text
+    except Exception:
+        return ToolResultForm(role="user")
+    return ToolResultForm(framed="<tool_response>" not in text)
 
 
 def observation_ids(tokenizer, messages: Messages, turn: list[int]) -> list[int]:
     """The tokens of `messages` after the assistant's `turn`, up to the next assistant
-    turn's opening: the chat template's rendering of a conversation that ends with them,
-    minus its rendering without them (the template may add a system prompt or other
+    turn's opening: what the chat template renders after an assistant message in a
+    conversation that goes on with them (the template may add a system prompt or other
     framing at the start, which must not be repeated mid-episode). Where the template
     closes an assistant message with the end-of-turn token and more (Qwen's
     `<|im_end|>\n`), what follows that token comes first, as the whole conversation
-    renders it; after a turn cut short of that token, the token too (verl's #6501)."""
-    base = tokenizer.apply_chat_template(_BEFORE, tokenize=False)
+    renders it; after a turn cut short of that token, the token too (verl's #6501). The
+    assistant message's end is found in the whole conversation, not by rendering it
+    alone: Qwen3's template renders a last assistant message with an empty think block
+    and an earlier one without."""
     full = tokenizer.apply_chat_template(_BEFORE + messages, add_generation_prompt=True, tokenize=False)
-    if not full.startswith(base):
-        return tokenizer(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-                         add_special_tokens=False)["input_ids"]
-    eos, closing = tokenizer.eos_token, ""
-    if eos and eos in base:  # the assistant message's end: its end-of-turn token and what the template adds
-        closing = base[base.rfind(eos) + len(eos):]
-        if not turn or turn[-1] != tokenizer.eos_token_id:
-            closing = eos + closing
-    return tokenizer(closing + full[len(base):], add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token
+    end = full.find(_TURN + eos) if eos else -1
+    if end >= 0:  # the assistant message ends with the end-of-turn token: what follows it
+        opening = eos if not turn or turn[-1] != tokenizer.eos_token_id else ""
+        return tokenizer(opening + full[end + len(_TURN) + len(eos):], add_special_tokens=False)["input_ids"]
+    base = tokenizer.apply_chat_template(_BEFORE, tokenize=False)
+    if full.startswith(base):  # another ending: the conversation's rendering after the assistant message's
+        return tokenizer(full[len(base):], add_special_tokens=False)["input_ids"]
+    return tokenizer(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                     add_special_tokens=False)["input_ids"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -238,8 +254,14 @@ class EpisodeRunner:
                     rewards[i] += step.reward
                     if step.done or last:
                         continue
-                    observed = [t for t in observation_ids(self.tokenizer, step.observation, new)
-                                if t not in s.dropped_ids][: s.max_total_tokens - len(tokens[i])]
+                    try:
+                        rendered = observation_ids(self.tokenizer, step.observation, new)
+                    except Exception as e:  # the chat template cannot take the answer: this episode fails there
+                        counts[i]["env_failed"], rewards[i] = 1, 0.0
+                        self._report("the chat template could not render rollout.env's answer (the episode ended "
+                                     "there, counted in env/failed)", e)
+                        continue
+                    observed = [t for t in rendered if t not in s.dropped_ids][: s.max_total_tokens - len(tokens[i])]
                     if observed:  # what the policy was shown of it
                         messages[i] += step.observation
                     tokens[i] += observed
@@ -278,10 +300,14 @@ class EpisodeRunner:
 
 
 def _checked(step: EnvStep) -> EnvStep:
-    """An environment's answer, its reward a float."""
+    """An environment's answer, its reward a finite float (one that is not fails the
+    episode: a NaN would reach its group's advantages)."""
     if not isinstance(step, EnvStep):
         raise TypeError(f"step returned {type(step).__name__}, not an EnvStep")
-    return EnvStep(step.observation, step.done, dict(step.counts or {}), float(step.reward))
+    reward = float(step.reward)
+    if not math.isfinite(reward):
+        raise ValueError(f"step returned the reward {reward}")
+    return EnvStep(step.observation, step.done, dict(step.counts or {}), reward)
 
 
 def _continued(prompt: list[int], episode: list[int]) -> list[int]:

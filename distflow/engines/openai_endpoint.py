@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import numbers
 import queue
 import re
@@ -152,6 +153,10 @@ def _options(request: dict) -> tuple[int | None, list[str], bool]:
     return asked, stops, bool(request.get("logprobs"))
 
 
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 1024  # every sample's agent may connect at once (the default backlog, 5, made them retry)
+
+
 class ChatEndpoint:
     def __init__(self, engine: RolloutEngine, tokenizer, params: SamplingParams, max_total_tokens: int,
                  max_calls: int, max_request_bytes: int = 1 << 20, batch_wait_s: float = 0.01):
@@ -161,7 +166,7 @@ class ChatEndpoint:
         self.token = secrets.token_urlsafe(32)
         self.trajectories: dict[str, Trajectory] = {}
         self.pending: queue.Queue[_Pending | None] = queue.Queue()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self.server = _Server(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         self.threads = [threading.Thread(target=self.server.serve_forever, name="openai endpoint", daemon=True),
@@ -397,7 +402,11 @@ def _handler(endpoint: ChatEndpoint):
         def do_POST(self) -> None:
             try:
                 key, route = self._route()
-                size = int(self.headers.get("Content-Length") or 0)
+                length = self.headers.get("Content-Length") or "0"
+                if not length.isdigit():  # a negative length would read until the client hangs up
+                    self.close_connection = True
+                    raise RequestError(400, f"Content-Length {length!r} is not a number of bytes", "invalid_request")
+                size = int(length)
                 if size > endpoint.max_request_bytes:
                     self._discard(size)
                     raise RequestError(413, f"the request has {size} bytes; at most {endpoint.max_request_bytes} "
@@ -454,8 +463,8 @@ class AgentRunner:
         trajectories = [self.endpoint.collect(k) for k in keys]
         scores, failed = [], []
         for outcome in outcomes:
-            # a real number of any kind (numpy's too), not a bool or NaN
-            ok = isinstance(outcome, numbers.Real) and not isinstance(outcome, bool) and outcome == outcome
+            # a finite real number of any kind (numpy's too), not a bool, NaN or an infinity
+            ok = isinstance(outcome, numbers.Real) and not isinstance(outcome, bool) and math.isfinite(outcome)
             if not ok and self.first_error is None:
                 self.first_error = f"{type(outcome).__name__}: {outcome}"
                 print(f"distflow: rollout.agent failed on a sample (scored 0, counted in agent/failed): "

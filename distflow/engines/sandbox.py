@@ -203,7 +203,8 @@ def inside(path, roots):
     path = os.path.realpath(os.fsdecode(path))
     return any(path == r or path.startswith(r + os.sep) for r in roots)
 def guard(event, args):
-    if event.startswith("socket.") or event in ("os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen"):
+    if event.startswith("socket.") or event in ("os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen",
+                                                "os.kill", "os.killpg", "signal.pthread_kill"):
         raise PermissionError(f"{event} is not allowed in the sandbox")
     if event == "open" and isinstance(args[0], (str, bytes)):
         mode, flags = args[1], args[2]
@@ -296,8 +297,11 @@ def _run(code: str, stdin: str, limits: Limits, isolate: bool) -> Result:
         finally:
             for f in files.values():
                 f.close()
-    if not timed_out and _returncode(status) is None:
-        raise SandboxError(f"the sandbox did not start: {err.strip().splitlines()[-1] if err.strip() else 'no output'}")
+    if not timed_out and _returncode(status) is None:  # the launcher wrote no status line
+        if proc.returncode >= 0:  # it exited on its own: it failed to start the program
+            raise SandboxError(f"the sandbox did not start: "
+                               f"{err.strip().splitlines()[-1] if err.strip() else 'no output'}")
+        status = f"signal {-proc.returncode}"  # the program killed it (only a program can send it a signal)
     return Result(_status(timed_out, status, err), _returncode(status), out, err, seconds)
 
 

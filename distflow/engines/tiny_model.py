@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from distflow.data.tasks import arith
-from distflow.engines.agent import EpisodeRunner, EpisodeSettings, ToolEnvironment, observation_ids, tool_message
+from distflow.engines.agent import EpisodeRunner, EpisodeSettings, ToolEnvironment, observation_ids, tool_messages
 from distflow.engines.common import render_prompt
 from distflow.engines.rollout import HFRolloutEngine, SamplingParams
 from distflow.engines.tools import Toolbox, calculator, tool_call_text
@@ -140,7 +140,7 @@ def sft_sequence(tokenizer, p: arith.Problem, unverifiable: bool, calls_tool: bo
     labels = [-100] * len(ids)
     if calls_tool:
         call = _ids(tokenizer, tool_call_text("calculator", {"expression": p.expression})) + [tokenizer.eos_token_id]
-        result = observation_ids(tokenizer, [tool_message(calculator(p.expression))], call)
+        result = observation_ids(tokenizer, tool_messages([calculator(p.expression)]), call)
         ids, labels = ids + call + result, labels + call + [-100] * len(result)
     answer = _ids(tokenizer, sft_target(p, unverifiable)) + [tokenizer.eos_token_id]
     return ids + answer, labels + answer

@@ -37,7 +37,7 @@ from distflow.data.loader import ShardedSampler
 from distflow.engines.actor import Actor, OptimConfig, ReferenceModel, lr_factor
 from distflow.engines.common import (causal_lm_skeleton, checkpoints_activations, load_causal_lm, load_image_prompter,
                                      load_tokenizer, resolve_model_path, without_dropout)
-from distflow.engines.agent import EpisodeRunner, EpisodeSettings, ToolEnvironment, template_frames_tool_results
+from distflow.engines.agent import EpisodeRunner, EpisodeSettings, ToolEnvironment, tool_result_form
 from distflow.engines.critic import Critic
 from distflow.engines.openai_endpoint import AgentRunner, AgentSettings
 from distflow.engines.lora import AdapterDisabledReference, LoraSettings, adapter_base, is_adapter_folder, with_lora
@@ -219,7 +219,7 @@ def make_episode_runner(cfg: Config, engine: RolloutEngine, tokenizer) -> Episod
             env_workers = 1
     else:
         make_env = (partial(load_callable(r.env, "rollout.env"), toolbox) if r.env else
-                    partial(ToolEnvironment, toolbox, frame_results=not template_frames_tool_results(tokenizer)))
+                    partial(ToolEnvironment, toolbox, tool_result_form(tokenizer)))
     model_config = getattr(getattr(engine, "model", None), "config", None)  # the HF engine's (VLMs run on it)
     return EpisodeRunner(engine, tokenizer, make_env, EpisodeSettings(
         max_turns=r.max_turns, max_total_tokens=budget, step_last_turn=cfg.reward.from_env, env_workers=env_workers,

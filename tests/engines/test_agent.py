@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from distflow.data.batch import Batch
-from distflow.engines.agent import EnvStep, EpisodeRunner, EpisodeSettings, ToolEnvironment, observation_ids
+from distflow.engines.agent import (EnvStep, EpisodeRunner, EpisodeSettings, ToolEnvironment, ToolResultForm,
+                                   observation_ids, tool_result_form)
 from distflow.engines.rollout import SamplingParams
 from distflow.engines.tiny_model import build_tokenizer
 from distflow.engines.tools import Toolbox
@@ -244,6 +245,35 @@ def test_an_episode_s_tokens_are_the_whole_conversation_as_the_template_renders_
     assert observation_ids(tok, tool, turn[:-1]) == [tok.eos_token_id] + observed
 
 
+QWEN3_LIKE = ("{%- for m in messages -%}"
+              "{%- if m.role == 'assistant' -%}<|im_start|>assistant\n{% if loop.last %}<think>\n\n</think>\n\n"
+              "{% endif %}{{ m.content }}<|im_end|>\n"
+              "{%- elif m.role == 'tool' -%}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response>"
+              "<|im_end|>\n"
+              "{%- else -%}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif -%}{%- endfor -%}"
+              "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif -%}")
+
+
+def test_an_episode_s_tokens_are_the_whole_conversation_under_a_template_like_qwen3_s(qwen2_model_dir):
+    """Qwen3's template renders the last assistant message with an empty think block and
+    an earlier one without, so the conversation before an observation is no prefix of the
+    whole: the newline after <|im_end|> was lost (and <|im_end|> after a cut turn)."""
+    from distflow.engines.common import load_tokenizer
+
+    tok = load_tokenizer(qwen2_model_dir)
+    tok.chat_template = QWEN3_LIKE
+    question = [{"role": "user", "content": "What is 2+2?"}]
+    reply, tool = "<tool_call>x</tool_call>", [{"role": "tool", "content": "4"}]
+    prompt = tok(tok.apply_chat_template(question, add_generation_prompt=True, tokenize=False),
+                 add_special_tokens=False)["input_ids"]
+    turn = tok(reply, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    observed = observation_ids(tok, tool, turn)
+    whole = tok.apply_chat_template(question + [{"role": "assistant", "content": reply}] + tool,
+                                    add_generation_prompt=True, tokenize=False)
+    assert prompt + turn + observed == tok(whole, add_special_tokens=False)["input_ids"]
+    assert observation_ids(tok, tool, turn[:-1]) == [tok.eos_token_id] + observed
+
+
 class _PaysPerTurn:
     """Rewards every turn it is shown with 1 and asks for more."""
 
@@ -263,3 +293,55 @@ def test_with_rewards_from_the_environment_a_turn_that_uses_up_the_tokens_is_sco
     out = EpisodeRunner(ScriptedEngine(tok, {a[0]: [answer]}), tok, _PaysPerTurn, settings).generate(
         [a], [1], SamplingParams(max_new_tokens=128), [{}])
     assert out["num_turns"].tolist() == [1.0] and out["env_scores"].tolist() == [1.0]
+
+
+ALTERNATING = ("{%- for m in messages -%}"
+               "{%- if m.role not in ('user', 'assistant') -%}{{ raise_exception('no role ' + m.role) }}{%- endif -%}"
+               "{%- if loop.index0 > 0 and m.role == messages[loop.index0 - 1].role -%}"
+               "{{ raise_exception('roles must alternate') }}{%- endif -%}"
+               "<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n{%- endfor -%}"
+               "{%- if add_generation_prompt %}<start_of_turn>assistant\n{% endif -%}")
+
+
+def test_a_template_that_refuses_the_tool_role_gets_the_results_in_one_user_message():
+    """A Gemma-like template (user and assistant only, alternating): the calculator's two
+    results of one turn come back framed in one user message, and the episode goes on;
+    they came as tool messages, and the template's error stopped the whole step."""
+    tok = build_tokenizer()
+    tok.chat_template = ALTERNATING
+    assert tool_result_form(tok) == ToolResultForm(role="user", framed=True)
+    a = _ids(tok, "A?")
+    engine = ScriptedEngine(tok, {a[0]: [CALL % "2+2" + CALL % "3*3", "#### 4"]})
+    box = Toolbox(["calculator"])
+    runner = EpisodeRunner(engine, tok, lambda: ToolEnvironment(box, tool_result_form(tok)),
+                           EpisodeSettings(max_turns=3, max_total_tokens=1000))
+    out = runner.generate([a], [1], SamplingParams(max_new_tokens=400), [{}])
+    assert out["num_turns"].tolist() == [2.0] and out["env_failed"].tolist() == [0.0]
+    shown = tok.decode(engine.calls[1][0][len(a):])
+    assert "<start_of_turn>user\n<tool_response>\n4\n</tool_response>\n<tool_response>\n9\n</tool_response>" in shown
+
+
+def test_an_answer_the_template_cannot_render_or_a_reward_that_is_no_number_fails_only_its_episode():
+    """An environment answering in a role the template refuses, and one whose reward is NaN
+    or infinite: each fails its own episode (env/failed, reward 0); the others go on."""
+    tok = build_tokenizer()
+    tok.chat_template = ALTERNATING
+
+    class Odd:
+        def reset(self, task):
+            self.kind = task["kind"]
+
+        def step(self, text):
+            if self.kind == "narrator":
+                return EnvStep([{"role": "narrator", "content": "meanwhile"}], False)
+            return EnvStep([{"role": "user", "content": "again"}], False,
+                           reward={"nan": float("nan"), "inf": float("inf")}.get(self.kind, 1.0))
+
+    prompts = [_ids(tok, f"{c}?") for c in "ABCD"]
+    engine = ScriptedEngine(tok, {p[0]: ["x", "y"] for p in prompts})
+    runner = EpisodeRunner(engine, tok, Odd, EpisodeSettings(max_turns=2, max_total_tokens=100,
+                                                             step_last_turn=True))
+    out = runner.generate(prompts, [1, 2, 3, 4], SamplingParams(max_new_tokens=8),
+                          [{"kind": k} for k in ("narrator", "nan", "inf", "fine")])
+    assert out["env_failed"].tolist() == [1.0, 1.0, 1.0, 0.0]
+    assert out["env_scores"].tolist() == [0.0, 0.0, 0.0, 2.0] and out["num_turns"].tolist() == [1.0, 1.0, 1.0, 2.0]

@@ -5,6 +5,7 @@ agent runner that turns an agent's calls into samples."""
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import json
 import threading
 
@@ -82,6 +83,16 @@ def test_errors_come_in_openai_shapes(tiny):
         with pytest.raises(openai.APIStatusError) as e:
             client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x" * 5000}])
         assert e.value.status_code == 413 and e.value.code == "request_too_large"
+        for length in ("-1", "ten"):  # a negative length read until the client hung up; a word got no reply
+            raw = http.client.HTTPConnection("127.0.0.1", endpoint.port, timeout=10)
+            raw.putrequest("POST", f"/samples/{key}/v1/chat/completions")
+            raw.putheader("Authorization", f"Bearer {endpoint.token}")
+            raw.putheader("Content-Length", length)
+            raw.endheaders()
+            answer = raw.getresponse()
+            assert answer.status == 400 and "Content-Length" in json.loads(answer.read())["error"]["message"]
+            raw.close()
+        assert endpoint.server.request_queue_size >= 1024  # every sample's agent may connect at once
         with pytest.raises(openai.BadRequestError) as e:  # the first request must be the row's prompt
             client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hello"}])
         assert e.value.code == "prompt_mismatch"
@@ -216,6 +227,8 @@ async def _agent(client, row):
     reply = await client.chat.completions.create(model="policy", messages=row["prompt"])
     if row["extra_info"].get("fail"):
         raise RuntimeError("the agent broke")
+    if row["extra_info"].get("inf"):  # no number to train on (it reached the advantages)
+        return float("inf")
     if row["extra_info"].get("numpy"):  # a reward computed with numpy is a number too (it counted as a failure)
         import numpy as np
 
@@ -231,15 +244,16 @@ def test_the_agent_runner_runs_every_sample_at_once_and_scores_what_run_returns(
     engine.generate = lambda prompts, seeds, params: calls.append(len(prompts)) or generate(prompts, seeds, params)
     try:
         rows = [{"prompt": QUESTION, "ground_truth": "7", "data_source": "arith",
-                 "extra_info": {"fail": i == 2, "numpy": i == 3}} for i in range(4)]
-        out = runner.generate([_prompt(tok)] * 4, [11, 12, 13, 14], PARAMS, rows)
+                 "extra_info": {"fail": i == 2, "numpy": i == 3, "inf": i == 4}} for i in range(5)]
+        out = runner.generate([_prompt(tok)] * 5, [11, 12, 13, 14, 15], PARAMS, rows)
     finally:
         engine.generate = generate
         runner.close()
-    assert out["responses"].shape == (4, 32) and out["agent_failed"].tolist() == [0.0, 0.0, 1.0, 0.0]
-    assert out["agent_scores"][2] == 0.0 and all(out["agent_scores"][i] in (0.5, 1.0) for i in (0, 1, 3))
-    assert out["num_turns"].tolist() == [1.0] * 4 and torch.all(out["observation_mask"] == 0)
-    assert sum(calls) == 4 and len(calls) < 4  # requests that arrive together share one engine call
+    assert out["responses"].shape == (5, 32) and out["agent_failed"].tolist() == [0.0, 0.0, 1.0, 0.0, 1.0]
+    assert out["agent_scores"][2] == out["agent_scores"][4] == 0.0
+    assert all(out["agent_scores"][i] in (0.5, 1.0) for i in (0, 1, 3))
+    assert out["num_turns"].tolist() == [1.0] * 5 and torch.all(out["observation_mask"] == 0)
+    assert sum(calls) == 5 and len(calls) < 5  # requests that arrive together share one engine call
     assert runner.first_error == "RuntimeError: the agent broke"
     # different seeds, different samples (the sample's seed reaches the engine)
     assert len({tuple(r.tolist()) for r in out["responses"]}) > 1

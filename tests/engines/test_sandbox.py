@@ -14,7 +14,7 @@ import pytest
 
 from distflow.engines import sandbox
 from distflow.engines.reward import RewardRunner, default_compute_score
-from distflow.engines.sandbox import MEMORY, OK, TIMEOUT, Limits, code_score, run_python
+from distflow.engines.sandbox import ERROR, KILLED, MEMORY, OK, TIMEOUT, Limits, code_score, run_python
 
 FULL = sandbox.isolation() == "namespaces"
 needs_namespaces = pytest.mark.skipif(not FULL, reason="full isolation needs root on Linux (CI has it)")
@@ -206,6 +206,12 @@ def test_the_limits_only_mode_refuses_sockets_and_writes_outside_at_the_python_l
     assert run_python("while True:\n    pass\n", limits=LIMITS).status == TIMEOUT
     assert run_python("x = bytearray(8 * 1024 ** 3)\n", limits=LIMITS).status == MEMORY
     assert run_python(GOOD, "4 5\n").stdout == "9\n"
+    signals = run_python("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n", limits=LIMITS)
+    assert signals.status == ERROR and "os.kill is not allowed" in signals.stderr
+    # past the guard (ctypes), a program that kills its launcher is killed: the scoring went down with it
+    killer = run_python("import ctypes, os\nctypes.CDLL(None).kill(os.getppid(), 9)\nimport time\ntime.sleep(5)\n",
+                        limits=LIMITS)
+    assert killer.status == KILLED and killer.returncode == -9
 
 
 @needs_namespaces
