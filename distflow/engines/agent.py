@@ -19,9 +19,12 @@ episode is the same on any worker, whatever else shares its batch.
 from __future__ import annotations
 
 import math
+import queue
 import threading
+import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -146,31 +149,62 @@ class EpisodeSettings:
     # (tool output that writes one would stand for an image there is none of)
     dropped_ids: frozenset[int] = frozenset()
     env_workers: int = 8  # threads stepping different episodes' environments at once (1: one after another)
+    env_timeout_s: float = 300.0  # an environment call (make and reset, step, close) that takes longer fails its episode
     # each episode's messages after its prompt (its turns as the assistant's, then what the environment answered),
     # as the batch's `episode_messages`: what a reward model reads
     keep_messages: bool = False
 
 
 _FAILED = object()  # what an environment call that raised gives
+_TIMED_OUT = object()  # what one that took longer than settings.env_timeout_s gives
 
 
 class _Lanes:
     """Where the environments' calls run: episode i's on lane i % k, a thread of its own
     (an environment is made, stepped and closed on one thread: one tied to its thread, a
-    sqlite connection or a browser, keeps working); with k = 1, on the calling thread."""
+    sqlite connection or a browser, keeps working). A call not done within `timeout_s`
+    of its `map` gives _TIMED_OUT, and its lane takes no more calls: its thread (a daemon)
+    is left to the call."""
 
-    def __init__(self, k: int):
-        self.pools = [ThreadPoolExecutor(1, thread_name_prefix=f"environment-{j}") for j in range(k)] if k > 1 else []
+    def __init__(self, k: int, timeout_s: float):
+        self.timeout_s, self.stuck = timeout_s, [False] * k
+        self.queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(k)]
+        for j, jobs in enumerate(self.queues):
+            threading.Thread(target=self._serve, args=(jobs,), name=f"environment-{j}", daemon=True).start()
+
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue) -> None:
+        while (job := jobs.get()) is not None:
+            future, fn, i = job
+            if future.set_running_or_notify_cancel():  # not given up on while it waited
+                try:
+                    future.set_result(fn(i))
+                except BaseException as e:
+                    future.set_exception(e)
 
     def map(self, fn: Callable[[int], Any], episodes: list[int]) -> list:
-        if not self.pools:
-            return [fn(i) for i in episodes]
-        futures = [self.pools[i % len(self.pools)].submit(fn, i) for i in episodes]
-        return [f.result() for f in futures]
+        deadline, submitted = time.monotonic() + self.timeout_s, []
+        for i in episodes:
+            lane = i % len(self.queues)
+            future: Future = Future()
+            if not self.stuck[lane]:
+                self.queues[lane].put((future, fn, i))
+            submitted.append((lane, future))
+        out = []
+        for lane, future in submitted:
+            try:
+                out.append(_TIMED_OUT if self.stuck[lane] else
+                           future.result(timeout=max(0.0, deadline - time.monotonic())))
+            except FutureTimeout:
+                self.stuck[lane] = True
+                future.cancel()  # a call queued behind the one that hangs is not run
+                out.append(_TIMED_OUT)
+        return out
 
     def close(self) -> None:
-        for pool in self.pools:
-            pool.shutdown()
+        for lane, jobs in enumerate(self.queues):
+            if not self.stuck[lane]:
+                jobs.put(None)
 
 
 class EpisodeRunner:
@@ -193,7 +227,7 @@ class EpisodeRunner:
         tokens, trained, log_probs = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
         turns, counts, rewards = [0] * n, [Counter() for _ in range(n)], [0.0] * n
         messages: list[list[dict]] = [[] for _ in range(n)]  # with settings.keep_messages
-        lanes = _Lanes(max(1, min(s.env_workers, n)))
+        lanes = _Lanes(max(1, min(s.env_workers, n)), s.env_timeout_s)
 
         def start(i: int) -> None:
             envs[i] = self.make_env()
@@ -212,6 +246,19 @@ class EpisodeRunner:
                     return _FAILED
             return run
 
+        def gave_up(results: list, episodes: list[int], failing: bool = True) -> list:
+            """`results` of a call on `episodes`; an environment that did not answer within
+            env_timeout_s is left to its thread, and (`failing`) its episode has failed."""
+            for i, result in zip(episodes, results):
+                if result is _TIMED_OUT:
+                    envs[i] = None
+                    if failing:
+                        counts[i]["env_failed"], rewards[i] = 1, 0.0
+                    self._report(f"rollout.env took more than rollout.env_timeout_s={s.env_timeout_s:g} s in an "
+                                 f"episode ({'ended there, counted in env/failed' if failing else 'closing it'})",
+                                 TimeoutError("no answer"))
+            return results
+
         def close(i: int) -> None:
             """Episode i's environment closed; what close raises is reported, the episode stands."""
             env, envs[i] = envs[i], None
@@ -222,8 +269,8 @@ class EpisodeRunner:
                 self._report("rollout.env failed to close an environment (its episode stands)", e)
 
         try:
-            started = lanes.map(guarded(start), list(range(n)))
-            active = [i for i in range(n) if started[i] is not _FAILED]
+            started = gave_up(lanes.map(guarded(start), list(range(n))), list(range(n)))
+            active = [i for i in range(n) if started[i] is not _FAILED and started[i] is not _TIMED_OUT]
             for turn in range(s.max_turns):
                 if not active:
                     break
@@ -245,10 +292,11 @@ class EpisodeRunner:
                         messages[i].append({"role": "assistant", "content": texts[i]})
                     if not last or s.step_last_turn:
                         stepped.append((i, new, last))
-                steps = lanes.map(guarded(lambda i: _checked(envs[i].step(texts[i]))), [i for i, _, _ in stepped])
+                asked = [i for i, _, _ in stepped]
+                steps = gave_up(lanes.map(guarded(lambda i: _checked(envs[i].step(texts[i]))), asked), asked)
                 running = []
                 for (i, new, last), step in zip(stepped, steps):
-                    if step is _FAILED:  # the episode ended there
+                    if step is _FAILED or step is _TIMED_OUT:  # the episode ended there
                         continue
                     counts[i].update(step.counts)
                     rewards[i] += step.reward
@@ -269,11 +317,12 @@ class EpisodeRunner:
                     log_probs[i] += [0.0] * len(observed)
                     if len(tokens[i]) < s.max_total_tokens:
                         running.append(i)
-                ended = set(active) - set(running)
-                lanes.map(close, [i for i in active if i in ended and envs[i] is not None])
+                ended = [i for i in active if i not in set(running) and envs[i] is not None]
+                gave_up(lanes.map(close, ended), ended, failing=False)
                 active = running
         finally:
-            lanes.map(close, [i for i in range(n) if envs[i] is not None])
+            left = [i for i in range(n) if envs[i] is not None]
+            gave_up(lanes.map(close, left), left, failing=False)
             lanes.close()
         batch = self._batch(tokens, trained, log_probs, turns, counts, rewards)
         if s.keep_messages:

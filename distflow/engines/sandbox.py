@@ -234,7 +234,7 @@ def sandbox_uids(pid: int) -> range:
     """The uids the sandboxes that process `pid` starts run under: eight unused ones of
     its own (200000 and up), each held by one running program at a time (`_held_uid`),
     so that a program's process cap (RLIMIT_NPROC counts the uid's processes) is its alone."""
-    first = 200_000 + pid % 100_000 * 8
+    first = 200_000 + pid * 8  # pids reach 4194304 (Linux's pid_max): no two processes share a range
     return range(first, first + 8)
 
 

@@ -223,6 +223,7 @@ def make_episode_runner(cfg: Config, engine: RolloutEngine, tokenizer) -> Episod
     model_config = getattr(getattr(engine, "model", None), "config", None)  # the HF engine's (VLMs run on it)
     return EpisodeRunner(engine, tokenizer, make_env, EpisodeSettings(
         max_turns=r.max_turns, max_total_tokens=budget, step_last_turn=cfg.reward.from_env, env_workers=env_workers,
+        env_timeout_s=r.env_timeout_s,
         keep_messages=cfg.reward.model_path is not None,  # the reward model reads the episode's conversation
         dropped_ids=frozenset(vision_token_ids(model_config) if model_config is not None else ())))
 

@@ -6,6 +6,8 @@ in test_multi_turn_run.py."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from distflow.data.batch import Batch
@@ -345,3 +347,33 @@ def test_an_answer_the_template_cannot_render_or_a_reward_that_is_no_number_fail
                           [{"kind": k} for k in ("narrator", "nan", "inf", "fine")])
     assert out["env_failed"].tolist() == [1.0, 1.0, 1.0, 0.0]
     assert out["env_scores"].tolist() == [0.0, 0.0, 0.0, 2.0] and out["num_turns"].tolist() == [1.0, 1.0, 1.0, 2.0]
+
+
+def test_an_environment_that_does_not_answer_fails_its_episode_and_the_rollout_goes_on():
+    """env_timeout_s: a step that hangs (here until the test lets it go) fails its episode;
+    the episode behind it on the same thread fails without being run, and the episodes on
+    the other thread finish. The rollout used to wait for the hung call forever."""
+    tok = build_tokenizer()
+    release, ran = threading.Event(), []
+
+    class Hangs:
+        def reset(self, task):
+            self.kind = task["kind"]
+
+        def step(self, text):
+            ran.append(self.kind)
+            if self.kind == "hangs":
+                release.wait(60)
+            return EnvStep([], True)
+
+    prompts = [_ids(tok, f"{c}?") for c in "ABCD"]
+    engine = ScriptedEngine(tok, {p[0]: ["x"] for p in prompts})
+    runner = EpisodeRunner(engine, tok, Hangs, EpisodeSettings(max_turns=2, max_total_tokens=100, env_workers=2,
+                                                               env_timeout_s=1.0))
+    try:  # episodes 0 and 2 on one thread, 1 and 3 on the other
+        out = runner.generate(prompts, [1, 2, 3, 4], SamplingParams(max_new_tokens=8),
+                              [{"kind": k} for k in ("hangs", "fine", "behind", "fine")])
+    finally:
+        release.set()
+    assert out["env_failed"].tolist() == [1.0, 0.0, 1.0, 0.0] and "behind" not in ran
+    assert runner.first_error == "TimeoutError: no answer"

@@ -253,6 +253,12 @@ def test_a_child_the_program_leaves_running_is_ended_with_it():
 
 
 @needs_namespaces
+def test_no_two_processes_share_sandbox_uids():
+    """pid % 100000 gave processes 100000 apart the same eight uids, and so one process cap."""
+    ranges = [sandbox.sandbox_uids(pid) for pid in (7, 100_007, 4_194_303)]
+    assert len({u for r in ranges for u in r}) == 24 and max(ranges[-1]) < 2 ** 31
+
+
 def test_a_worker_killed_while_its_reward_process_runs_a_program_leaves_no_sandbox_or_folder_behind(tmp_path):
     """The worker is SIGKILLed while its reward process's sandbox runs a program that
     sleeps: the reward process exits (it watches its parent), the sandbox ends with it,
