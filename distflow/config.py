@@ -103,6 +103,8 @@ class RolloutConfig:
     tools: str = _spec("", doc="multi-turn: comma-separated built-in tools the model may call in Hermes "
                                "<tool_call> format: calculator, python (the code sandbox)")
     tool_timeout_s: float = _spec(5.0, min=0.01, doc="the python tool's limit per call")
+    max_tool_calls_per_turn: int = _spec(8, min=1, doc="multi-turn: tool calls of one assistant turn that are run; "
+                                                       "the rest are answered with an error (tool/errors)")
     env_workers: int = _spec(8, min=1, doc="multi-turn: threads that reset, step and close the environments of "
                                            "different episodes at once (tool calls, sandboxed programs, an "
                                            "environment's waits overlap); each episode's own is called one call at "

@@ -85,7 +85,7 @@ class ToolEnvironment:
         calls = self.toolbox.calls(assistant_text)
         if not calls:
             return EnvStep([], True)
-        results = [self.toolbox.run(body) for body in calls]
+        results = self.toolbox.run_turn(calls)
         counts = {"tool_calls": len(results), "tool_errors": sum(r.status == "error" for r in results),
                   "tool_timeouts": sum(r.status == "timeout" for r in results)}
         return EnvStep(tool_messages([r.text for r in results], self.form), False, counts)

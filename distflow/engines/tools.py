@@ -147,16 +147,26 @@ def _cut(text: str) -> str:
 class Toolbox:
     """The tools of a rollout (`rollout.tools`), called from the model's text."""
 
-    def __init__(self, names: list[str], timeout_s: float = 5.0):
+    def __init__(self, names: list[str], timeout_s: float = 5.0, max_calls_per_turn: int = 8):
         available = {"calculator": calculator, "python": python_tool(sandbox.Limits(time_s=timeout_s))}  # config.TOOLS
         unknown = [n for n in names if n not in available]
         if unknown:
             raise ValueError(f"unknown tool {unknown[0]!r}; built in: {', '.join(available)}")
         self.tools = {n: available[n] for n in names}
+        self.max_calls_per_turn = max_calls_per_turn
 
     def calls(self, text: str) -> list[str]:
         """The bodies of the tool calls in an assistant turn, in order."""
         return TOOL_CALL.findall(text)
+
+    def run_turn(self, bodies: list[str]) -> list[ToolResult]:
+        """A turn's calls, the first `max_calls_per_turn` run (each up to its time limit, one
+        after another), the rest answered with an error: a turn of many slow calls would
+        hold its episode, and those behind it on its thread, that many times as long."""
+        cap = self.max_calls_per_turn
+        return [self.run(body) if k < cap else
+                ToolResult(f"error: not run: at most {cap} tool calls a turn (rollout.max_tool_calls_per_turn)", "error")
+                for k, body in enumerate(bodies)]
 
     def run(self, body: str) -> ToolResult:
         try:

@@ -209,7 +209,7 @@ def make_episode_runner(cfg: Config, engine: RolloutEngine, tokenizer) -> Episod
                            AgentSettings(max_total_tokens=budget, max_calls=r.max_turns))
     if r.max_turns == 1:
         return None
-    toolbox, env_workers = Toolbox(tool_names(cfg), r.tool_timeout_s), r.env_workers
+    toolbox, env_workers = Toolbox(tool_names(cfg), r.tool_timeout_s, r.max_tool_calls_per_turn), r.env_workers
     if r.env is not None and r.env.startswith("openenv:"):
         from distflow.engines.openenv_env import OpenEnvEnvironment
 

@@ -37,6 +37,14 @@ def test_the_calls_of_a_turn_are_found_in_order():
     assert box.calls("#### 42") == []
 
 
+def test_a_turn_runs_at_most_its_cap_of_calls_and_the_rest_are_answered_with_an_error():
+    box = Toolbox(["calculator"], max_calls_per_turn=2)
+    body = '{"name": "calculator", "arguments": {"expression": "%d+1"}}'
+    results = box.run_turn([body % k for k in range(4)])
+    assert [r.text for r in results[:2]] == ["1", "2"] and [r.status for r in results] == ["ok", "ok", "error", "error"]
+    assert results[3].text == "error: not run: at most 2 tool calls a turn (rollout.max_tool_calls_per_turn)"
+
+
 @pytest.mark.parametrize("body, text, status", [
     ("{not json", "error: the tool call is not JSON (Expecting property name enclosed in double quotes)", "error"),
     ('["calculator"]', 'error: a tool call is {"name": ..., "arguments": {...}}', "error"),
