@@ -432,7 +432,7 @@ def _mini_batches(ctx: WorkerContext, batch: Batch, engine, make_loss, prefix: s
     do not depend on the number of workers or the layout."""
     cfg, acc = ctx.cfg, ctx.acc
     num_minibatches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
-    losses: dict[str, float] = {}  # summed over the updates that ran (a mini-batch with no tokens anywhere is skipped)
+    losses: dict[str, float] = {}  # summed over the updates that ran (not a mini-batch with no tokens, nor a skipped one)
     updates = 0
     for _ in range(cfg.actor.ppo_epochs):
         for index in range(num_minibatches):
@@ -448,15 +448,18 @@ def _mini_batches(ctx: WorkerContext, batch: Batch, engine, make_loss, prefix: s
             micro = micro_batches(mini, cfg)
             acc.add(f"{prefix}/micro_batches", float(len(micro)), 1.0)  # per update, the same on every rank
             sums = engine.train_mini_batch(mini, micro, make_loss(num_tokens, num_seqs))
+            # a count, from one rank (a skip is the same on every rank: the norm is global)
+            acc.add_total(f"{prefix}/skipped_updates", sums["skipped"] if is_first_rank() else 0.0)
+            if sums["skipped"]:  # a non-finite loss or gradient: its losses and metrics are left out, as its update
+                continue
             updates += 1
             for name, value in sums.items():
                 if name.endswith("_loss"):
                     losses[name] = losses.get(name, 0.0) + value
-                elif name == "grad_norm":  # identical on every rank; a skipped update's (non-finite) is left out
-                    if not sums["skipped"]:
-                        acc.add(f"{prefix}/grad_norm", value, 1.0)
-                elif name == "skipped":  # a count, from one rank (the same on every rank)
-                    acc.add_total(f"{prefix}/skipped_updates", value if is_first_rank() else 0.0)
+                elif name == "grad_norm":  # identical on every rank
+                    acc.add(f"{prefix}/grad_norm", value, 1.0)
+                elif name == "skipped":
+                    pass
                 elif name.endswith("_max"):  # the largest over micro-batches, then over ranks
                     acc.add_max(name if "/" in name else f"{prefix}/{name}", value)
                 elif name != "tokens":

@@ -6,6 +6,7 @@ resume goes on counting; a trainer that fails to build opens no tracker run)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -102,6 +103,9 @@ def test_nan_updates_are_skipped_and_the_run_stops_after_max_bad_steps(tmp_path)
     assert "stopping at step 2: 2 steps in a row had a non-finite loss or gradient" in proc.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
     assert [r["actor/skipped_updates"] for r in records] == [1.0, 1.0]
+    # a skipped update's losses and metrics are left out with it: they were NaN, and made the step's NaN
+    assert all(not math.isnan(v) for r in records for v in r.values() if isinstance(v, float))
+    assert not any("actor/pg_loss" in r or "actor/entropy" in r for r in records)
     assert mlflow_status(out) == "FAILED"
     # resumed from step 1, whose step was already bad: the run of bad steps goes on counting
     proc = _train(args, tmp_path)
