@@ -4,6 +4,7 @@ rank 0's `metrics.jsonl`."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -22,17 +23,21 @@ class MeanAccumulator:
         self.counts: dict[str, float] = defaultdict(float)
         self.totals: dict[str, float] = defaultdict(float)
         self.maxima: dict[str, float] = {}
+        self.lock = threading.Lock()  # nodes of one step add from the scheduler's threads at once
 
     def add(self, name: str, total: float, count: float) -> None:
-        self.sums[name] += float(total)
-        self.counts[name] += float(count)
+        with self.lock:
+            self.sums[name] += float(total)
+            self.counts[name] += float(count)
 
     def add_total(self, name: str, value: float) -> None:
         """A quantity summed over workers (not averaged), e.g. tokens processed."""
-        self.totals[name] += float(value)
+        with self.lock:
+            self.totals[name] += float(value)
 
     def add_max(self, name: str, value: float) -> None:
-        self.maxima[name] = max(self.maxima.get(name, float("-inf")), float(value))
+        with self.lock:
+            self.maxima[name] = max(self.maxima.get(name, float("-inf")), float(value))
 
     def reduce(self) -> dict[str, float]:
         """Global means, totals and maxima; collective. A name that some workers did not

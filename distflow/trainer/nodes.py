@@ -69,7 +69,7 @@ class WorkerContext:
     reward_kl: kl.FixedKLController | kl.AdaptiveKLController | None = None  # beta of KL in the reward
     episodes: EpisodeRunner | None = None  # rollout.max_turns > 1: multi-turn episodes instead of one generate
     step: int = 0
-    acc: MeanAccumulator = field(default_factory=MeanAccumulator)  # main-thread (collective) nodes only
+    acc: MeanAccumulator = field(default_factory=MeanAccumulator)  # the step's metrics, from any node's thread
 
 
 # ---------------------------------------------------------------------------- prompts
@@ -336,11 +336,12 @@ def kl_in_reward(ctx: WorkerContext, batch: Batch) -> Batch:
     beta = ctx.reward_kl.value
     rewards, per_token = kl.kl_penalized_rewards(scores, batch["rollout_log_probs"], batch["ref_log_probs"], mask,
                                                  beta, a.reward_kl_type)
-    seq_kl = kl.sequence_mean_kl(per_token, mask)  # (B,)
-    total, count = _summed_over_workers(ctx)(float(seq_kl.sum()), float(len(seq_kl)))
+    seq_kl = kl.sequence_mean_kl(per_token, mask)  # (B,); 0 for a row with no tokens (a filter's masked rows)
+    rows = float((mask.sum(-1) > 0).sum())  # the responses that have a KL
+    total, count = _summed_over_workers(ctx)(float(seq_kl.sum()), rows)
     current_kl = total / max(count, 1.0)
     ctx.reward_kl.update(current_kl, int(count))
-    ctx.acc.add("reward_kl/penalty", float(seq_kl.sum()), len(seq_kl))
+    ctx.acc.add("reward_kl/penalty", float(seq_kl.sum()), rows)
     ctx.acc.add("reward_kl/coef", beta, 1.0)
     return Batch({"token_rewards": rewards})
 

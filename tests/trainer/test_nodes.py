@@ -126,6 +126,21 @@ def test_kl_in_reward_node_subtracts_beta_kl_and_feeds_the_controller():
     assert metrics["reward_kl/coef"] == pytest.approx(0.1) and metrics["reward_kl/penalty"] == pytest.approx(1 / 6)
 
 
+def test_kl_in_reward_leaves_rows_without_tokens_out_of_the_mean_kl():
+    """A filter's masked rows have no tokens, so no KL: counted as a KL of 0 they pulled the
+    controller's mean and the metric down (two real rows and two masked: half of it)."""
+    from distflow.algos.kl import make_kl_controller
+
+    ctrl = make_kl_controller("adaptive", 0.1, target=0.05, horizon=100)
+    ctx = StepCtx({"reward_field": "scores"}, "algorithm.reward_kl_type=k1", reward_kl=ctrl)
+    batch = Batch(dict(KL_BATCH))
+    padded = Batch.concat([batch, batch])
+    padded.tensors["response_mask"][2:] = 0
+    nodes.kl_in_reward(ctx, padded)
+    assert ctrl.value == pytest.approx(0.1 * 1.004)  # as with the two rows alone
+    assert ctx.acc.reduce()["reward_kl/penalty"] == pytest.approx(1 / 6)
+
+
 KL_BATCH = {"scores": torch.tensor([1.0, 45.0]), "response_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
             "rollout_log_probs": torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -0.2, -9.0]]),
             "ref_log_probs": torch.tensor([[-1.5, -2.0, -0.25], [-0.6, -0.2, 0.0]])}
