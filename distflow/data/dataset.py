@@ -189,8 +189,8 @@ class _JsonlSource:
             f.seek(self.offsets[index])
             line = f.readline()
         self.rows_read += 1
-        try:
-            return json.loads(line.decode("utf-8"))
+        try:  # a file saved with a byte-order mark has it before its first row
+            return json.loads((line.removeprefix(_BOM) if self.offsets[index] == 0 else line).decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise DatasetError(f"{self.path}: line {self.line_numbers[index]} is not UTF-8 JSON "
                                f"({type(e).__name__})") from None

@@ -109,7 +109,9 @@ def test_a_json_file_may_hold_one_array_of_rows(tmp_path):
     (tmp_path / "flat.json").write_text(json.dumps(rows))
     (tmp_path / "lines.json").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(rows).encode())  # as some Windows tools save
-    for name in ("pretty.json", "flat.json", "lines.json", "bom.json"):
+    # JSON lines with one: the first row failed, at the step that drew it
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + "\n".join(json.dumps(r) for r in rows).encode())
+    for name in ("pretty.json", "flat.json", "lines.json", "bom.json", "bom.jsonl"):
         data = ShardedDataset(str(tmp_path / name))
         assert [r.ground_truth for r in data.rows([0, 1, 2])] == ["0", "1", "2"]
     (tmp_path / "cut.json").write_text(json.dumps(rows)[:-5])
