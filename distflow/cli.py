@@ -159,8 +159,14 @@ def check_inputs(cfg: Config, training: bool = True) -> None:
 
         if not torch.cuda.is_available():
             raise ConfigError("runtime.device='cuda': no CUDA device is visible; use auto or cpu")
+    from distflow.engines.common import check_vision_model, takes_images
+
+    if takes_images(cfg.model.path):
+        try:
+            check_vision_model(cfg.model.path)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if cfg.rollout.engine == "vllm":
-        from distflow.engines.common import takes_images
 
         if takes_images(cfg.model.path):  # training's graph refuses it too; evaluation builds none
             raise ConfigError(f"rollout.engine=vllm: model.path={cfg.model.path} is a vision-language model, which "

@@ -7,8 +7,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import json
 import os
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -116,6 +118,25 @@ IMAGE_PROCESSOR_FILE = "preprocessor_config.json"  # what AutoImageProcessor rea
 def takes_images(path: str) -> bool:
     """Whether the model folder is a vision-language model's: it has an image processor."""
     return os.path.isfile(os.path.join(resolve_model_path(path), IMAGE_PROCESSOR_FILE))
+
+
+VISION_TOKENS = ("vision_start_token_id", "image_token_id", "vision_end_token_id")  # the Qwen2-VL family's
+
+
+def check_vision_model(path: str) -> None:
+    """A vision-language model folder DistFlow can feed images to: the Qwen2-VL family's
+    image tokens in its config and patches in its image processor; else one line."""
+    from distflow.engines.lora import adapter_base, is_adapter_folder
+
+    folder = resolve_model_path(path)
+    model_folder = resolve_model_path(adapter_base(folder)) if is_adapter_folder(folder) else folder
+    config = json.loads(Path(model_folder, "config.json").read_text())
+    processor = json.loads(Path(folder, IMAGE_PROCESSOR_FILE).read_text())
+    missing = [k for k in VISION_TOKENS if config.get(k) is None] + (["patch_size"] if "patch_size" not in processor
+                                                                     else [])
+    if missing:
+        raise ValueError(f"model.path={path}: a vision-language model ({config.get('model_type')}) without "
+                         f"{', '.join(missing)}; images are fed to the Qwen2-VL family's (Qwen2-VL, Qwen2.5-VL)")
 
 
 def load_image_prompter(path: str, tokenizer) -> ImagePrompter | None:

@@ -1,6 +1,7 @@
 """The vision-language path on a Qwen2-VL built in code: images reach generation and the
 scoring forward the same way, and sampling stays placement-invariant."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -171,6 +172,25 @@ def test_evaluating_a_vlm_on_vllm_is_refused_in_one_line():
     cfg = load_config(None, ["model.path=builtin:tiny-dots-vl", "rollout.engine=vllm"], training=False)
     with pytest.raises(ConfigError, match="is a vision-language model, which generates with the HF engine"):
         check_inputs(cfg, training=False)
+
+
+def test_a_vision_model_of_another_family_is_refused_in_one_line_before_launch(tmp_path):
+    """A folder with an image processor but not the Qwen2-VL family's image tokens (a
+    LLaVA's, say): its workers stopped on an AttributeError while building their prompts."""
+    import shutil
+
+    from distflow.cli import check_inputs
+    from distflow.config import ConfigError, load_config
+
+    folder = tmp_path / "other-vl"
+    shutil.copytree(ASSET_DIR.parent / "tiny-dots-vl", folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["vision_start_token_id"]
+    (folder / "config.json").write_text(json.dumps(config))
+    check_inputs(load_config(None, ["model.path=builtin:tiny-dots-vl"]))  # the shipped one passes
+    with pytest.raises(ConfigError, match=r"^model.path=.*other-vl: a vision-language model \(qwen2_vl\) without "
+                                          r"vision_start_token_id; images are fed to the Qwen2-VL family's"):
+        check_inputs(load_config(None, [f"model.path={folder}"]))
 
 
 def test_images_for_a_text_only_model_are_a_bad_row():
