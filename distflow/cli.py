@@ -166,6 +166,9 @@ def check_inputs(cfg: Config, training: bool = True) -> None:
             check_vision_model(cfg.model.path)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if cfg.data.on_long_prompt == "truncate":  # it stopped the run at the step that drew one
+            raise ConfigError(f"data.on_long_prompt=truncate: model.path={cfg.model.path} is a vision-language model, "
+                              "whose image prompts cannot be truncated; use skip or error")
     if cfg.rollout.engine == "vllm":
 
         if takes_images(cfg.model.path):  # training's graph refuses it too; evaluation builds none

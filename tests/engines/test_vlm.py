@@ -174,9 +174,10 @@ def test_evaluating_a_vlm_on_vllm_is_refused_in_one_line():
         check_inputs(cfg, training=False)
 
 
-def test_a_vision_model_of_another_family_is_refused_in_one_line_before_launch(tmp_path):
+def test_a_vision_model_of_another_family_or_truncated_image_prompts_are_refused_before_launch(tmp_path):
     """A folder with an image processor but not the Qwen2-VL family's image tokens (a
-    LLaVA's, say): its workers stopped on an AttributeError while building their prompts."""
+    LLaVA's, say): its workers stopped on an AttributeError while building their prompts.
+    Truncating prompts stopped a VLM run at the first long image prompt drawn."""
     import shutil
 
     from distflow.cli import check_inputs
@@ -191,6 +192,8 @@ def test_a_vision_model_of_another_family_is_refused_in_one_line_before_launch(t
     with pytest.raises(ConfigError, match=r"^model.path=.*other-vl: a vision-language model \(qwen2_vl\) without "
                                           r"vision_start_token_id; images are fed to the Qwen2-VL family's"):
         check_inputs(load_config(None, [f"model.path={folder}"]))
+    with pytest.raises(ConfigError, match="^data.on_long_prompt=truncate: .* whose image prompts cannot be truncated"):
+        check_inputs(load_config(None, ["model.path=builtin:tiny-dots-vl", "data.on_long_prompt=truncate"]))
 
 
 def test_images_for_a_text_only_model_are_a_bad_row():
