@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from distflow.data.batch import Batch
@@ -226,27 +227,6 @@ def test_a_tool_result_is_framed_once_whether_or_not_the_template_frames_it():
         assert tok.decode(observation_ids(tok, step.observation, [tok.eos_token_id])).count("<tool_response>") == 1
 
 
-def test_an_episode_s_tokens_are_the_whole_conversation_as_the_template_renders_it(qwen2_model_dir):
-    """Qwen's template closes an assistant message with <|im_end|> and a newline; the turn
-    ends at <|im_end|> (the engine's EOS), so the observation starts with that newline, and
-    prompt + turn + observation are the whole conversation's tokens (the newline was lost
-    at every turn: a context no served model sees, verl's #6501). A turn cut before its
-    EOS gets it from the observation."""
-    from distflow.engines.common import load_tokenizer
-
-    tok = load_tokenizer(qwen2_model_dir)
-    question = [{"role": "user", "content": "What is 2+2?"}]
-    reply, tool = "<tool_call>x</tool_call>", [{"role": "tool", "content": "4"}]
-    prompt = tok(tok.apply_chat_template(question, add_generation_prompt=True, tokenize=False),
-                 add_special_tokens=False)["input_ids"]
-    turn = tok(reply, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    observed = observation_ids(tok, tool, turn)
-    whole = tok.apply_chat_template(question + [{"role": "assistant", "content": reply}] + tool,
-                                    add_generation_prompt=True, tokenize=False)
-    assert prompt + turn + observed == tok(whole, add_special_tokens=False)["input_ids"]
-    assert observation_ids(tok, tool, turn[:-1]) == [tok.eos_token_id] + observed
-
-
 QWEN3_LIKE = ("{%- for m in messages -%}"
               "{%- if m.role == 'assistant' -%}<|im_start|>assistant\n{% if loop.last %}<think>\n\n</think>\n\n"
               "{% endif %}{{ m.content }}<|im_end|>\n"
@@ -256,14 +236,20 @@ QWEN3_LIKE = ("{%- for m in messages -%}"
               "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif -%}")
 
 
-def test_an_episode_s_tokens_are_the_whole_conversation_under_a_template_like_qwen3_s(qwen2_model_dir):
-    """Qwen3's template renders the last assistant message with an empty think block and
-    an earlier one without, so the conversation before an observation is no prefix of the
-    whole: the newline after <|im_end|> was lost (and <|im_end|> after a cut turn)."""
+@pytest.mark.parametrize("template", [None, QWEN3_LIKE], ids=["qwen2", "qwen3-like"])
+def test_an_episode_s_tokens_are_the_whole_conversation_as_the_template_renders_it(qwen2_model_dir, template):
+    """Qwen's template closes an assistant message with <|im_end|> and a newline; the turn
+    ends at <|im_end|> (the engine's EOS), so the observation starts with that newline, and
+    prompt + turn + observation are the whole conversation's tokens (the newline was lost
+    at every turn: a context no served model sees, verl's #6501). A turn cut before its
+    EOS gets it from the observation. Qwen3's template renders the last assistant message
+    with an empty think block and an earlier one without, so the conversation before an
+    observation is no prefix of the whole: there the newline was still lost."""
     from distflow.engines.common import load_tokenizer
 
     tok = load_tokenizer(qwen2_model_dir)
-    tok.chat_template = QWEN3_LIKE
+    if template is not None:
+        tok.chat_template = template
     question = [{"role": "user", "content": "What is 2+2?"}]
     reply, tool = "<tool_call>x</tool_call>", [{"role": "tool", "content": "4"}]
     prompt = tok(tok.apply_chat_template(question, add_generation_prompt=True, tokenize=False),

@@ -99,31 +99,24 @@ def test_an_episode_is_scored_as_its_whole_conversation(qwen2_reward_model_dir, 
     the assistant's and what the environment answered between them, in its own template
     (it was refused); a template that cannot render a role is named in one line."""
     from distflow.data.batch import Batch
-    from distflow.engines.agent import EnvStep, EpisodeRunner, EpisodeSettings
+    from distflow.engines.agent import EpisodeRunner, EpisodeSettings
     from distflow.engines.common import load_tokenizer, render_prompt
     from distflow.engines.reward import RewardRunner
     from distflow.engines.rollout import SamplingParams
+    from distflow.engines.tools import Toolbox
     from distflow.trainer.nodes import score_responses
     from helpers import ScriptedEngine
 
-    class CheckOnce:
-        def reset(self, task):
-            self.asked = False
-
-        def step(self, text):
-            if self.asked:
-                return EnvStep([], True)
-            self.asked = True
-            return EnvStep([{"role": "user", "content": "Check it."}], False)
-
+    env = {}
+    exec(CHECK_ONCE_ENV, env)  # asks each episode to check its answer once
     tok = load_tokenizer(qwen2_model_dir)
     rm = RewardModel(qwen2_reward_model_dir, torch.device("cpu"))
     prompt = tok(render_prompt(tok, PROMPTS[0]), add_special_tokens=False)["input_ids"]
     engine = ScriptedEngine(tok, {prompt[0]: ["It is 8.", "No: #### 7"]})
-    runner = EpisodeRunner(engine, tok, CheckOnce, EpisodeSettings(max_turns=2, max_total_tokens=64,
-                                                                   keep_messages=True))
+    runner = EpisodeRunner(engine, tok, lambda: env["CheckOnce"](Toolbox([])),
+                           EpisodeSettings(max_turns=2, max_total_tokens=64, keep_messages=True))
     out = runner.generate([prompt], [3], SamplingParams(max_new_tokens=16), [{"prompt": PROMPTS[0]}])
-    turns = [{"role": "assistant", "content": "It is 8."}, {"role": "user", "content": "Check it."},
+    turns = [{"role": "assistant", "content": "It is 8."}, {"role": "user", "content": "Check it. Answer with ####."},
              {"role": "assistant", "content": "No: #### 7"}]
     assert out["episode_messages"] == [turns]
     out.meta.update({"ground_truth": ["7"], "data_source": ["gsm8k"], "extra_info": [{}],
