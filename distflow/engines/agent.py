@@ -233,15 +233,19 @@ class EpisodeRunner:
             envs[i] = self.make_env()
             envs[i].reset(tasks[i] | {"seed": None if seeds is None else seeds[i]})
 
+        def failed(i: int, what: str, e: Exception) -> None:
+            """Episode i ends here, failed: counted, its reward 0, the runner's first error printed."""
+            counts[i]["env_failed"], rewards[i] = 1, 0.0
+            self._report(f"{what} (the episode ended there, counted in env/failed)", e)
+
         def guarded(call: Callable[[int], Any]) -> Callable[[int], Any]:
             """`call(i)` on episode i's environment; where it raises, the episode has failed
-            (_FAILED): counted, its reward 0, its environment closed as far as it lets."""
+            (_FAILED), its environment closed as far as it lets."""
             def run(i: int) -> Any:
                 try:
                     return call(i)
                 except Exception as e:  # one episode's environment, not the rollout's: the others go on
-                    counts[i]["env_failed"], rewards[i] = 1, 0.0
-                    self._report("rollout.env failed in an episode (ended there, counted in env/failed)", e)
+                    failed(i, "rollout.env failed in an episode", e)
                     close(i)
                     return _FAILED
             return run
@@ -249,14 +253,14 @@ class EpisodeRunner:
         def gave_up(results: list, episodes: list[int], failing: bool = True) -> list:
             """`results` of a call on `episodes`; an environment that did not answer within
             env_timeout_s is left to its thread, and (`failing`) its episode has failed."""
+            late = f"rollout.env took more than rollout.env_timeout_s={s.env_timeout_s:g} s"
             for i, result in zip(episodes, results):
                 if result is _TIMED_OUT:
                     envs[i] = None
                     if failing:
-                        counts[i]["env_failed"], rewards[i] = 1, 0.0
-                    self._report(f"rollout.env took more than rollout.env_timeout_s={s.env_timeout_s:g} s in an "
-                                 f"episode ({'ended there, counted in env/failed' if failing else 'closing it'})",
-                                 TimeoutError("no answer"))
+                        failed(i, late, TimeoutError("no answer"))
+                    else:
+                        self._report(f"{late} to close an environment (its episode stands)", TimeoutError("no answer"))
             return results
 
         def close(i: int) -> None:
@@ -305,9 +309,7 @@ class EpisodeRunner:
                     try:
                         rendered = observation_ids(self.tokenizer, step.observation, new)
                     except Exception as e:  # the chat template cannot take the answer: this episode fails there
-                        counts[i]["env_failed"], rewards[i] = 1, 0.0
-                        self._report("the chat template could not render rollout.env's answer (the episode ended "
-                                     "there, counted in env/failed)", e)
+                        failed(i, "the chat template could not render rollout.env's answer", e)
                         continue
                     observed = [t for t in rendered if t not in s.dropped_ids][: s.max_total_tokens - len(tokens[i])]
                     if observed:  # what the policy was shown of it
@@ -317,7 +319,8 @@ class EpisodeRunner:
                     log_probs[i] += [0.0] * len(observed)
                     if len(tokens[i]) < s.max_total_tokens:
                         running.append(i)
-                ended = [i for i in active if i not in set(running) and envs[i] is not None]
+                going_on = set(running)
+                ended = [i for i in active if i not in going_on and envs[i] is not None]
                 gave_up(lanes.map(close, ended), ended, failing=False)
                 active = running
         finally:
