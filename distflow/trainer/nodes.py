@@ -42,8 +42,7 @@ from distflow.data.dataset import DatasetError, PromptRow
 from distflow.data.images import IMAGE_FIELDS, ImagePrompter, attach_images, decode_image, image_fields
 from distflow.engines.actor import Actor
 from distflow.engines.agent import COUNTS as EPISODE_COUNTS
-from distflow.engines.agent import FAILED_EPISODE_FIELDS
-from distflow.engines.agent import EpisodeRunner
+from distflow.engines.agent import FAILED_EPISODE_FIELDS, EpisodeRunner
 from distflow.engines.common import LogProbModel
 from distflow.engines.critic import Critic
 from distflow.engines.reward import FAILED, OK, TIMED_OUT, RewardRunner
@@ -455,15 +454,15 @@ def _mini_batches(ctx: WorkerContext, batch: Batch, engine, make_loss, prefix: s
                 continue
             updates += 1
             for name, value in sums.items():
+                if name in ("skipped", "tokens"):
+                    continue
                 if name.endswith("_loss"):
                     losses[name] = losses.get(name, 0.0) + value
                 elif name == "grad_norm":  # identical on every rank
                     acc.add(f"{prefix}/grad_norm", value, 1.0)
-                elif name == "skipped":
-                    pass
                 elif name.endswith("_max"):  # the largest over micro-batches, then over ranks
                     acc.add_max(name if "/" in name else f"{prefix}/{name}", value)
-                elif name != "tokens":
+                else:
                     acc.add(name if "/" in name else f"{prefix}/{name}", value, sums["tokens"])
     for name, total in losses.items():  # the mean over the updates that ran, the same count on every rank
         acc.add_total(f"{prefix}/{name}", total / updates)
