@@ -202,9 +202,9 @@ class _Lanes:
         return out
 
     def close(self) -> None:
-        for lane, jobs in enumerate(self.queues):
-            if not self.stuck[lane]:
-                jobs.put(None)
+        """Every lane's thread ends once its calls are done (a stuck one's, if its call ever returns)."""
+        for jobs in self.queues:
+            jobs.put(None)
 
 
 class EpisodeRunner:

@@ -7,6 +7,7 @@ in test_multi_turn_run.py."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -363,3 +364,8 @@ def test_an_environment_that_does_not_answer_fails_its_episode_and_the_rollout_g
         release.set()
     assert out["env_failed"].tolist() == [1.0, 0.0, 1.0, 0.0] and "behind" not in ran
     assert runner.first_error == "TimeoutError: no answer"
+    for _ in range(100):  # the thread left to the hung call ends once it returns
+        if not any(t.name.startswith("environment-") for t in threading.enumerate()):
+            break
+        time.sleep(0.1)
+    assert not any(t.name.startswith("environment-") for t in threading.enumerate()) and "behind" not in ran
