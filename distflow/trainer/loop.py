@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from distflow.algos.kl import make_kl_controller
+from distflow.algos.kl import AdaptiveKLController, make_kl_controller
 from distflow.config import Config, from_dict, response_token_budget, tool_names, traced_steps
 from distflow.coordinator.double_buffer import DoubleBuffer
 from distflow.coordinator.executor import TransferStats
@@ -390,7 +390,8 @@ class Trainer:
         steps with skipped updates they end on."""
         state = checkpoint.restore(path, actor=self.actor, critic=self.ctx.critic)
         self.start_step, self.wall_before = state["step"], state.get("wall_seconds", 0.0)
-        if self.ctx.reward_kl is not None and "reward_kl_coef" in state.get("algorithm", {}):
+        # an adaptive controller goes on from where it was; a fixed one's coefficient is the config's
+        if isinstance(self.ctx.reward_kl, AdaptiveKLController) and "reward_kl_coef" in state.get("algorithm", {}):
             self.ctx.reward_kl.value = state["algorithm"]["reward_kl_coef"]
         if self.prompts.sampler.next_step(state["dataloader"]) != self.start_step + 1:
             raise checkpoint.CheckpointError(f"checkpoint {path}: dataloader position {state['dataloader']} "

@@ -181,7 +181,8 @@ def test_ppo_resumes_from_a_path_on_another_worker_count_like_an_uninterrupted_r
     """PPO's critic and both optimizers, the adaptive KL-in-reward coefficient, two
     mini-batches per step, and a resume with trainer.resume=PATH into a new run folder on
     2 workers from a checkpoint written by 1: steps 3-4 equal the uninterrupted run's.
-    The 2-worker runs shard the actor and critic with FSDP2."""
+    The 2-worker runs shard the actor and critic with FSDP2. Resumed with a fixed KL
+    coefficient, the run takes it (the checkpoint's adaptive one overrode it)."""
     # sharded on 2 workers (FSDP2; the other resume test runs the default, DDP replicas)
     common = ["algorithm.name=ppo", "algorithm.use_kl_in_reward=true", "algorithm.reward_kl_ctrl=adaptive",
               "algorithm.reward_kl_target=0.0001", "algorithm.reward_kl_horizon=10", "trainer.total_steps=4",
@@ -190,7 +191,9 @@ def test_ppo_resumes_from_a_path_on_another_worker_count_like_an_uninterrupted_r
     ckpt = first / "checkpoints" / "final"
     assert (ckpt / "critic.safetensors").is_file() and (ckpt / "critic_optimizer.safetensors").is_file()
     # one 2-worker launch: the uninterrupted run, then the resumed one
-    runs = distflow_sweep({"straight": [], "second": [f"trainer.resume={ckpt}"]}, 2, tmp_path, [*SMALL, *common])
+    runs = distflow_sweep({"straight": [], "second": [f"trainer.resume={ckpt}"],
+                           "fixed": [f"trainer.resume={ckpt}", "algorithm.reward_kl_ctrl=fixed",
+                                     "algorithm.reward_kl_coef=0.05"]}, 2, tmp_path, [*SMALL, *common])
     want, got = _metrics(runs["straight"]), _metrics(runs["second"])
     assert [r["step"] for r in got] == [0, 1, 2, 3, 4]  # the checkpoint's metrics, then the resumed steps
     for a, b in zip(want[3:], got[3:], strict=True):
@@ -200,6 +203,8 @@ def test_ppo_resumes_from_a_path_on_another_worker_count_like_an_uninterrupted_r
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (key, a["step"], a[key], b[key])
     # the controller moved (target far below the KL) and resumed from its saved value
     assert got[4]["reward_kl/coef"] > got[1]["reward_kl/coef"] and "critic/vf_loss" in got[4]
+    # resumed with a fixed coefficient: the config's, not the adaptive one the checkpoint saved
+    assert [r["reward_kl/coef"] for r in _metrics(runs["fixed"])[3:]] == pytest.approx([0.05, 0.05])
 
 
 def _complete(folder, step):
