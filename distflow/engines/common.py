@@ -123,14 +123,18 @@ def takes_images(path: str) -> bool:
 VISION_TOKENS = ("vision_start_token_id", "image_token_id", "vision_end_token_id")  # the Qwen2-VL family's
 
 
+def _config_folder(folder: str) -> str:
+    """Where a model folder's config is: its own, or a LoRA checkpoint's base's."""
+    from distflow.engines.lora import adapter_base, is_adapter_folder
+
+    return resolve_model_path(adapter_base(folder)) if is_adapter_folder(folder) else folder
+
+
 def check_vision_model(path: str) -> None:
     """A vision-language model folder DistFlow can feed images to: the Qwen2-VL family's
     image tokens in its config and patches in its image processor; else one line."""
-    from distflow.engines.lora import adapter_base, is_adapter_folder
-
     folder = resolve_model_path(path)
-    model_folder = resolve_model_path(adapter_base(folder)) if is_adapter_folder(folder) else folder
-    config = json.loads(Path(model_folder, "config.json").read_text())
+    config = json.loads(Path(_config_folder(folder), "config.json").read_text())
     processor = json.loads(Path(folder, IMAGE_PROCESSOR_FILE).read_text())
     missing = [k for k in VISION_TOKENS if config.get(k) is None] + (["patch_size"] if "patch_size" not in processor
                                                                      else [])
@@ -146,13 +150,10 @@ def load_image_prompter(path: str, tokenizer) -> ImagePrompter | None:
         return None
     from transformers import AutoConfig, AutoImageProcessor
 
-    from distflow.engines.lora import adapter_base, is_adapter_folder
-
     folder = resolve_model_path(path)
-    model_folder = resolve_model_path(adapter_base(folder)) if is_adapter_folder(folder) else folder
     quiet_transformers()
     return ImagePrompter(AutoImageProcessor.from_pretrained(folder), tokenizer,
-                         AutoConfig.from_pretrained(model_folder))
+                         AutoConfig.from_pretrained(_config_folder(folder)))
 
 
 def first_of_tied(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
