@@ -399,8 +399,11 @@ def make_policy_loss(cfg: Config, num_tokens: float, num_seqs: float, policy_los
                        clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
                        loss_agg_mode=a.loss_agg_mode, token_weights=weights, **counts)
         loss = pg.loss
-        clip = float(pg.clip_frac) * tokens if tokens else 0.0  # an empty (lockstep-only) micro-batch
-        metrics |= {"pg_loss": float(pg.loss.detach()), "clip_frac": clip,
+        def token_sum(mean: torch.Tensor) -> float:  # a token mean as a sum; the step divides by all its tokens
+            return float(mean) * tokens if tokens else 0.0  # an empty (lockstep-only) micro-batch
+
+        metrics |= {"pg_loss": float(pg.loss.detach()), "clip_frac": token_sum(pg.clip_frac),
+                    "clip_frac_lower": token_sum(pg.clip_frac_lower), "approx_kl": token_sum(pg.approx_kl),
                     "entropy": float((entropy.detach() * mask).sum()), "tokens": tokens}
         if a.use_kl_loss:
             kl_loss = kl.kl_penalty(log_probs, micro["ref_log_probs"], a.kl_type)

@@ -72,11 +72,11 @@ def test_placement_settings_are_checked_in_one_line():
             load_config(None, list(overrides))
 
 
-def _loss(*overrides: str, with_old: bool) -> tuple[float, dict]:
+def _loss(*overrides: str, with_old: bool, advantages=(1.0, -1.0, 0.5)) -> tuple[float, dict]:
     """The policy loss of one 3-token sequence, as the update computes it."""
     cfg = load_config(None, [*overrides, "algorithm.use_kl_loss=false"])
     log = lambda *p: torch.tensor([[math.log(x) for x in p]])  # noqa: E731
-    micro = Batch({"response_mask": torch.ones(1, 3), "advantages": torch.tensor([[1.0, -1.0, 0.5]]),
+    micro = Batch({"response_mask": torch.ones(1, 3), "advantages": torch.tensor([advantages]),
                    "rollout_log_probs": log(0.1, 0.5, 0.2)} | ({"old_log_probs": log(0.4, 0.5, 0.3)} if with_old else {}))
     loss, metrics = make_policy_loss(cfg, 3.0, 1.0)(log(0.5, 0.4, 0.3).requires_grad_(), torch.zeros(1, 3), micro)
     return float(loss.detach()), metrics
@@ -99,6 +99,18 @@ def test_decoupled_ppo_and_behaviour_ratio_against_hand_computed_values():
                           with_old=False)
     assert loss == pytest.approx(-(1.2 - 0.8 + 0.6) / 3, abs=1e-6)
     assert not any(k.startswith("rollout_correction/") for k in metrics)
+    # logged as token sums: the mean of old - new log-prob, and no negative-advantage ratio past clip_ratio_c=3
+    assert metrics["approx_kl"] == pytest.approx(math.log(0.1 / 0.5) + math.log(0.5 / 0.4) + math.log(0.2 / 0.3))
+    assert metrics["clip_frac_lower"] == 0.0
+
+
+def test_the_dual_clip_bound_is_logged_where_it_wins():
+    # r = [5, 0.8, 1.5] against the sampler's log-probs; the first token's advantage is negative,
+    # so its -A * r = 5 is capped at -A * clip_ratio_c = 3: one token of three
+    loss, metrics = _loss(*DISAGGREGATED, "algorithm.max_staleness=1", "algorithm.old_log_probs_from=rollout",
+                          with_old=False, advantages=(-1.0, -1.0, 0.5))
+    assert loss == pytest.approx(-(-3.0 - 0.8 + 0.6) / 3, abs=1e-6)
+    assert metrics["clip_frac_lower"] == pytest.approx(1.0)  # a token sum: 1/3 of 3 tokens
 
 
 def test_partial_samples_are_counted_by_their_first_token_and_flagged_when_weights_changed_mid_way():

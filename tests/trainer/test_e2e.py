@@ -60,7 +60,8 @@ def test_ray_launcher_run_leaves_summary_plot_checkpoint_and_no_payload(tmp_path
     assert sorted(levels) == ["val/accuracy/level_1", "val/accuracy/level_2", "val/accuracy/level_3"]
     assert records[1]["actor/lr"] == pytest.approx(1e-4 / 4)  # the first warm-up step of the cosine schedule
     for key in ("reward/mean", "reward/accuracy", "response/length_mean", "actor/kl", "actor/entropy",
-                "actor/clip_frac", "actor/grad_norm", "perf/tokens_per_second", "time/rollout",
+                "actor/clip_frac", "actor/clip_frac_lower", "actor/approx_kl", "actor/grad_norm",
+                "perf/tokens_per_second", "time/rollout",
                 "time/actor_update", "time/reward", "time/ref_log_prob"):
         assert key in records[1], key
     # the launcher measured what it received: control only, no batch payload
