@@ -9,6 +9,7 @@ spread evenly over the ranks, and any number of workers trains on the same mini-
 from __future__ import annotations
 
 import random
+from array import array
 from dataclasses import dataclass
 
 
@@ -22,13 +23,13 @@ class ShardedSampler:
 
     def __post_init__(self) -> None:
         assert self.batch_size % self.world_size == 0, "batch must split evenly over ranks"
-        self._perm_cache: dict[int, list[int]] = {}
+        self._perm_cache: dict[int, array] = {}
 
-    def _perm(self, epoch: int) -> list[int]:
+    def _perm(self, epoch: int) -> array:
         if epoch not in self._perm_cache:
             order = list(range(self.num_rows))
             random.Random(f"{self.seed}-{epoch}").shuffle(order)
-            self._perm_cache = {epoch: order}  # keep only the current epoch
+            self._perm_cache = {epoch: array("q", order)}  # only the current epoch; 8 bytes a row, not a list's 36
         return self._perm_cache[epoch]
 
     def global_indices(self, step: int) -> list[int]:

@@ -143,12 +143,14 @@ class RefillPrompts:
     def __init__(self, source: PromptSource, tokenizer, ctx: nodes.WorkerContext):
         self.source, self.tokenizer, self.ctx, cfg = source, tokenizer, ctx, source.cfg
         self.target_groups, self.max_rounds = cfg.data.train_batch_size, cfg.algorithm.max_refill_rounds
+        self.samplers: dict[int, ShardedSampler] = {}  # per round, kept: each shuffles the dataset once an epoch
 
     def prompts(self, round_: int) -> Batch:
         s, cfg = self.source, self.source.cfg
-        batch = cfg.data.train_batch_size
-        sampler = ShardedSampler(len(s.rows), batch, s.layout.dp_rank(s.rank), s.layout.dp_size,
-                                 cfg.trainer.seed + 1_000_003 * round_)
+        if round_ not in self.samplers:
+            self.samplers[round_] = ShardedSampler(len(s.rows), cfg.data.train_batch_size, s.layout.dp_rank(s.rank),
+                                                   s.layout.dp_size, cfg.trainer.seed + 1_000_003 * round_)
+        sampler = self.samplers[round_]
         return s.batch(self.ctx.step, sampler.local_positions(self.ctx.step), self.tokenizer, sampler, round_)
 
     def group_keys(self, batch: Batch) -> list[int]:

@@ -234,6 +234,29 @@ def test_a_row_drawn_twice_in_one_step_samples_anew():
         [sample_seed(cfg.trainer.seed, 2, step["uid"][i], step["sample_k"][i]) for i in first]
 
 
+def test_refill_rounds_shuffle_the_dataset_once_an_epoch_not_once_a_step(monkeypatch):
+    """A refill round's stream is a seeded permutation of the whole dataset: made anew each
+    step, it cost ~0.5 s a round at 1M rows. Steps 2 and 3 fall in one epoch of 20 rows."""
+    import random
+
+    from distflow.coordinator.layout import Layout
+    from distflow.trainer.loop import PromptSource, RefillPrompts
+
+    cfg = load_config(None, ["data.train_files=builtin:arith:train:20", "data.train_batch_size=4",
+                             "actor.ppo_mini_batch_size=4", "algorithm.group_size=2"])
+    source = PromptSource(cfg, Layout(1), 0, pad_id=0)
+    ctx = nodes.WorkerContext(cfg, None, None, None, step=2)
+    refill = RefillPrompts(source, source.prefetch_tokenizer, ctx)
+    shuffles, shuffle = [], random.Random.shuffle
+    monkeypatch.setattr(random.Random, "shuffle", lambda self, x: (shuffles.append(len(x)), shuffle(self, x))[1])
+    first = [refill.prompts(1)["uid"], refill.prompts(2)["uid"]]
+    ctx.step = 3
+    second = [refill.prompts(1)["uid"], refill.prompts(2)["uid"]]
+    assert shuffles == [20, 20]  # one permutation per round's stream, kept for the epoch
+    fresh = RefillPrompts(source, source.prefetch_tokenizer, ctx)  # the same draw as a run resumed at step 3
+    assert [fresh.prompts(1)["uid"], fresh.prompts(2)["uid"]] == second != first
+
+
 def test_the_loss_metric_is_the_mean_over_the_updates_that_ran():
     """Four mini-batches, the second's responses all empty (a refill's renumbering or a
     filter can leave one so): it is skipped, and the loss shown is the mean of the updates
