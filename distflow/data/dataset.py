@@ -46,7 +46,20 @@ class PromptRow:
     images: list[Any] = field(default_factory=list)  # verl's `images` column, decoded when the row is encoded
 
 
-def _row(raw: Any, index: int, where: str) -> PromptRow:
+def _beside_data_file(entry: Any, folder: str | None) -> Any:
+    """An image entry whose relative path names a file beside its data file, made that
+    file's path (LLaMA-Factory's media folder is the data's too); any other entry as it
+    is, so a path relative to the working directory (as verl reads it) still works."""
+    path = entry.get("path") if isinstance(entry, dict) and not entry.get("bytes") else entry
+    if folder is None or not isinstance(path, str) or os.path.isabs(os.path.expanduser(path)):
+        return entry
+    beside = os.path.join(folder, path)
+    if not os.path.isfile(beside):
+        return entry
+    return entry | {"path": beside} if isinstance(entry, dict) else beside
+
+
+def _row(raw: Any, index: int, where: str, folder: str | None = None) -> PromptRow:
     if not isinstance(raw, dict):
         raise DatasetError(f"{where}: row is not a mapping")
     messages = raw.get("prompt")
@@ -75,7 +88,7 @@ def _row(raw: Any, index: int, where: str) -> PromptRow:
         ground_truth=_as_text(reward_model["ground_truth"]),
         data_source=str(raw.get("data_source") or "unknown"),
         extra_info={} if extra is None else _json_values(extra, where),  # as verl passes it: any JSON value
-        images=list(images or []),
+        images=[_beside_data_file(entry, folder) for entry in images or []],
     )
 
 
@@ -259,6 +272,9 @@ class ShardedDataset:
     def __init__(self, spec: str):
         self.names = [s.strip() for s in spec.split(",") if s.strip()]
         self.sources = [open_source(s) for s in self.names]
+        # where a row's relative image paths are looked for first
+        self.folders = [None if name.startswith("builtin:") else os.path.dirname(os.path.abspath(
+            os.path.expanduser(name))) for name in self.names]
         self.starts = [0]
         for src in self.sources:
             self.starts.append(self.starts[-1] + src.num_rows)
@@ -283,7 +299,7 @@ class ShardedDataset:
 
     def __getitem__(self, index: int) -> PromptRow:
         which, where = self.locate(index)
-        return _row(self.sources[which].read(index - self.starts[which]), index, where)
+        return _row(self.sources[which].read(index - self.starts[which]), index, where, self.folders[which])
 
     def rows(self, indices: list[int]) -> list[PromptRow]:
         # sorted reads keep a row group in the one-group cache while its rows are taken

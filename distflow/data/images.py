@@ -49,7 +49,8 @@ def decode_image(entry: Any, max_pixels: int | None):
     elif isinstance(entry, str):
         source, what = os.path.expanduser(entry), entry
         if not os.path.isfile(source):
-            raise DatasetError(f"image file {entry} does not exist")
+            raise DatasetError(f"image file {entry} does not exist (a relative path is looked for beside the data "
+                               f"file, then in the working directory {os.getcwd()})")
     else:
         raise DatasetError(f"an image must be bytes, a path or {{'bytes'|'path': ...}}, "
                            f"not {type(entry).__name__}")

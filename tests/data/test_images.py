@@ -1,4 +1,5 @@
 import io
+import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -69,6 +70,27 @@ def test_images_decode_from_bytes_paths_and_verl_dicts(tmp_path):
     for entry in (_png(8, 6), str(path), {"path": str(path)}, {"bytes": _png(8, 6), "path": None}):
         image = decode_image(entry, max_pixels=48)
         assert image.size == (8, 6) and image.mode == "RGB"
+
+
+def test_a_relative_image_path_names_a_file_beside_the_data_file_else_in_the_working_directory(tmp_path,
+                                                                                                  monkeypatch):
+    data, elsewhere = tmp_path / "data", tmp_path / "run"
+    (data / "img").mkdir(parents=True)
+    elsewhere.mkdir()
+    (data / "img" / "a.png").write_bytes(_png(8, 6))
+    (elsewhere / "cwd.png").write_bytes(_png(4, 4))
+    row = {"prompt": "<image> count", "reward_model": {"ground_truth": "1"}}
+    rows = [row | {"images": ["img/a.png"]}, row | {"images": [{"path": "img/a.png", "bytes": None}]},
+            row | {"images": ["cwd.png"]}, row | {"images": ["missing.png"]}]
+    (data / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    monkeypatch.chdir(elsewhere)  # the run starts in another folder than the data's
+    got = load_rows(str(data / "rows.jsonl"))
+    assert got[0].images == [str(data / "img" / "a.png")]
+    assert got[1].images == [{"path": str(data / "img" / "a.png"), "bytes": None}]
+    assert [decode_image(r.images[0], None).size for r in got[:3]] == [(8, 6), (8, 6), (4, 4)]
+    with pytest.raises(DatasetError, match=r"image file missing.png does not exist \(a relative path is looked "
+                                           r"for beside the data file, then in the working directory"):
+        decode_image(got[3].images[0], None)
 
 
 def _rows_with_a_bad_image(tmp_path):
