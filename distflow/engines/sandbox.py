@@ -22,12 +22,19 @@ When init exits (the program ended, or the launcher was killed on timeout: init 
 parent-death signal), the kernel kills everything left in the PID namespace, so a fork
 bomb ends with it.
 
-Otherwise, the program runs with the time, memory and file limits only (no cap on
-processes: a fork bomb is not contained, and a child that starts its own session outlives
-the call), as the caller's user, in a fresh temporary folder, with an audit hook refusing
-sockets and writes outside that folder: a Python-level guard that a hostile program can
-get around (ctypes, for one). Say so to your users; `isolation()` tells, and the first
-call prints it.
+As root where namespaces cannot be made (a container without CAP_SYS_ADMIN, which still
+lets root change its uid), the program runs as an unused uid of its own without the new
+root ("own-uid"): it cannot read or write the run's private files (ours are root's), it
+has the process cap, and when it ends, or on its timeout, every process of its uid is
+killed (a child in its own session too). It sees the host's filesystem where that is
+readable to anyone, and the network.
+
+Otherwise (not root), the program runs with the time, memory and file limits only (no cap
+on processes: a fork bomb is not contained, and a child that starts its own session
+outlives the call), as the caller's user ("limits"). Without namespaces, it runs in a
+fresh temporary folder with an audit hook refusing sockets and reads and writes outside
+it: a Python-level guard that a hostile program can get around (ctypes, for one). Say so
+to your users; `isolation()` tells, and the first call prints it.
 """
 
 from __future__ import annotations
@@ -76,18 +83,29 @@ class Result:
 _ISOLATION: list[str] = []
 
 
+MODES = ("namespaces", "own-uid", "limits")  # strongest first
+
+
 def isolation() -> str:
     """'namespaces' where the full isolation works (root on Linux, allowed to unshare),
-    else 'limits'. `DISTFLOW_SANDBOX=limits` forces the weaker mode."""
+    else 'own-uid' where root can still change its uid, else 'limits'.
+    `DISTFLOW_SANDBOX=own-uid` or `=limits` caps it at that mode."""
     if not _ISOLATION:
+        cap = os.environ.get("DISTFLOW_SANDBOX", MODES[0])
+        if cap not in MODES:
+            raise SandboxError(f"DISTFLOW_SANDBOX={cap!r}: expected one of {', '.join(MODES)}")
         mode = "limits"
-        if (os.environ.get("DISTFLOW_SANDBOX") != "limits" and sys.platform.startswith("linux")
-                and os.geteuid() == 0):
-            try:
-                _run("pass", "", Limits(time_s=10), isolate=True)
-                mode = "namespaces"
-            except SandboxError as e:
-                print(f"distflow: the code sandbox falls back to resource limits only ({e})", file=sys.stderr)
+        if sys.platform.startswith("linux") and os.geteuid() == 0:
+            for candidate in MODES[MODES.index(cap):-1]:
+                try:
+                    _run("pass", "", Limits(time_s=10), candidate)
+                    mode = candidate
+                    break
+                except SandboxError as e:
+                    print(f"distflow: the code sandbox cannot use {candidate} ({e})", file=sys.stderr)
+        if mode != MODES[0]:
+            print(f"distflow: the code sandbox runs programs in its {mode} mode (engines/sandbox.py says what "
+                  "that contains)", file=sys.stderr)
         _ISOLATION.append(mode)
     return _ISOLATION[0]
 
@@ -125,7 +143,7 @@ def bind_readonly(path, root, device=False):
     # MS_NODEV would make a bound device node (/dev/null) unopenable, so devices go without it
     mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | (0 if device else MS_NODEV))
 
-isolate, uid, root = spec["isolate"], spec["uid"], spec["root"]
+isolate, own_uid, uid, root = spec["mode"] == "namespaces", spec["mode"] != "limits", spec["uid"], spec["root"]
 if isolate:
     CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x4000000, 0x8000000, 0x20000000, 0x40000000
     check(libc.unshare(CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWPID | CLONE_NEWNET), "unshare")
@@ -145,6 +163,10 @@ if isolate:
 else:
     workdir = os.path.join(root, "sandbox")
     os.makedirs(workdir)
+    if own_uid:  # its folder is its own; the folders above it (root's, 0700) it may only pass through
+        os.chown(workdir, uid, uid)
+        for folder in (root, os.path.dirname(root)):
+            os.chmod(folder, 0o711)
 with open((root if isolate else "") + workdir + "/main.py", "wb") as f:
     f.write(program)
 
@@ -166,7 +188,6 @@ if isolate:
     check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
     os.chroot(root)
 os.chdir(workdir)
-own_uid = isolate  # root in its namespaces
 if own_uid:  # an unused uid: no access to anyone's private files, and a process cap of its own
     os.setgroups([])
     os.setgid(uid)
@@ -186,6 +207,11 @@ while True:  # PID 1 reaps every orphan until the program itself has ended
     pid, code = os.wait()
     if pid == child:
         break
+if own_uid and not isolate:  # what the program left running, in its own session too (no namespace ends it)
+    try:
+        os.kill(-1, signal.SIGKILL)  # every process of the uid but this one
+    except ProcessLookupError:
+        pass
 status.write(f"signal {-os.waitstatus_to_exitcode(code)}\n" if os.WIFSIGNALED(code)
              else f"exit {os.waitstatus_to_exitcode(code)}\n")
 status.flush()
@@ -263,22 +289,23 @@ def _held_uid() -> Iterator[int]:
 def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> Result:
     """Run `code` as a Python program in the sandbox with `stdin`; never raises for
     anything the program does."""
-    return _run(code, stdin, limits, isolation() == "namespaces")
+    return _run(code, stdin, limits, isolation())
 
 
-def _run(code: str, stdin: str, limits: Limits, isolate: bool) -> Result:
+def _run(code: str, stdin: str, limits: Limits, mode: str) -> Result:
     python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
     with _held_uid() as uid, tempfile.TemporaryDirectory(prefix=_folder_prefix(os.getpid()),
                                                           ignore_cleanup_errors=True) as tmp:
-        with open(os.path.join(tmp, "main.py"), "w") as f:
+        with open(os.path.join(tmp, "main.py"), "w", opener=_private) as f:
             f.write(code)
         os.makedirs(os.path.join(tmp, "root"))
-        files = {name: open(os.path.join(tmp, name), "w+b") for name in ("stdin", "stdout", "stderr", "status")}
+        files = {name: open(os.path.join(tmp, name), "w+b", opener=_private)
+                 for name in ("stdin", "stdout", "stderr", "status")}
         try:
             files["stdin"].write(stdin.encode())
             files["stdin"].seek(0)
             spec = {"program": os.path.join(tmp, "main.py"), "root": os.path.join(tmp, "root"), "python": python,
-                    "isolate": isolate, "binds": _binds(), "status_fd": files["status"].fileno(),
+                    "mode": mode, "binds": _binds(), "status_fd": files["status"].fileno(),
                     "uid": uid,
                     "cpu_s": int(limits.time_s) + 1, "guard": _GUARD} | asdict(limits)
             start = time.perf_counter()
@@ -292,6 +319,8 @@ def _run(code: str, stdin: str, limits: Limits, isolate: bool) -> Result:
             except subprocess.TimeoutExpired:
                 timed_out = True
             _kill_group(proc)  # also what a program that returned left running (a forked child)
+            if mode == "own-uid" and (timed_out or proc.returncode != 0):  # the launcher did not end them
+                _kill_uid(uid, python)
             seconds = time.perf_counter() - start
             out, err, status = (_read(files[n], limits.file_mb << 20) for n in ("stdout", "stderr", "status"))
         finally:
@@ -305,15 +334,39 @@ def _run(code: str, stdin: str, limits: Limits, isolate: bool) -> Result:
     return Result(_status(timed_out, status, err), _returncode(status), out, err, seconds)
 
 
+def _private(path: str, flags: int) -> int:
+    """Opens a file only root may read: in own-uid mode a program may pass through the
+    folders above its own, also another program's, and these names are known."""
+    return os.open(path, flags, 0o600)
+
+
 def _folder_prefix(pid: int) -> str:
     return f"distflow-sandbox-{pid}-"
 
 
 def remove_leftovers(pid: int) -> None:
     """The sandbox folders of process `pid`, which was killed while a program ran (its
-    sandboxes end with it: their parent-death signal; their folders stay behind)."""
+    sandboxes end with it: their parent-death signal; their folders stay behind), and,
+    as root, what the programs left running under its sandbox uids (in own-uid mode no
+    namespace's end takes a child that started its own session)."""
     for folder in Path(tempfile.gettempdir()).glob(_folder_prefix(pid) + "*"):
         shutil.rmtree(folder, ignore_errors=True)
+    if os.geteuid() == 0 and sys.platform.startswith("linux"):
+        python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+        for uid in set(sandbox_uids(pid)) & _uids_running():
+            _kill_uid(uid, python)
+
+
+def _uids_running() -> set[int]:
+    """The real uids of the processes running now (from /proc)."""
+    uids = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                uids.add(int(next(line.split()[1] for line in f if line.startswith("Uid:"))))
+        except (OSError, StopIteration):  # it ended meanwhile
+            continue
+    return uids
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -322,6 +375,22 @@ def _kill_group(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+
+
+_KILL_UID = """
+import os, signal, sys
+uid = int(sys.argv[1])
+os.setgroups([]); os.setgid(uid); os.setuid(uid)  # after start-up: this Python may be where uid cannot read
+try:
+    os.kill(-1, signal.SIGKILL)  # every process of the uid but this one
+except ProcessLookupError:
+    pass
+"""
+
+
+def _kill_uid(uid: int, python: str) -> None:
+    """Every process running as `uid` (a sandbox's: one program's at a time), in its own session too."""
+    subprocess.run([python, "-I", "-S", "-c", _KILL_UID, str(uid)], cwd="/", env={}, check=True, timeout=30)
 
 
 def _read(f, cap: int) -> str:

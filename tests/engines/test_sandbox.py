@@ -54,6 +54,19 @@ def _no_sandbox_processes_left(spawners: set[int], deadline_s: float = 5.0) -> b
     return not _sandbox_processes(spawners)
 
 
+def _ended(pid: int, deadline_s: float = 5.0) -> bool:
+    """Whether process `pid` is gone, or a zombie its new parent has not reaped yet."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def test_a_correct_program_passes_every_case_and_a_wrong_one_scores_its_fraction():
     assert code_score("codecontests", f"Here:\n```python\n{GOOD}```", ECHO_CASES) == 1.0
     assert code_score("codecontests", "print(5)", ECHO_CASES) == 0.5
@@ -214,6 +227,66 @@ def test_the_limits_only_mode_refuses_sockets_and_writes_outside_at_the_python_l
     assert killer.status == KILLED and killer.returncode == -9
 
 
+# own-uid mode runs Python as the program's uid, so that Python must be readable to anyone: this
+# machine's (under /root, 0700) is not, the system's is, as in the containers the mode is for
+SYSTEM_PYTHON = "/usr/bin/python3"
+OWN_UID_SCRIPT = """
+import ctypes, json, os, sys, time
+from distflow.engines import sandbox
+from distflow.engines.sandbox import Limits, run_python
+secret, limits = sys.argv[1], Limits(time_s=1.0, memory_mb=256, processes=16, file_mb=1)
+out = {"mode": sandbox.isolation(), "pid": os.getpid()}  # found by the probe, capped by DISTFLOW_SANDBOX
+out["uid"] = int(run_python("import os\\nprint(os.getuid())").stdout)
+# past the audit hook (ctypes), the kernel refuses: the file is root's, 0600
+out["read"] = run_python(f"import ctypes\\nprint(ctypes.CDLL(None).open({secret!r}.encode(), 0))").stdout.strip()
+out["write_own"] = run_python("open('out.txt', 'w').write('x')\\nprint(open('out.txt').read())").stdout.strip()
+# the input file two folders up (another program's alike; the program may pass through, /tmp lists the names)
+out["peek"] = run_python("import ctypes\\nprint(ctypes.CDLL(None).open(b'../../stdin', 0))").stdout.strip()
+bomb = "import os\\nwhile True:\\n    try:\\n        os.fork()\\n    except OSError:\\n        pass\\n"
+out["bomb"] = run_python(bomb, limits=limits).status
+escape = ("import os, sys, time\\nchild = os.fork()\\nif child == 0:\\n    os.setsid()\\n    time.sleep(60)\\n"
+          "    os._exit(0)\\nprint(child, flush=True)\\n")
+out["escaped"] = int(run_python(escape, limits=limits).stdout)  # returned, its child in its own session
+timed = run_python(escape + "time.sleep(60)\\n", limits=limits)  # cut by the wall clock
+out["escaped_timed_out"], out["timed_out"] = int(timed.stdout), timed.status
+out["good"] = run_python("print(sum(map(int, input().split())))", "2 3\\n").stdout.strip()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK), reason="needs root and a system Python")
+def test_own_uid_mode_as_root_without_namespaces_runs_the_program_as_its_uid_and_ends_what_it_leaves(tmp_path):
+    """Root where namespaces cannot be made (DISTFLOW_SANDBOX=own-uid stands for that
+    container): the program is an unused uid's, so the kernel keeps it from root's files
+    where ctypes gets past the audit hook; its processes are capped; what it leaves
+    running, in its own session too, ends with it."""
+    import subprocess
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the run's")
+    secret.chmod(0o600)
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([SYSTEM_PYTHON, "-c", OWN_UID_SCRIPT, str(secret)], capture_output=True, text=True,
+                          timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(repo),
+                                            "DISTFLOW_SANDBOX": "own-uid"})
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["mode"] == "own-uid" and out["uid"] in sandbox.sandbox_uids(out["pid"])
+    assert out["read"] == "-1" and out["peek"] == "-1" and out["write_own"] == "x" and out["good"] == "5"
+    assert out["bomb"] == TIMEOUT and out["timed_out"] == TIMEOUT
+    for child in (out["escaped"], out["escaped_timed_out"]):
+        assert _ended(child), child
+    assert _no_sandbox_processes_left({out["pid"]})
+
+
+def test_an_unknown_sandbox_mode_is_a_one_line_error(monkeypatch):
+    monkeypatch.setattr(sandbox, "_ISOLATION", [])
+    monkeypatch.setenv("DISTFLOW_SANDBOX", "none")
+    with pytest.raises(sandbox.SandboxError, match="DISTFLOW_SANDBOX='none': expected one of namespaces, own-uid, "
+                                                   "limits"):
+        sandbox.isolation()
+
+
 @needs_namespaces
 def test_hostile_programs_score_zero_through_the_reward_runner_and_scoring_goes_on(tmp_path):
     """The path a training run takes: the reward node calls RewardRunner, which calls the
@@ -243,13 +316,9 @@ def test_a_child_the_program_leaves_running_is_ended_with_it():
     """Without namespaces too (no root): a child the program forks and leaves behind is
     ended when the program returns (with them, the PID namespace's end ends it)."""
     forks = "import os, time\nchild = os.fork()\nif child == 0:\n    time.sleep(60)\n    os._exit(0)\nprint(child)\n"
-    result = sandbox._run(forks, "", LIMITS, False)
+    result = sandbox._run(forks, "", LIMITS, "limits")
     assert result.status == OK, result.stderr
-    child = int(result.stdout)
-    end = time.monotonic() + 5
-    while os.path.exists(f"/proc/{child}") and time.monotonic() < end:
-        time.sleep(0.05)
-    assert not os.path.exists(f"/proc/{child}")
+    assert _ended(int(result.stdout))
 
 
 @needs_namespaces
