@@ -66,10 +66,13 @@ def decode_image(entry: Any, max_pixels: int | None):
 
 class ImagePrompter:
     """Prompt text with `<image>` placeholders and its images -> PromptIds, with the
-    model folder's image processor and the vision token names of its config."""
+    model folder's image processor and the vision token names of its config. The pixels
+    are kept in `pixel_dtype`, the run's compute dtype: the vision tower casts them to
+    it before anything else (its patch embedding's first step, or autocast's), so bf16
+    keeps what the model sees in half the bytes."""
 
-    def __init__(self, processor, tokenizer, config):
-        self.processor = processor
+    def __init__(self, processor, tokenizer, config, pixel_dtype: torch.dtype = torch.float32):
+        self.processor, self.pixel_dtype = processor, pixel_dtype
         self.merge = int(getattr(processor, "merge_size", 1)) ** 2  # patches per image token
         # the values of one patch (RGB x frames x pixels): pixel_values' width
         self.patch_width = 3 * int(getattr(processor, "temporal_patch_size", 1)) * int(processor.patch_size) ** 2
@@ -92,7 +95,7 @@ class ImagePrompter:
             grid = inputs["image_grid_thw"].long()
             tokens = [self.start + self.pad * (int(g.prod()) // self.merge) + self.end for g in grid]
             text = pieces[0] + "".join(t + p for t, p in zip(tokens, pieces[1:]))
-            out.pixel_values, out.image_grid_thw = inputs["pixel_values"].float(), grid
+            out.pixel_values, out.image_grid_thw = inputs["pixel_values"].to(self.pixel_dtype), grid
         out.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
         return out
 
@@ -104,15 +107,16 @@ def vision_token_ids(config) -> list[int]:
     return sorted({getattr(config, n) for n in names if getattr(config, n, None) is not None})
 
 
-def image_fields(prompts: list[list[int]], patch_width: int | None = None) -> dict[str, torch.Tensor]:
+def image_fields(prompts: list[list[int]], patch_width: int | None = None,
+                 pixel_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """The batch fields of the prompts' images, padded per sample. Where none has any:
     {}, or with `patch_width` (a vision-language run's, whose every batch carries the
-    fields) one all-zero padding image per sample."""
+    fields) one all-zero padding image per sample, in `pixel_dtype`."""
     with_images = [p for p in prompts if getattr(p, "pixel_values", None) is not None]
     if not with_images and patch_width is None:
         return {}
     features = with_images[0].pixel_values.shape[1] if with_images else patch_width
-    dtype = with_images[0].pixel_values.dtype if with_images else torch.float32
+    dtype = with_images[0].pixel_values.dtype if with_images else pixel_dtype
     patches = max((p.pixel_values.shape[0] for p in with_images), default=1)
     images = max((p.image_grid_thw.shape[0] for p in with_images), default=1)
     pixels = torch.zeros((len(prompts), patches, features), dtype=dtype)

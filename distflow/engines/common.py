@@ -143,9 +143,10 @@ def check_vision_model(path: str) -> None:
                          f"{', '.join(missing)}; images are fed to the Qwen2-VL family's (Qwen2-VL, Qwen2.5-VL)")
 
 
-def load_image_prompter(path: str, tokenizer) -> ImagePrompter | None:
-    """The model folder's image processor as an ImagePrompter; None for a text-only model.
-    A LoRA checkpoint holds the processor; its model config is its base's."""
+def load_image_prompter(path: str, tokenizer, dtype: str = "float32") -> ImagePrompter | None:
+    """The model folder's image processor as an ImagePrompter keeping pixels in `dtype`
+    (model.dtype); None for a text-only model. A LoRA checkpoint holds the processor; its
+    model config is its base's."""
     if not takes_images(path):
         return None
     from transformers import AutoConfig, AutoImageProcessor
@@ -153,7 +154,7 @@ def load_image_prompter(path: str, tokenizer) -> ImagePrompter | None:
     folder = resolve_model_path(path)
     quiet_transformers()
     return ImagePrompter(AutoImageProcessor.from_pretrained(folder), tokenizer,
-                         AutoConfig.from_pretrained(_config_folder(folder)))
+                         AutoConfig.from_pretrained(_config_folder(folder)), getattr(torch, dtype))
 
 
 def first_of_tied(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -105,7 +105,7 @@ class PromptSource:
         self.sampler = ShardedSampler(len(self.rows), cfg.data.train_batch_size, layout.dp_rank(rank),
                                       layout.dp_size, cfg.trainer.seed)
         self.prefetch_tokenizer = load_tokenizer(cfg.model.path)
-        self.images = load_image_prompter(cfg.model.path, self.prefetch_tokenizer)  # a VLM's image processor
+        self.images = load_image_prompter(cfg.model.path, self.prefetch_tokenizer, cfg.model.dtype)  # a VLM's
         self.tools = prompt_tools(cfg)
         self.counts: dict[int, Counter] = defaultdict(Counter)  # step -> skipped rows, truncated prompts
         self.lock = threading.Lock()
@@ -124,7 +124,7 @@ class PromptSource:
         rows = [(offset + pos, (sampler.epoch_of(step, pos), refill_round), row, ids)
                 for (pos, _), (row, ids) in zip(positions, taken)]
         share = (self.layout.tp_rank(self.rank), self.layout.tp_size)
-        return nodes.source_batch(rows, self.cfg, self.pad_id, share, self.images.patch_width if self.images else None)
+        return nodes.source_batch(rows, self.cfg, self.pad_id, share, self.images)
 
     def prepare(self, step: int) -> Batch:
         """The step's prompts, tokenised."""
@@ -632,7 +632,8 @@ def run_eval_worker(cfg_dict: dict, report_path: str, k: int) -> dict | None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     device = worker_device(cfg)
     tokenizer = load_tokenizer(cfg.model.path)
-    taken, chosen = heldout_rows(cfg, tokenizer, load_image_prompter(cfg.model.path, tokenizer), rank, world)
+    taken, chosen = heldout_rows(cfg, tokenizer, load_image_prompter(cfg.model.path, tokenizer, cfg.model.dtype),
+                                 rank, world)
     engine = make_rollout_engine(cfg, cfg.model.path, tokenizer, device, actor=None)
     episodes = make_episode_runner(cfg, engine, tokenizer)
     reward_fn, accuracy_fn = make_reward_runners(cfg, device)

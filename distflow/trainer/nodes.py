@@ -90,19 +90,20 @@ def encode_prompt(tokenizer, row: PromptRow, images: ImagePrompter | None = None
 
 
 def source_batch(rows: list[tuple[int, tuple[int, int], PromptRow, list[int]]], cfg: Config, pad_id: int,
-                 share: tuple[int, int] = (0, 1), patch_width: int | None = None) -> Batch:
+                 share: tuple[int, int] = (0, 1), images: ImagePrompter | None = None) -> Batch:
     """The step's source fields for this worker (pure CPU work, so it is prefetched):
     `rows` are (position in the step's global batch, draw, row, prompt ids) of its rollout
     replica, the draw being (epoch, refill round) of the position; with a TP group of
-    size t, member j takes every t-th of the replica's sequences (`share`). `patch_width`:
-    a vision-language run's, whose batches carry the image fields even where no row here
-    has an image."""
+    size t, member j takes every t-th of the replica's sequences (`share`). `images`: a
+    vision-language run's prompter, whose batches carry the image fields even where no
+    row here has an image."""
     n, (member, size), mini = cfg.algorithm.group_size, share, cfg.actor.ppo_mini_batch_size
     seqs = [_Sequence(pos, draw, row, ids, k) for pos, draw, row, ids in rows for k in range(n)][member::size]
     if not seqs:
         return Batch()
     prompts, mask = left_pad([s.ids for s in seqs], pad_id)
-    return Batch({"prompts": prompts, "prompt_mask": mask, **image_fields([s.ids for s in seqs], patch_width),
+    blank_image = (images.patch_width, images.pixel_dtype) if images else ()  # the fields' shape without an image
+    return Batch({"prompts": prompts, "prompt_mask": mask, **image_fields([s.ids for s in seqs], *blank_image),
                   "group": torch.tensor([s.pos for s in seqs]),
                   "mini_batch": torch.tensor([(s.pos % cfg.data.train_batch_size) // mini for s in seqs])},
                  {"sample_id": [s.pos * n + s.k for s in seqs], "sample_k": [s.k for s in seqs],

@@ -1,6 +1,7 @@
 """The vision-language path on a Qwen2-VL built in code: images reach generation and the
 scoring forward the same way, and sampling stays placement-invariant."""
 
+import copy
 import json
 from pathlib import Path
 
@@ -72,6 +73,39 @@ def test_generation_and_scoring_agree_on_image_prompts(vlm):
         swapped, _ = forward_response(model, ids[:1], mask[:1], out["responses"][:1], out["response_mask"][:1],
                                       images=image_fields(other))
     assert not torch.allclose(swapped, log_probs[:1], atol=1e-4)
+
+
+def test_a_bf16_run_keeps_pixels_in_bf16_and_its_forwards_see_the_same_values(vlm):
+    """model.dtype=bfloat16: the vision tower casts the pixels to bf16 before anything else,
+    on bf16 weights (the rollout, FSDP2's gathered weights) and under autocast (DDP, one
+    worker, the reference) alike, so keeping them in bf16 changes no logit."""
+    from distflow.config import load_config
+    from distflow.data.dataset import PromptRow
+    from distflow.data.images import model_inputs
+    from distflow.engines.common import computing_in
+    from distflow.trainer.nodes import source_batch
+
+    tokenizer, model, prompter = vlm
+    half = ImagePrompter(prompter.processor, tokenizer, model.config, pixel_dtype=torch.bfloat16)
+    problems = dots.generate("test", 2)
+    full, kept = _prompts(tokenizer, prompter, problems), _prompts(tokenizer, half, problems)
+    assert kept[0].pixel_values.dtype == torch.bfloat16 and [list(p) for p in kept] == [list(p) for p in full]
+    ids, _ = left_pad(full, tokenizer.pad_token_id)
+
+    def logits(m, prompts):
+        with torch.no_grad():
+            return m(input_ids=ids, **model_inputs(image_fields(prompts), ids, model.config.image_token_id)).logits
+
+    with computing_in(torch.bfloat16, torch.device("cpu")):
+        assert torch.equal(logits(model, full), logits(model, kept))
+    weights_in_bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    assert torch.equal(logits(weights_in_bf16, full), logits(weights_in_bf16, kept))
+    assert not torch.equal(logits(model, full), logits(model, kept))  # in fp32 the rounding would show
+    # a batch whose rows have no image carries a blank one in the run's dtype
+    text = tokenizer("How many dots?\nA: ", add_special_tokens=False)["input_ids"]
+    row = PromptRow(0, [{"role": "user", "content": "How many dots?"}], "3", "text")
+    batch = source_batch([(0, (0, 0), row, text)], load_config(None, ["algorithm.group_size=2"]), 0, images=half)
+    assert batch["pixel_values"].dtype == torch.bfloat16
 
 
 def test_a_chunked_output_head_scores_and_trains_on_image_prompts_like_the_whole_logits(vlm):
@@ -333,5 +367,5 @@ def test_text_only_rows_of_a_vlm_run_generate_after_image_rows_and_carry_image_f
     assert out["responses"].shape == (2, 6)
     row = PromptRow(0, [{"role": "user", "content": "How many dots?"}], "3", "text")
     batch = source_batch([(0, (0, 0), row, text)], load_config(None, ["algorithm.group_size=2"]), 0,
-                         patch_width=prompter.patch_width)
+                         images=prompter)
     assert batch["pixel_values"].shape == (2, 1, 1176) and not batch["image_grid_thw"].any()

@@ -46,8 +46,8 @@ def runs(tmp_path_factory) -> dict:
                               "lora1": [*LORA, "trainer.save_final=true"], "ppo1": PPO, "turns1": turns},
                              1, base, COMMON)
     resume = f"trainer.resume={folders['half'] / 'checkpoints' / 'final'}"
-    return folders | distflow_sweep({"w2": [], "resumed": [resume], "lora2": LORA, "ppo2": PPO, "turns2": turns},
-                                    2, base, COMMON)
+    return folders | distflow_sweep({"w2": [], "resumed": [resume], "lora2": LORA, "ppo2": PPO, "turns2": turns,
+                                     "bf16": ["model.dtype=bfloat16"]}, 2, base, COMMON)
 
 
 def _same_run(one: list[dict], two: list[dict]) -> None:
@@ -64,6 +64,13 @@ def _same_run(one: list[dict], two: list[dict]) -> None:
 
 def test_images_train_alike_on_one_and_two_workers(runs):
     _same_run(run_metrics(runs["w1"]), run_metrics(runs["w2"]))
+
+
+def test_a_bf16_vlm_run_carries_its_pixels_in_half_the_bytes(runs):
+    fp32, bf16 = run_metrics(runs["w2"]), run_metrics(runs["bf16"])
+    assert [r["step"] for r in bf16] == [0, 1, 2] and all(r["actor/grad_norm"] > 0 for r in bf16[1:])
+    for a, b in zip(fp32[1:], bf16[1:]):  # the same images each step; the grids' few bytes stay int64
+        assert b["images/batch_bytes"] == pytest.approx(a["images/batch_bytes"] / 2, rel=0.01)
 
 
 def test_a_vlm_checkpoint_resumes_like_an_uninterrupted_run(runs):
