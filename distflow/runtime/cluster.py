@@ -257,9 +257,9 @@ class EmulatedCluster:
         finally:
             signal.signal(signal.SIGTERM, self._previous)
 
-    def run(self, host: int, cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
-        """Run `cmd` inside host `host` with the cluster's environment."""
-        return subprocess.run(in_host(self.spec, host, cmd), env=ray_env(self.spec), **kwargs)
+    def run(self, host: int, cmd: list[str], env: dict[str, str] | None = None, **kwargs) -> subprocess.CompletedProcess:
+        """Run `cmd` inside host `host` with the cluster's environment and `env`."""
+        return subprocess.run(in_host(self.spec, host, cmd), env=ray_env(self.spec) | (env or {}), **kwargs)
 
 
 # ---------------------------------------------------------------------------- command line

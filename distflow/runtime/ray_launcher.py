@@ -26,6 +26,19 @@ from distflow.runtime.process_group import WORKER_ENV, free_port, run_in_group
 _MAX_RAY_TEMP_LEN = 40
 
 
+# What a cluster's workers take from the launcher's environment (a local Ray's inherit all of
+# it): where the user's modules and the models are, and the settings of the libraries the
+# workers run (rank 0 logs to W&B or MLflow from its node). Networking (NCCL_*, GLOO_*) is
+# each node's own, as `ray start` set it there.
+FORWARDED_ENV_PREFIXES = ("HF_", "TRANSFORMERS_", "TORCH_", "VLLM_", "WANDB_", "MLFLOW_", "DISTFLOW_")
+FORWARDED_ENV_NAMES = ("PYTHONPATH", "CUDA_LAUNCH_BLOCKING")
+
+
+def forwarded_env(environ: dict[str, str]) -> dict[str, str]:
+    """The variables of `environ` that a cluster's workers are given (the launcher's)."""
+    return {k: v for k, v in environ.items() if k.startswith(FORWARDED_ENV_PREFIXES) or k in FORWARDED_ENV_NAMES}
+
+
 class WorkerFailed(RuntimeError):
     pass
 
@@ -122,8 +135,8 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
     relay = driver = None
     # A local Ray instance and its workers inherit this process's environment, so the
     # workers' variables are set here for the launch (a runtime_env would keep Ray from
-    # using the workers it prestarts: a slower start); a cluster's workers get them
-    # through Ray's runtime_env.
+    # using the workers it prestarts: a slower start); a cluster's workers get them, and
+    # the launcher's `forwarded_env`, through Ray's runtime_env.
     worker_env = WORKER_ENV | env
     set_here = worker_env if ray_address is None else env
     before = {k: os.environ.get(k) for k in set_here}
@@ -135,7 +148,7 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
                      _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False)
         else:
             ray.init(address=ray_address, _node_ip_address=check_ray_address(ray_address), log_to_driver=True,
-                     configure_logging=False, runtime_env={"env_vars": worker_env})
+                     configure_logging=False, runtime_env={"env_vars": forwarded_env(dict(os.environ)) | worker_env})
             slots = int(ray.available_resources().get("CPU", 0))
             if slots < num_workers:
                 raise ClusterTooSmall(f"runtime.num_workers={num_workers}: the Ray cluster at {ray_address} has "

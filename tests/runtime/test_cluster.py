@@ -91,7 +91,8 @@ def score(data_source, solution_str, ground_truth, extra_info=None):
     if not path.exists():  # from the worker's reward process: which host is this?
         interfaces = [line.split(":")[0].strip() for line in open("/proc/net/dev").readlines()[2:]]
         path.write_text(json.dumps({"netns": os.readlink("/proc/self/ns/net"), "interfaces": interfaces,
-                                    "gloo": os.environ.get("GLOO_SOCKET_IFNAME")}))
+                                    "gloo": os.environ.get("GLOO_SOCKET_IFNAME"),
+                                    "wandb_mode": os.environ.get("WANDB_MODE")}))
     return default_compute_score(data_source, solution_str, ground_truth, extra_info)
 """
 
@@ -100,14 +101,15 @@ def score(data_source, solution_str, ground_truth, extra_info=None):
 @pytest.mark.slow
 def test_a_run_on_a_ray_cluster_across_hosts_places_one_worker_per_host(tmp_path):
     spec = ClusterSpec(hosts=3, rate_mbit=400, name="dfe")
-    (tmp_path / "probe.py").write_text(PROBE)
+    (tmp_path / "probe.py").write_text(PROBE)  # a module on the launcher's PYTHONPATH, not the nodes'
     out = tmp_path / "run"
     with EmulatedCluster(spec) as c:
         proc = c.run(0, [sys.executable, "-m", "distflow.cli", "train", f"runtime.ray_address={spec.ray_address}",
                          "runtime.num_workers=2", "trainer.total_steps=1", "data.train_batch_size=4",
                          "actor.ppo_mini_batch_size=4", "algorithm.group_size=4", "data.val_max_samples=4",
                          "rollout.max_new_tokens=16", "trainer.progress=false", "trainer.save_final=false",
-                         f"reward.custom_fn={tmp_path / 'probe.py'}:score", f"trainer.output_dir={out}"],
+                         "reward.custom_fn=probe:score", f"trainer.output_dir={out}"],
+                     env={"PYTHONPATH": str(tmp_path), "WANDB_MODE": "offline"},
                      capture_output=True, text=True, timeout=400, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-4000:]
         # the data-plane benchmark on the same cluster: the driver's link carries the batch, the coordinator's don't
@@ -143,6 +145,7 @@ def test_a_run_on_a_ray_cluster_across_hosts_places_one_worker_per_host(tmp_path
     assert len(probes) == 2 and len({p["netns"] for p in probes}) == 2
     assert all(p["interfaces"] == ["lo", "eth0"] or sorted(p["interfaces"]) == ["eth0", "lo"] for p in probes)
     assert all(p["gloo"] == "eth0" for p in probes)
+    assert all(p["wandb_mode"] == "offline" for p in probes)  # the launcher's, as its PYTHONPATH that found probe
     for r in bench.values():
         assert r["where"] == "cluster" and r["num_hosts"] == 3 and r["wire_floor_seconds"] > 0 and r["seconds"] > 0
     central, coordinator = bench["centralized-zerocopy"], bench["coordinator"]
