@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
 import importlib.util
 import json
 import os
@@ -55,8 +56,9 @@ def _fail(message: str, code: int = EXIT_USAGE) -> int:
 
 def new_run_dir(cfg: Config) -> Path:
     """trainer.output_dir, or a new folder runs/<date-time>-<algorithm>[-<n>] (two runs
-    started in the same second get their own). Where a worker was when an earlier launch in
-    the folder stopped (status/) is cleared: this launch's failures name its own stages."""
+    started in the same second get their own), held by this process (`hold_run_folder`).
+    Where a worker was when an earlier launch in the folder stopped (status/) is cleared:
+    this launch's failures name its own stages."""
     if cfg.trainer.output_dir:
         path = Path(cfg.trainer.output_dir).expanduser()
         path.mkdir(parents=True, exist_ok=True)
@@ -71,8 +73,40 @@ def new_run_dir(cfg: Config) -> Path:
             except FileExistsError:
                 n += 1
                 path = stem.with_name(f"{stem.name}-{n}")
+    path = path.resolve()
+    hold_run_folder(path)
     shutil.rmtree(path / "status", ignore_errors=True)
-    return path.resolve()
+    return path
+
+
+_HELD_FOLDERS: dict[str, object] = {}  # run folder -> its open lock file, held until this process exits
+HELD_FOLDER_ENV = "DISTFLOW_HELD_RUN_FOLDER"  # the folder a launcher holds, for the workers it starts itself
+
+
+def hold_run_folder(path: Path) -> None:
+    """A lock on `path` (flock on its .lock file, which names the holder's pid) for as long
+    as this process runs: a second launch into the folder while one runs there (a
+    scheduler's retry, a double submit) would write the same checkpoints and metrics, and
+    is refused in one line. Taken once per process; not again by the workers of a
+    launcher that holds it (torchrun's, told through the environment)."""
+    key = str(path)
+    if key in _HELD_FOLDERS or os.environ.get(HELD_FOLDER_ENV) == key:
+        return
+    lock = open(path / ".lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        raise ConfigError(f"trainer.output_dir={path}: another launch (pid {holder}) is running in this folder; "
+                          "wait for it to end, or choose another folder") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    _HELD_FOLDERS[key] = lock
+    os.environ[HELD_FOLDER_ENV] = key
 
 
 def record_config(run_dir: Path, cfg: Config) -> None:
@@ -284,9 +318,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
             make_wire(cfg.runtime.centralized_wire)  # verl's wires need verl here
         _check_cluster(cfg)
-    except ValueError as e:  # ConfigError, GraphError
+        run_dir = new_run_dir(cfg)
+    except ValueError as e:  # ConfigError, GraphError; a run folder another launch holds
         return _fail(str(e))
-    run_dir = new_run_dir(cfg)
     cfg.trainer.output_dir = str(run_dir)
     record_config(run_dir, cfg)
     print(f"distflow: run folder {run_dir}", file=sys.stderr)
@@ -381,7 +415,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return code
     if cfg.trainer.output_dir is None:
         cfg.trainer.output_dir = str(Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-eval")
-    run_dir = new_run_dir(cfg)
+    try:
+        run_dir = new_run_dir(cfg)
+    except ConfigError as e:  # a folder another launch holds
+        return _fail(str(e))
     cfg.trainer.output_dir = str(run_dir)
     report = run_dir / "eval.json"
     if cfg.runtime.launcher == "torchrun":

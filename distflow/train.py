@@ -56,14 +56,23 @@ def main(argv: list[str] | None = None) -> int:
         for cfg in configs:
             if code := _refused_inputs(cfg, rank):  # checked when its turn comes: it may resume an earlier run's
                 return code
-            holder = [str(new_run_dir(cfg)) if rank == 0 else None]
+            holder = [_run_folder(cfg, new_run_dir) if rank == 0 else None]
             dist.broadcast_object_list(holder, src=0)  # one folder for all ranks
+            if isinstance(holder[0], ConfigError):  # another launch holds it: every rank stops
+                return _refused(holder[0], rank)
             cfg.trainer.output_dir = holder[0]
             summary = run_worker(cfg.to_dict(), holder[0], progress=cfg.trainer.progress)
             if rank == 0:
                 print(f"heldout_accuracy_initial={summary['heldout_accuracy_initial']:.3f} "
                       f"heldout_accuracy_final={summary['heldout_accuracy_final']:.3f} run folder: {holder[0]}")
     return 0
+
+
+def _run_folder(cfg, new_run_dir) -> str | ConfigError:
+    try:
+        return str(new_run_dir(cfg))
+    except ConfigError as e:
+        return e
 
 
 def _refused(error: Exception, rank: int) -> int:

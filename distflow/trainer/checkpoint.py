@@ -85,7 +85,8 @@ def save(path: Path, *, hf_skeleton, tokenizer, actor, critic, step: int, loader
     rngs = all_gather_objects(_rng_states())  # a few KB between our own workers
     if _rank() == 0:
         tmp = path.with_name(path.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in path.parent.glob("*.tmp"):  # what a crashed write left (a full disk's): before this one's
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
         if is_lora(actor.module):  # the adapter alone (its config names the base folder)
             actor.module.save_pretrained(tmp, safe_serialization=True)
@@ -154,15 +155,16 @@ def _sync(folder: Path) -> None:
 
 
 def _prune(folder: Path, keep_last: int) -> None:
-    """After a complete save: drop what crashed writes left (`*.tmp`, and checkpoints
-    left aside by a crash while being replaced: the one just saved is newer) and, with
-    keep_last > 0, all but the newest `keep_last` complete `step_*` checkpoints."""
-    for stale in [*folder.glob("*.tmp"), *folder.glob(f"*{_ASIDE}")]:
+    """After a complete save: drop the checkpoints a crash left aside while they were
+    being replaced (the one just saved is newer) and, with keep_last > 0, all but the
+    newest `keep_last` readable `step_*` checkpoints."""
+    for stale in folder.glob(f"*{_ASIDE}"):
         shutil.rmtree(stale, ignore_errors=True)
     if keep_last <= 0:
         return
-    steps = sorted((int(m.group(1)), p) for p in folder.iterdir()
-                   if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file())
+    # by the step their state file records; one whose state cannot be read is not counted (nor removed), so it
+    # cannot push out the good ones
+    steps = sorted((state["step"], p) for p, state in _checkpoints(folder) if _STEP_DIR.match(p.name))
     for _, old in steps[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
 

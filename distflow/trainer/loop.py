@@ -368,6 +368,8 @@ class Trainer:
         self.start_step, self.history, self.bad_steps, self.wall_before = 0, [], 0, 0.0
         if self.resume_from is not None:
             self._resume(self.resume_from)
+        elif self.rank == 0:
+            self._start_afresh()
         # last, so that a run that failed to start leaves no tracker run open
         self.trackers = Trackers(cfg, run_dir, self.rank,  # TensorBoard, W&B, MLflow (trainer.logger)
                                  resumed=self.resume_from is not None)
@@ -386,6 +388,21 @@ class Trainer:
     def _trained(self, model):
         """A model to train (policy or critic), without dropout unless model.disable_dropout=false."""
         return without_dropout(model) if self.cfg.model.disable_dropout else model
+
+    def _start_afresh(self) -> None:
+        """A run that starts at step 0 in a folder an earlier run used (trainer.resume=off, or
+        one that stopped before its first checkpoint) does not mix with it: the earlier
+        checkpoints move to `checkpoints-abandoned/` (else `resume=auto` and `keep_last`
+        would take them for this run's), its metrics file becomes `metrics-<n>.jsonl`."""
+        for moved in checkpoint.set_aside_newer(self.run_dir / "checkpoints", 0):
+            print(f"distflow: starting at step 0: the earlier run's checkpoint {moved.name} in this folder is set "
+                  f"aside in {moved.parent}", file=sys.stderr)
+        metrics = self.run_dir / "metrics.jsonl"
+        if metrics.exists():
+            earlier = self.run_dir / f"metrics-{1 + len(list(self.run_dir.glob('metrics-*.jsonl')))}.jsonl"
+            metrics.rename(earlier)
+            print(f"distflow: starting at step 0: the earlier run's metrics are kept as {earlier.name}", file=sys.stderr)
+        (self.run_dir / "summary.json").unlink(missing_ok=True)
 
     def _resume(self, path: Path) -> None:
         """Optimizer, critic, RNG, dataloader position, the metrics so far and the run of

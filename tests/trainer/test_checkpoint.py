@@ -48,6 +48,7 @@ def test_optimizer_and_rng_state_round_trip(tmp_path, random_model_dir):
     actor.optimizer.step()
     before = {k: {n: v.clone() for n, v in s.items()} for k, s in actor.optimizer.state.items()}
     rng = torch.get_rng_state()
+    (tmp_path / "step_0.tmp").mkdir()  # a write that crashed (a full disk): gone before this one is written
     checkpoint.save(tmp_path / "step_1", hf_skeleton=actor.model, tokenizer=AutoTokenizer.from_pretrained(random_model_dir),
                     actor=actor, critic=None, step=1, loader_state={"epoch": 0, "offset": 4}, metrics_file=None,
                     keep_last=0)
@@ -122,10 +123,13 @@ def test_latest_ignores_incomplete_folders_and_prune_keeps_the_newest(tmp_path, 
     (tmp_path / "step_7" / checkpoint.STATE_FILE).write_text("")
     assert checkpoint.latest(tmp_path) == tmp_path / "step_6"
     assert "skipping checkpoint" in capsys.readouterr().err
-    shutil.rmtree(tmp_path / "step_7")
+    (tmp_path / "step_70").mkdir()  # unreadable too, and named newer: it must not push out the good ones
+    (tmp_path / "step_70" / checkpoint.STATE_FILE).write_text("{")
     checkpoint._prune(tmp_path, keep_last=2)
-    # the half-written folder goes; a folder that is not a checkpoint is not counted or touched
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_10", "step_4", "step_6"]
+    # a folder that is not a checkpoint, or whose state cannot be read, is not counted or touched (nor the one
+    # being written: `save` removes what crashed writes left before it writes)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_10", "step_4", "step_6", "step_7", "step_70",
+                                                          "step_8.tmp"]
     with pytest.raises(checkpoint.CheckpointError, match="trainer.resume='/nowhere': no complete checkpoint"):
         checkpoint.resolve("/nowhere", tmp_path)
     assert checkpoint.resolve("off", tmp_path) is None
@@ -174,6 +178,16 @@ def test_killed_while_checkpointing_then_resumed_matches_an_uninterrupted_run(tm
     assert sorted(p.name for p in (run / "checkpoints-abandoned").iterdir()) == ["final"]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["final", "step_2"]
     assert [_untimed(r) for r in _metrics(run)] == [_untimed(r) for r in uninterrupted]
+    # started afresh in the folder (trainer.resume=off): the earlier run's checkpoints and metrics are set aside,
+    # not mixed with this run's (a later resume=auto took its `final` at step 3 and trained nothing)
+    proc = _train([f"trainer.output_dir={run}", "trainer.save_every=1", "trainer.keep_last=1", "trainer.resume=off",
+                   "trainer.total_steps=1"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in _metrics(run)] == [0, 1]
+    assert [_untimed(json.loads(line)) for line in (run / "metrics-1.jsonl").read_text().splitlines()] == \
+        [_untimed(r) for r in uninterrupted]
+    assert sorted(p.name for p in (run / "checkpoints-abandoned").iterdir()) == ["final", "final+", "step_2"]
+    assert checkpoint.read_state(checkpoint.latest(run / "checkpoints"))["step"] == 1
 
 
 @pytest.mark.slow

@@ -101,6 +101,41 @@ def test_runs_started_in_the_same_second_get_their_own_folders_and_a_relaunch_fo
     assert not (folders[0] / "status").exists()  # a failure of this launch names its own stages
 
 
+def test_a_second_launch_into_a_run_folder_that_one_holds_is_refused_in_one_line(tmp_path, capsys):
+    """A scheduler's retry while the first launch still runs would write the same
+    checkpoints and metrics: the folder is held (flock) by the launch that runs in it."""
+    import subprocess
+    import sys
+
+    from distflow import cli
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom pathlib import Path\n"
+                               "from distflow.cli import hold_run_folder\nhold_run_folder(Path(sys.argv[1]))\n"
+                               "print('held', flush=True)\ntime.sleep(60)", str(folder)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        refusal = (f"distflow: error: trainer.output_dir={folder}: another launch (pid {holder.pid}) is running "
+                   "in this folder; wait for it to end, or choose another folder")
+        assert cli.main(["train", "runtime.network=host", f"trainer.output_dir={folder}"]) == 2
+        assert capsys.readouterr().err.strip() == refusal
+        from distflow.runtime.process_group import free_port
+
+        worker = subprocess.run([sys.executable, "-m", "distflow.train", f"trainer.output_dir={folder}"],
+                                capture_output=True, text=True, timeout=120,
+                                env=dict(os.environ, MASTER_PORT=str(free_port())))
+        assert worker.returncode == 2 and worker.stderr.strip() == refusal  # torchrun's workers (one here) alike
+        assert not (folder / "config.json").exists()
+    finally:
+        holder.kill()
+        holder.wait(10)
+    cli.hold_run_folder(folder)  # free once its launch ended; held again by the same process: nothing to do
+    cli.hold_run_folder(folder)
+    assert (folder / ".lock").read_text().strip() == str(os.getpid())
+
+
 def test_launch_settings_that_need_the_host_are_not_refused_or_isolated(monkeypatch):
     from distflow import cli
     from distflow.config import load_config
