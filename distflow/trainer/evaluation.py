@@ -59,7 +59,7 @@ def _add(tally: Tally, name: str, value: float) -> None:
 def _scored(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[list[int]], seeds, params,
             reward_fn: RewardRunner, accuracy_fn: RewardRunner, episodes: EpisodeRunner | None,
             reward_field: str | None) -> tuple[torch.Tensor, ...]:
-    """(rewards (B,), correct (B,), response lengths (B,), ended with EOS (B,), failed (B,))
+    """(rewards (B,), correct (B,), response lengths (B,), ended with a stop token (B,), failed (B,))
     of one generation (multi-turn episodes or an agent's samples with `episodes`; failed: its
     environment or agent raised); the rewards are the rollout's `reward_field` where the run
     takes them from the rollout."""
@@ -84,7 +84,7 @@ def _scored(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[l
     # ended: the last generated token is the end of sequence (an earlier turn's end does not end an episode
     # whose last turn was cut; padding after the response is not the model's)
     last = (mask.cumsum(-1) == lengths.unsqueeze(-1)) & mask.bool()
-    ended = ((out["responses"] == tokenizer.eos_token_id) & last).any(-1)
+    ended = (torch.isin(out["responses"], torch.tensor(engine.stop_token_ids)) & last).any(-1)
     failed = next((out[f] for f in FAILED_EPISODE_FIELDS if f in out), torch.zeros(len(rows)))
     return rewards, correct, lengths, ended, failed
 

@@ -83,10 +83,49 @@ def test_greedy_matches_plain_hf_generate(random_model_dir):
         assert torch.equal(out["responses"][i, :n], ref[:n])
 
 
-def test_response_mask_stops_after_first_eos():
-    eos = 2
+def test_response_mask_stops_after_the_first_stop_token():
+    eos, end_of_turn = 2, 8
     resp = torch.tensor([[5, 6, eos, 0, 0], [5, eos, 7, eos, 0], [5, 6, 7, 8, 9]])
-    assert response_mask_from(resp, eos).tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert response_mask_from(resp, [eos]).tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert response_mask_from(resp, [eos, end_of_turn]).tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0],
+                                                                      [1, 1, 1, 1, 0]]
+
+
+def test_the_models_own_generation_config_does_not_change_what_is_sampled(random_model_dir):
+    """Fields of the model's generation_config that HF turns into logits processors ahead
+    of ours (suppressed tokens, a forced EOS, a minimum length) leave the samples and their
+    log-probs as the policy's (as vLLM with generation_config="vllm")."""
+    engine, tok = _engine(random_model_dir)
+    prompts = _prompts(tok, ["Ann has 3 pens.\nA: ", "Q\nA: "])
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    plain = engine.generate(prompts, [1, 2], params)
+    own = engine.model.generation_config
+    own.suppress_tokens, own.forced_eos_token_id = [int(plain["responses"][0, 0])], tok.eos_token_id
+    own.min_length = 64
+    out = engine.generate(prompts, [1, 2], params)
+    assert torch.equal(out["responses"], plain["responses"])
+    assert torch.equal(out["rollout_log_probs"], plain["rollout_log_probs"])
+    assert engine.model.generation_config is own and own.min_length == 64  # the model's own config is kept
+
+
+def test_an_end_of_turn_the_generation_config_names_ends_a_response(random_model_dir):
+    """An instruct model whose end of turn is not its tokenizer's EOS (Gemma's
+    <end_of_turn>, Llama-3's <|eot_id|>) lists it in generation_config.eos_token_id: the
+    response ends there, as HF's and vLLM's own generation stop, not at the budget."""
+    engine, tok = _engine(random_model_dir)
+    prompts = _prompts(tok, ["Ann has 3 pens.\nA: ", "Q\nA: "])
+    params = SamplingParams(max_new_tokens=10, greedy=True)
+    free = engine.generate(prompts, None, params)
+    end_of_turn = int(free["responses"][0, 3])  # the fourth token the model writes: an end of turn from now on
+    assert end_of_turn != tok.eos_token_id
+    engine.model.generation_config.eos_token_id = [tok.eos_token_id, end_of_turn]
+    engine = HFRolloutEngine(engine.model, tok)
+    assert engine.stop_token_ids == (tok.eos_token_id, end_of_turn)
+    out = engine.generate(prompts, None, params)
+    first = (free["responses"][0] == end_of_turn).nonzero()[0, 0]
+    assert out["response_mask"][0].sum() == first + 1 and torch.equal(out["responses"][0, :first + 1],
+                                                                        free["responses"][0, :first + 1])
+    assert (out["responses"][0, first + 1:] == tok.pad_token_id).all()
 
 
 def test_log_probs_with_left_padding_match_unpadded(random_model_dir):

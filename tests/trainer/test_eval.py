@@ -27,6 +27,7 @@ class ScriptedEngine:
 
     def __init__(self, tokenizer, greedy: list[str], sampled: list[list[str]]):
         self.tok, self.greedy, self.sampled = tokenizer, greedy, sampled
+        self.stop_token_ids = (tokenizer.eos_token_id,)
 
     def generate(self, prompts, seeds, params):
         texts = self.greedy if params.greedy else [t for row in self.sampled for t in row]
@@ -38,7 +39,7 @@ class ScriptedEngine:
             resp[i, :min(len(r), width)] = torch.tensor(r[:width])
         p, m = left_pad(prompts, self.tok.pad_token_id)
         return Batch({"prompts": p, "prompt_mask": m, "responses": resp,
-                      "response_mask": response_mask_from(resp, self.tok.eos_token_id)})
+                      "response_mask": response_mask_from(resp, [self.tok.eos_token_id])})
 
     def close(self):
         pass
@@ -87,6 +88,7 @@ class EpisodeEngine:
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
+        self.stop_token_ids = (tokenizer.eos_token_id,)
 
     def generate(self, prompts, seeds, params):
         eos, word = self.tok.eos_token_id, self.tok("#### 4", add_special_tokens=False)["input_ids"]
