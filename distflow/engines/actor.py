@@ -233,6 +233,11 @@ class DataParallelTrainable:
         totals["skipped"] = 0.0 if finite else 1.0
         return totals
 
+    def release_gradients(self) -> None:
+        """Frees the last update's gradients (a copy of the weights' size), which would
+        otherwise stay until the next update, through the weight push and the rollout."""
+        self.optimizer.zero_grad(set_to_none=True)
+
 
 class Actor(DataParallelTrainable):
     """`prompt_once` (actor.forward_prompt_once): rows sharing a prompt share its forward,

@@ -470,6 +470,7 @@ def _mini_batches(ctx: WorkerContext, batch: Batch, engine, make_loss, prefix: s
                     acc.add(name if "/" in name else f"{prefix}/{name}", value, sums["tokens"])
     for name, total in losses.items():  # the mean over the updates that ran, the same count on every rank
         acc.add_total(f"{prefix}/{name}", total / updates)
+    engine.release_gradients()
 
 
 def actor_update(ctx: WorkerContext, batch: Batch) -> None:

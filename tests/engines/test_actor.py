@@ -540,6 +540,16 @@ def test_grad_clip_zero_means_no_clipping_not_a_zero_update(random_model_dir):
     assert any(not torch.equal(v, before[k]) for k, v in updated[0.0][1].items())
 
 
+def test_an_update_s_gradients_are_freed_on_release(random_model_dir):
+    cfg = load_config(None, ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4"])
+    batch = _batch(random_model_dir)
+    actor = Actor(load_causal_lm(random_model_dir), OptimConfig(lr=1e-2), torch.device("cpu"))
+    actor.train_mini_batch(batch, [[0, 1], [2, 3]], make_policy_loss(cfg, float(batch["response_mask"].sum()), 4.0))
+    assert all(p.grad is not None for p in actor.model.parameters())  # kept for the next micro-batch's sum
+    actor.release_gradients()  # after the step's updates: not through the weight push and the rollout
+    assert all(p.grad is None for p in actor.model.parameters())
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_a_trained_model_has_no_dropout_so_the_update_scores_the_policy_that_sampled(family):
     """GPT-2 drops out through nn.Dropout modules, Llama-style layers through a number

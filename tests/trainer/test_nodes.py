@@ -264,7 +264,7 @@ def test_the_loss_metric_is_the_mean_over_the_updates_that_ran():
     averaged in."""
     class Engine:
         def __init__(self):
-            self.calls = 0
+            self.calls, self.released_after = 0, []
 
         def train_mini_batch(self, mini, micro, loss_fn):
             self.calls += 1
@@ -272,11 +272,15 @@ def test_the_loss_metric_is_the_mean_over_the_updates_that_ran():
             return {"pg_loss": 3.0, "grad_norm": 0.0 if skipped else 2.0, "skipped": float(skipped),
                     "tokens": float(mini["response_mask"].sum())}
 
+        def release_gradients(self):
+            self.released_after.append(self.calls)
+
     ctx = StepCtx({}, "data.train_batch_size=4", "actor.ppo_mini_batch_size=1", "algorithm.group_size=1")
     batch = Batch({"prompts": torch.ones(4, 2, dtype=torch.long), "prompt_mask": torch.ones(4, 2, dtype=torch.long),
                    "response_mask": torch.tensor([[1, 1], [0, 0], [1, 0], [1, 1]]), "mini_batch": torch.arange(4)})
-    normalisers = []
-    nodes._mini_batches(ctx, batch, Engine(), lambda tokens, seqs: normalisers.append((tokens, seqs)), "actor")
+    normalisers, engine = [], Engine()
+    nodes._mini_batches(ctx, batch, engine, lambda tokens, seqs: normalisers.append((tokens, seqs)), "actor")
+    assert engine.released_after == [3]  # the gradients are freed once, after the last update (not kept to the next)
     metrics = ctx.acc.reduce()
     assert normalisers == [(2.0, 1.0), (1.0, 1.0), (2.0, 1.0)]  # a row without tokens is no sequence, as in agg_loss
     assert metrics["actor/pg_loss"] == 3.0  # over the 3 updates that ran, not the 4 mini-batches
