@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -286,6 +287,15 @@ def _where(run_dir: Path, rank: int, meter: LauncherMeter) -> str:
         return ""
 
 
+def death_detail(message: str) -> str:
+    """'pid P on IP, <Ray's exit detail>' from a Ray actor-death message (an OOM kill, a
+    lost node, a segfault read apart there), or '' where it names none of them."""
+    pid, ip = re.search(r"^\s*pid: (\d+)$", message, re.M), re.search(r"^\s*ip: (\S+)$", message, re.M)
+    detail = re.search(r"Worker exit detail: (.+?\.)(?: |$)", message)
+    where = f"pid {pid.group(1)} on {ip.group(1)}" if pid and ip else ""
+    return ", ".join(part for part in (where, detail.group(1) if detail else "") if part)
+
+
 def _describe(rank: int, e: Exception, run_dir: Path, meter: LauncherMeter) -> str:
     """One line for the user; the worker's full traceback goes to a file in the run folder."""
     import ray
@@ -296,6 +306,9 @@ def _describe(rank: int, e: Exception, run_dir: Path, meter: LauncherMeter) -> s
         path.write_text(cause.traceback_text)
         return f"worker {rank} failed: {cause.headline} (traceback: {path})"
     if isinstance(e, ray.exceptions.RayActorError):
-        return f"worker {rank} died{_where(run_dir, rank, meter)}: its process exited unexpectedly ({type(e).__name__})"
+        path = run_dir / f"worker-{rank}-death.txt"
+        path.write_text(str(e))  # Ray's whole account: its guesses at the cause, the node's log to look in
+        return (f"worker {rank} died{_where(run_dir, rank, meter)}: its process exited unexpectedly "
+                f"({death_detail(str(e)) or type(e).__name__}; Ray's account: {path})")
     return f"worker {rank} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 

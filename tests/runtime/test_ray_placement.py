@@ -68,3 +68,20 @@ def test_bundles_ray_interleaved_over_nodes_are_given_out_node_by_node():
 
     assert bundles_by_node({0: "A", 1: "B", 2: "A", 3: "B", 4: "C"}, 5) == [0, 2, 1, 3, 4]
     assert bundles_by_node({0: "B", 1: "A", 2: "B"}, 3) == [0, 2, 1]
+
+
+def test_a_dead_workers_line_names_its_pid_node_and_rays_exit_detail():
+    from distflow.runtime.ray_launcher import death_detail
+
+    # Ray 2.60's ActorDiedError text: a worker SIGKILLed (as the kernel's OOM killer does), and one Ray's
+    # memory monitor killed
+    killed = ("The actor died unexpectedly before finishing this task.\n\tclass_name: _Worker\n\tactor_id: 47f1\n"
+              "\tpid: 21725\n\tnamespace: 190a\n\tip: 198.18.0.2\nThe actor is dead because its worker process has "
+              "died. Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection "
+              "error code 2. End of file. Some common causes include: (1) the process was killed by the OOM killer")
+    assert death_detail(killed) == "pid 21725 on 198.18.0.2, Worker unexpectedly exits with a connection error code 2."
+    low_memory = killed.replace("SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection error "
+                                "code 2. End of file.", "NODE_OUT_OF_MEMORY Worker exit detail: Task was killed due "
+                                "to the node running low on memory.")
+    assert death_detail(low_memory).endswith("Task was killed due to the node running low on memory.")
+    assert death_detail("The actor died.") == ""
