@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import random
+import socket
 import sys
 import threading
 import time
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from distflow.algos.kl import AdaptiveKLController, make_kl_controller
+from distflow.collectives import all_gather_objects
 from distflow.config import Config, from_dict, response_token_budget, tool_names, traced_steps
 from distflow.coordinator.double_buffer import DoubleBuffer
 from distflow.coordinator.executor import TransferStats
@@ -616,11 +618,46 @@ class Trainer:
         return tqdm(total=total, initial=done, desc="train", unit="step", dynamic_ncols=True)
 
 
+def agree_on_the_run_folder(cfg: Config, run_dir: Path) -> None:
+    """Collective, before anything is built: every worker sees what worker 0 writes in the
+    run folder (its checkpoints and status; on several hosts, a file system they share at
+    the same path) and resumes from the same checkpoint. `cfg.trainer.resume` becomes
+    that checkpoint ("off": none), so both sides of a disaggregated run read the same.
+    Where the workers differ, each raises the same one line (none waits in a collective
+    the others left)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    marker = run_dir / "status" / "shared-folder-check"
+    if rank == 0:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"{os.getpid()} {time.time_ns()}")
+    written = all_gather_objects(marker.read_text() if rank == 0 else None)[0]  # after worker 0 wrote it
+    try:
+        found = checkpoint.resolve(cfg.trainer.resume, run_dir)
+        resume = ("checkpoint", None if found is None else str(found))
+    except checkpoint.CheckpointError as e:
+        resume = ("error", str(e))
+    seen = all_gather_objects((marker.is_file() and marker.read_text() == written, resume, socket.gethostname()))
+    blind = [r for r, (sees, _, _) in enumerate(seen) if not sees]
+    if blind:
+        raise RuntimeError(f"run folder {run_dir}: worker(s) {blind} (host {seen[blind[0]][2]}) do not see what worker "
+                           f"0 (host {seen[0][2]}) writes there; a run on several hosts needs trainer.output_dir on a "
+                           "file system they share, at the same path")
+    if errors := [message for _, (kind, message), _ in seen if kind == "error"]:
+        raise checkpoint.CheckpointError(errors[0])
+    if len({found for _, (_, found), _ in seen}) > 1:
+        raise checkpoint.CheckpointError(
+            "trainer.resume: the workers found different checkpoints to resume from ("
+            + ", ".join(f"worker {r}: {found or 'none'}" for r, (_, (_, found), _) in enumerate(seen))
+            + "); a run on several hosts needs trainer.output_dir on a file system they share")
+    cfg.trainer.resume = seen[0][1][1] or "off"
+
+
 def run_worker(cfg_dict: dict, run_dir: str, progress: bool = False, relay=None) -> dict:
     """Entry point of every worker (Ray actor or torchrun process); the process group
     is already initialised by the runtime. `relay`: this worker's end of the driver in
     runtime.mode=centralized (the driver runs each step's graph)."""
     cfg = from_dict(cfg_dict)
+    agree_on_the_run_folder(cfg, Path(run_dir))
     if cfg.runtime.placement == "disaggregated":
         from distflow.trainer.disaggregated import run_disaggregated  # it builds on this module
 

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -271,3 +272,46 @@ def test_a_checkpoint_keeps_the_models_generation_config(tmp_path, random_model_
                     loader_state={"epoch": 0, "offset": 4}, metrics_file=None, keep_last=0)
     kept = GenerationConfig.from_pretrained(tmp_path / "step_1")
     assert kept.eos_token_id == [2, 3] and kept.temperature == 0.7
+
+
+def _agree(rank: int, world: int, folders: list[str], resumes: list[str]) -> tuple[str, str]:
+    """agree_on_the_run_folder on this rank's folder and trainer.resume (a rank on another
+    host without a shared file system sees another folder, or no checkpoint): what it set
+    trainer.resume to, or the error it raised."""
+    from distflow.config import load_config
+    from distflow.trainer.loop import agree_on_the_run_folder
+
+    cfg = load_config(None, [f"trainer.resume={resumes[rank]}"])
+    try:
+        agree_on_the_run_folder(cfg, Path(folders[rank]))
+        return "resume", cfg.trainer.resume
+    except Exception as e:
+        return type(e).__name__, str(e)
+
+
+def test_workers_that_do_not_share_the_run_folder_or_its_checkpoint_all_stop_in_one_line(tmp_path):
+    """Each worker resolves trainer.resume itself: on hosts without a shared file system
+    worker 0 resumed at its step while the others started at 0, in step until the
+    collectives drifted apart and hung. Now every worker raises the same one line."""
+    from helpers import run_gloo
+
+    shared, elsewhere = tmp_path / "run", tmp_path / "other-host-run"
+    ckpt = shared / "checkpoints" / "step_4"
+    ckpt.mkdir(parents=True)
+    (ckpt / checkpoint.STATE_FILE).write_text(json.dumps({"format": 1, "step": 4}))
+    # one folder for both: both resume from its newest checkpoint, and say which
+    assert run_gloo(_agree, 2, [str(shared)] * 2, ["auto", "auto"]) == [("resume", str(ckpt))] * 2
+    # worker 1's "run folder" is another one: it does not see what worker 0 writes
+    blind = run_gloo(_agree, 2, [str(shared), str(elsewhere)], ["auto", "auto"])
+    assert blind[0][0] == blind[1][0] == "RuntimeError" and blind[1][1] == blind[0][1].replace(str(shared),
+                                                                                               str(elsewhere))
+    assert blind[0][1].startswith(f"run folder {shared}: worker(s) [1] (host ") and "a file system they share" in \
+        blind[0][1]
+    # the same folder, but worker 1 was given a checkpoint its host does not have
+    missing = run_gloo(_agree, 2, [str(shared)] * 2, ["auto", str(tmp_path / "nowhere")])
+    assert missing[0] == missing[1] == ("CheckpointError", f"trainer.resume='{tmp_path / 'nowhere'}': no complete "
+                                        "checkpoint there (a folder with trainer_state.json, or a run folder with "
+                                        "checkpoints/)")
+    differ = run_gloo(_agree, 2, [str(shared)] * 2, ["auto", "off"])
+    assert differ[0] == differ[1] and differ[0][0] == "CheckpointError" and \
+        f"different checkpoints to resume from (worker 0: {ckpt}, worker 1: none)" in differ[0][1]
