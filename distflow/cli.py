@@ -35,6 +35,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -386,7 +387,7 @@ def with_absolute_paths(cfg: Config) -> None:
 
 def _launch(cfg: Config, run_dir: Path, entry: str, entry_args: tuple, on_poll, meter, centralized=None):
     """Every worker runs `entry(*entry_args)` under Ray; their results, or the exit code of a failure."""
-    from distflow.runtime.ray_launcher import ClusterTooSmall, WorkerFailed, launch_ray
+    from distflow.runtime.ray_launcher import ClusterTooSmall, Stopped, WorkerFailed, launch_ray
 
     try:
         return launch_ray(entry, entry_args, run_dir=run_dir, num_workers=cfg.runtime.num_workers,
@@ -398,6 +399,9 @@ def _launch(cfg: Config, run_dir: Path, entry: str, entry_args: tuple, on_poll, 
         return _fail(str(e), EXIT_FAILED)
     except ClusterTooSmall as e:
         return _fail(str(e))
+    except Stopped as e:  # Ctrl-C, SIGTERM or SIGHUP: the workers were stopped
+        return _fail(f"stopped by signal {signal.Signals(e.signum).name}; last stage per worker: "
+                     f"{_worker_stages(run_dir)}", 128 + e.signum)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

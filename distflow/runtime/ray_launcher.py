@@ -12,7 +12,9 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
+import threading
 import tempfile
 import traceback
 from pathlib import Path
@@ -42,6 +44,25 @@ def forwarded_env(environ: dict[str, str]) -> dict[str, str]:
 
 class WorkerFailed(RuntimeError):
     pass
+
+
+class Stopped(Exception):
+    """The launch was stopped by a signal: Ctrl-C's SIGINT, or SIGTERM or SIGHUP (a
+    scheduler's stop, a closed terminal); the workers were stopped on the way out."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+_signals_received: list[int] = []
+
+
+def _interrupt(signum: int, _frame) -> None:
+    """SIGTERM and SIGHUP interrupt the launcher's wait as Ctrl-C does (Ray may re-raise the
+    interrupt as a plain KeyboardInterrupt: the signal is kept here)."""
+    _signals_received.append(signum)
+    raise KeyboardInterrupt
 
 
 class ClusterTooSmall(ValueError):
@@ -126,6 +147,11 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
     import ray
 
     wire, env, group = None, {}, None
+    # SIGTERM and SIGHUP stop the launch as Ctrl-C does (`Stopped`), from the first wait on; during the clean-up
+    # they are ignored; then what was there before ray.init (which sets its own) is put back
+    stop_signals = (signal.SIGTERM, signal.SIGHUP) if threading.current_thread() is threading.main_thread() else ()
+    before_ray = {s: signal.getsignal(s) for s in stop_signals}
+    _signals_received.clear()
     if centralized is not None:
         from distflow.runtime.centralized import make_wire, wire_env
 
@@ -154,6 +180,8 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
             if slots < num_workers:
                 raise ClusterTooSmall(f"runtime.num_workers={num_workers}: the Ray cluster at {ray_address} has "
                                  f"{slots} free CPU slots for workers")
+        for s in stop_signals:  # ray.init's own SIGTERM handler exits with code 15 and no word of the run
+            signal.signal(s, _interrupt)
         # the cluster's GPUs, busy or not (a GPU cluster that is busy now is waited for below, not run on CPUs)
         gpus = int(ray.cluster_resources().get("GPU", 0))
         use_gpu = device != "cpu" and gpus >= num_workers  # one each; else every worker on CPU, GPUs hidden or not
@@ -196,7 +224,11 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
         if on_poll is not None:  # what the workers wrote last
             on_poll()
         return [results[r] for r in range(num_workers)]
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM or SIGHUP through `_interrupt`
+        raise Stopped(_signals_received[-1] if _signals_received else signal.SIGINT) from None
     finally:
+        for s in stop_signals:  # the stop is under way: a second signal must not cut it short
+            signal.signal(s, signal.SIG_IGN)
         if driver is not None:
             relay.stop(driver)
         for actor in actors:
@@ -216,6 +248,9 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
             | (relay.stats() if relay else {})))
         if cleanup:
             shutil.rmtree(cleanup, ignore_errors=True)
+        for s, handler in before_ray.items():
+            if handler is not None:  # None: one set outside Python, which cannot be put back
+                signal.signal(s, handler)
         for k, v in before.items():
             if v is None:
                 os.environ.pop(k, None)

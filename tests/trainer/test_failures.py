@@ -101,3 +101,35 @@ def test_a_rollout_worker_killed_in_a_disaggregated_run_is_named_and_the_trainer
     error = [line for line in stderr.splitlines() if line.startswith("distflow: error:")]
     assert len(error) == 1, stderr[-3000:]
     assert "worker 1 died in stage '" in error[0] and "(rollout worker)' of step" in error[0], error[0]
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT])
+def test_a_launch_stopped_by_a_signal_says_so_in_one_line_and_stops_its_workers(tmp_path, how):
+    """A scheduler's SIGTERM (through the loopback namespace's waiter), or Ctrl-C's SIGINT
+    (on the host network: the launcher itself): one line naming the workers' stages, exit
+    128 + the signal, no worker left. Ray's own SIGTERM handler exited with 15, silently."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
+    cmd = [sys.executable, "-m", "distflow.cli", "train", "trainer.total_steps=500", "trainer.eval_every=0",
+           "trainer.progress=false", "trainer.save_final=false", "data.train_batch_size=4",
+           "actor.ppo_mini_batch_size=4", "algorithm.group_size=4", "data.val_max_samples=8",
+           f"trainer.output_dir={run_dir}", *(["runtime.network=host"] if how == signal.SIGINT else [])]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _wait_for(lambda: (s := _status(run_dir, 1)) and s["step"] >= 1, 240, "worker 1 at step 1")
+        workers = [_status(run_dir, r)["pid"] for r in (0, 1)]
+        proc.send_signal(how)
+        _, stderr = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.returncode == 128 + how, (proc.returncode, stderr[-3000:])
+    error = [line for line in stderr.splitlines() if line.startswith("distflow: error:")]
+    assert len(error) == 1 and error[0].startswith(f"distflow: error: stopped by signal {how.name}; last stage "
+                                                   "per worker: rank 0 '"), stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    for pid in workers:
+        _wait_for(lambda: not os.path.exists(f"/proc/{pid}") or
+                  open(f"/proc/{pid}/status").read().find("State:\tZ") >= 0, 30, f"worker {pid} to stop")
