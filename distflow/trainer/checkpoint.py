@@ -288,8 +288,10 @@ def export(path: Path, out: Path, merge: bool, dtype: str | None = None) -> list
     float16, float32): the floating-point weights cast to it, and the config saying so
     (by default they stay as trained: the fp32 master weights). Returns the files written."""
     from distflow.engines.common import IMAGE_PROCESSOR_FILE, load_causal_lm, load_tokenizer
-    from distflow.engines.lora import is_adapter_folder
+    from distflow.engines.lora import adapter_base, is_adapter_folder
 
+    if path.name.endswith(".tmp"):
+        raise CheckpointError(f"checkpoint {path}: a checkpoint still being written, or one a crash cut short")
     if (path / "checkpoints").is_dir():
         raise CheckpointError(f"checkpoint {path}: a run folder; export one of its checkpoints, e.g. "
                               f"{path / 'checkpoints' / 'final'}")
@@ -299,18 +301,31 @@ def export(path: Path, out: Path, merge: bool, dtype: str | None = None) -> list
                               "or adapter_config.json)")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"export --out {out}: exists and is not an empty folder; choose a new folder")
-    out.mkdir(parents=True, exist_ok=True)
-    if merge and is_adapter_folder(path):  # merged into the fp32 base, then cast (a bf16 base would round first)
-        load_causal_lm(str(path), "float32").save_pretrained(out, safe_serialization=True)
-        load_tokenizer(str(path)).save_pretrained(out)
-        if (path / IMAGE_PROCESSOR_FILE).is_file():  # a VLM's image processor, as the checkpoint holds it
-            shutil.copy2(path / IMAGE_PROCESSOR_FILE, out / IMAGE_PROCESSOR_FILE)
-    else:
-        for f in path.iterdir():
-            if f.is_file() and f.name not in _RESUME_ONLY:
-                shutil.copy2(f, out / f.name)
-    if dtype is not None:
-        _cast_weights(out, getattr(torch, dtype))
+    if merge and is_adapter_folder(path) and not Path(base := adapter_base(path)).expanduser().is_dir():
+        raise CheckpointError(f"checkpoint {path}: its adapter's base model {base} is not a folder here; "
+                              "export the adapter without --merge, or put the base there")
+    # written beside `out` and renamed when complete: a failure leaves no folder that looks like a model
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        if merge and is_adapter_folder(path):  # merged into the fp32 base, then cast (a bf16 base would round first)
+            load_causal_lm(str(path), "float32").save_pretrained(partial, safe_serialization=True)
+            load_tokenizer(str(path)).save_pretrained(partial)
+            if (path / IMAGE_PROCESSOR_FILE).is_file():  # a VLM's image processor, as the checkpoint holds it
+                shutil.copy2(path / IMAGE_PROCESSOR_FILE, partial / IMAGE_PROCESSOR_FILE)
+        else:
+            for f in path.iterdir():
+                if f.is_file() and f.name not in _RESUME_ONLY:
+                    shutil.copy2(f, partial / f.name)
+        if dtype is not None:
+            _cast_weights(partial, getattr(torch, dtype))
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if out.exists():  # an empty folder the user made
+        out.rmdir()
+    os.replace(partial, out)
     return sorted(f.name for f in out.iterdir())
 
 

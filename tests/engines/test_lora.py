@@ -74,6 +74,36 @@ def test_export_merges_an_adapter_in_fp32_and_then_casts_it(random_model_dir, tm
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
 
 
+def test_an_export_that_fails_leaves_no_folder_and_a_moved_base_is_one_line(random_model_dir, tmp_path,
+                                                                            monkeypatch):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from distflow.trainer import checkpoint
+
+    base = tmp_path / "base"
+    shutil.copytree(random_model_dir, base)
+    adapter = tmp_path / "adapter"
+    _adapted(str(base)).save_pretrained(adapter)
+    AutoTokenizer.from_pretrained(base).save_pretrained(adapter)
+
+    def disk_full(folder, dtype):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_cast_weights", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint.export(adapter, tmp_path / "out", merge=True, dtype="bfloat16")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base"]  # nothing that looks like a model
+    shutil.rmtree(base)  # the base was on the training machine
+    with pytest.raises(checkpoint.CheckpointError, match=f"checkpoint {adapter}: its adapter's base model {base} is "
+                                                         "not a folder here; export the adapter without --merge"):
+        checkpoint.export(adapter, tmp_path / "out", merge=True)
+    assert checkpoint.export(adapter, tmp_path / "out", merge=False)  # the adapter alone needs no base
+    with pytest.raises(checkpoint.CheckpointError, match="a checkpoint still being written"):
+        checkpoint.export(tmp_path / "step_3.tmp", tmp_path / "again", merge=False)
+
+
 def test_only_the_adapter_trains_and_the_reference_is_the_base(random_model_dir):
     model = _adapted(random_model_dir)
     actor = Actor(model, OptimConfig(lr=1e-2), torch.device("cpu"))
