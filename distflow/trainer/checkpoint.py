@@ -49,16 +49,20 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _full_state(model, optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _full_state(model, optimizer, weights: bool = True) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any]]:
+    """(the model's full state dict, or None without `weights`; its optimizer's), on the
+    CPU: a collective under FSDP2 (the shards are gathered)."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+    return (get_model_state_dict(model, options=options) if weights else None,
+            get_optimizer_state_dict(model, optimizer, options=options))
 
 
 def _flatten_optimizer(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    tensors = {f"{name}\x00{key}": value.detach().clone().contiguous().cpu()
+    # written at once, never changed: the tensors as they are (the offload made CPU copies already), not cloned again
+    tensors = {f"{name}\x00{key}": value.detach().contiguous().cpu()
                for name, entry in state["state"].items() for key, value in entry.items()}
     return tensors, {"param_groups": state["param_groups"], "format": FORMAT_VERSION}
 
@@ -80,7 +84,8 @@ def save(path: Path, *, hf_skeleton, tokenizer, actor, critic, step: int, loader
     `algorithm_state`: numbers the algorithm carries across steps (the adaptive KL
     coefficient), the same on every rank. `wall_seconds`: the training loop's time so far,
     over every launch (a resumed run's summary counts it)."""
-    actor_sd, actor_osd = _full_state(actor.model, actor.optimizer)
+    lora = is_lora(actor.module)  # the adapter alone is saved: the base's weights are not gathered
+    actor_sd, actor_osd = _full_state(actor.model, actor.optimizer, weights=not lora)
     critic_state = _full_state(critic.model, critic.optimizer) if critic is not None else None
     rngs = all_gather_objects(_rng_states())  # a few KB between our own workers
     if _rank() == 0:
@@ -88,7 +93,7 @@ def save(path: Path, *, hf_skeleton, tokenizer, actor, critic, step: int, loader
         for stale in path.parent.glob("*.tmp"):  # what a crashed write left (a full disk's): before this one's
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
-        if is_lora(actor.module):  # the adapter alone (its config names the base folder)
+        if lora:  # the adapter alone (its config names the base folder)
             actor.module.save_pretrained(tmp, safe_serialization=True)
         else:  # the policy as a HF folder, from the actor's weights (save_pretrained consumes the dict it gets)
             hf_skeleton.save_pretrained(tmp, safe_serialization=True, state_dict=dict(actor_sd))
