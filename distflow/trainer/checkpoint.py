@@ -244,12 +244,34 @@ def resolve(resume: str, run_dir: Path) -> Path | None:
     return path
 
 
-def _load_optimizer(model, optimizer, path: Path, stem: str) -> None:
+def check_resumable(path: Path, lora_rank: int) -> None:
+    """A checkpoint this run can go on from: a LoRA adapter of its rank for a LoRA run,
+    the whole model's weights otherwise (one line where not; PEFT's and torch's own errors
+    point elsewhere, and an adapter of another rank loaded silently)."""
+    from distflow.engines.lora import ADAPTER_CONFIG, is_adapter_folder
+
+    if not is_adapter_folder(path):
+        if lora_rank:
+            raise CheckpointError(f"checkpoint {path}: the whole model's weights, but this run trains a LoRA adapter "
+                                  f"(actor.lora_rank={lora_rank}); resume without actor.lora_rank, or start a new "
+                                  "LoRA run with the checkpoint as model.path")
+        return
+    rank = json.loads((path / ADAPTER_CONFIG).read_text()).get("r")
+    if rank != lora_rank:
+        raise CheckpointError(f"checkpoint {path}: a LoRA adapter of rank {rank}, but this run has "
+                              f"actor.lora_rank={lora_rank}; resume with actor.lora_rank={rank}")
+
+
+def _load_optimizer(engine, path: Path, stem: str) -> None:
+    """The engine's AdamW moments and steps from the checkpoint; its settings (learning rate,
+    betas, weight decay) stay this run's, as the config says (a resumed run may change them)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     state = _unflatten_optimizer(load_file(path / f"{stem}.safetensors"),
                                  json.loads((path / f"{stem}.json").read_text()))
-    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(engine.model, engine.optimizer, state, options=StateDictOptions(full_state_dict=True))
+    for group in engine.optimizer.param_groups:
+        group.update(lr=engine.optim.lr, betas=engine.optim.betas, weight_decay=engine.optim.weight_decay)
 
 
 def restore(path: Path, *, actor, critic) -> dict[str, Any]:
@@ -258,13 +280,13 @@ def restore(path: Path, *, actor, critic) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     state = read_state(path)
-    _load_optimizer(actor.model, actor.optimizer, path, "optimizer")
+    _load_optimizer(actor, path, "optimizer")
     if critic is not None:
         if not (path / "critic.safetensors").is_file():
             raise CheckpointError(f"checkpoint {path}: has no critic, but this recipe trains one")
         set_model_state_dict(critic.model, load_file(path / "critic.safetensors"),
                              options=StateDictOptions(full_state_dict=True))
-        _load_optimizer(critic.model, critic.optimizer, path, "critic_optimizer")
+        _load_optimizer(critic, path, "critic_optimizer")
     rngs = load_file(path / "rng.safetensors")
     if f"rank_{_rank()}" in rngs:
         torch.set_rng_state(rngs[f"rank_{_rank()}"])

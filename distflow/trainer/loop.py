@@ -650,6 +650,8 @@ def agree_on_the_run_folder(cfg: Config, run_dir: Path) -> None:
             + ", ".join(f"worker {r}: {found or 'none'}" for r, (_, (_, found), _) in enumerate(seen))
             + "); a run on several hosts needs trainer.output_dir on a file system they share")
     cfg.trainer.resume = seen[0][1][1] or "off"
+    if cfg.trainer.resume != "off":  # the same checkpoint on every worker: the same answer
+        checkpoint.check_resumable(Path(cfg.trainer.resume), cfg.actor.lora_rank)
 
 
 def run_worker(cfg_dict: dict, run_dir: str, progress: bool = False, relay=None) -> dict:

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,6 +103,24 @@ def test_an_export_that_fails_leaves_no_folder_and_a_moved_base_is_one_line(rand
     assert checkpoint.export(adapter, tmp_path / "out", merge=False)  # the adapter alone needs no base
     with pytest.raises(checkpoint.CheckpointError, match="a checkpoint still being written"):
         checkpoint.export(tmp_path / "step_3.tmp", tmp_path / "again", merge=False)
+
+
+def test_resuming_across_lora_settings_is_one_line(random_model_dir, tmp_path):
+    """A LoRA checkpoint resumed without LoRA failed on torch's "missing optimizer state
+    ... use strict=False", the reverse on PEFT's missing adapter_config.json, and an
+    adapter of another rank loaded as saved, the run's rank ignored."""
+    from distflow.trainer import checkpoint
+
+    adapter = tmp_path / "adapter"
+    _adapted(random_model_dir).save_pretrained(adapter)
+    checkpoint.check_resumable(adapter, SETTINGS.rank)  # the same settings: resumable
+    checkpoint.check_resumable(Path(random_model_dir), 0)
+    cases = {(adapter, 0): f"a LoRA adapter of rank {SETTINGS.rank}, but this run has actor.lora_rank=0",
+             (adapter, 2 * SETTINGS.rank): f"resume with actor.lora_rank={SETTINGS.rank}",
+             (Path(random_model_dir), 8): "the whole model's weights, but this run trains a LoRA adapter"}
+    for (path, rank), message in cases.items():
+        with pytest.raises(checkpoint.CheckpointError, match=message.replace("(", r"\(")):
+            checkpoint.check_resumable(path, rank)
 
 
 def test_only_the_adapter_trains_and_the_reference_is_the_base(random_model_dir):

@@ -66,6 +66,12 @@ def test_optimizer_and_rng_state_round_trip(tmp_path, random_model_dir):
     for a, b in zip(actor.model.parameters(), fresh.model.parameters()):
         assert torch.equal(a, b)
     assert not list(tmp_path.glob("*.tmp")), "nothing half-written is left"
+    # resumed with other settings: the moments are the checkpoint's, the learning rate and weight decay the run's
+    changed = Actor(load_causal_lm(str(tmp_path / "step_1")), OptimConfig(lr=1e-3, weight_decay=0.1),
+                    torch.device("cpu"))
+    checkpoint.restore(tmp_path / "step_1", actor=changed, critic=None)
+    assert {(g["lr"], g["weight_decay"]) for g in changed.optimizer.param_groups} == {(1e-3, 0.1)}
+    assert torch.equal(next(iter(changed.optimizer.state.values()))["exp_avg"], next(iter(before.values()))["exp_avg"])
     assert checkpoint.latest(tmp_path) == tmp_path / "step_1"
 
 
