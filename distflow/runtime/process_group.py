@@ -60,6 +60,9 @@ def keep_freed_memory() -> bool:
     return mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1 and mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1
 
 
+# how long the workers wait for each other to form the group at the start: a worker that cannot
+# reach rank 0 (the wrong network interface) fails after this, not after runtime.collective_timeout_s
+RENDEZVOUS_TIMEOUT_S = 300
 DEVICE_ENV = "DISTFLOW_WORKER_DEVICE"  # the device init_process_group chose for this worker: cuda or cpu
 
 
@@ -94,12 +97,23 @@ def init_process_group(rank: int, world_size: int, master_addr: str, master_port
         torch.set_num_threads(threads)
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-    dist.init_process_group(
-        backend=group_backend(use_cuda),
-        init_method=f"tcp://{master_addr}:{master_port}",
-        rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    forming = min(timeout_s, RENDEZVOUS_TIMEOUT_S)
+    try:
+        dist.init_process_group(
+            backend=group_backend(use_cuda),
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=forming),
+        )
+    except (dist.DistError, RuntimeError) as e:  # DistStoreError: not every worker joined, or rank 0 unreachable
+        raise RuntimeError(f"worker {rank}: the process group of {world_size} did not form within {forming} s at "
+                           f"rank 0's {master_addr}:{master_port} (a worker that cannot reach that address: set "
+                           f"GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME on the nodes); "
+                           f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+    # from now on a collective waits for its slowest worker as long as runtime.collective_timeout_s says
+    full = datetime.timedelta(seconds=timeout_s)
+    dist.distributed_c10d._set_pg_timeout(full)
+    dist.distributed_c10d._get_default_store().set_timeout(full)
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
 

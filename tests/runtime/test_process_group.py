@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import resource
 import subprocess
 import sys
@@ -93,3 +94,33 @@ def test_workers_get_a_gpu_each_or_all_run_on_cpu(monkeypatch):
         process_group.uses_cuda("cuda")
     monkeypatch.setenv(process_group.DEVICE_ENV, "cpu")
     assert worker_device(load_config(None, [])) == torch.device("cpu")
+
+
+FORMING = """
+import datetime, json, sys, time, torch
+import torch.distributed as dist
+from distflow.runtime import process_group
+from distflow.runtime.process_group import free_port, init_process_group
+process_group.RENDEZVOUS_TIMEOUT_S = 3
+start = time.monotonic()
+try:  # a group of 2 whose second worker never comes (it cannot reach rank 0)
+    init_process_group(0, 2, "127.0.0.1", free_port(), "cpu", 1800, 1)
+except RuntimeError as e:
+    failed = [str(e), time.monotonic() - start]
+init_process_group(0, 1, "127.0.0.1", free_port(), "cpu", 1800, 1)
+backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+print(json.dumps(failed + [backend.options._timeout.total_seconds()]))
+dist.destroy_process_group()
+"""
+
+
+def test_a_group_that_does_not_form_fails_within_the_rendezvous_timeout_not_the_collective_one():
+    """A worker that cannot reach rank 0 (a node's wrong network interface) left every
+    worker waiting runtime.collective_timeout_s (30 min) in silence."""
+    out = subprocess.run([sys.executable, "-c", FORMING], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    message, seconds, collective_timeout = json.loads(out.stdout.strip().splitlines()[-1])
+    assert message.startswith("worker 0: the process group of 2 did not form within 3 s at rank 0's 127.0.0.1:")
+    assert "GLOO_SOCKET_IFNAME" in message and "\n" not in message
+    assert seconds < 60
+    assert collective_timeout == 1800  # once formed, collectives wait runtime.collective_timeout_s
