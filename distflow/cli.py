@@ -402,6 +402,13 @@ def _launch(cfg: Config, run_dir: Path, entry: str, entry_args: tuple, on_poll, 
     except Stopped as e:  # Ctrl-C, SIGTERM or SIGHUP: the workers were stopped
         return _fail(f"stopped by signal {signal.Signals(e.signum).name}; last stage per worker: "
                      f"{_worker_stages(run_dir)}", 128 + e.signum)
+    except Exception as e:  # Ray's own (a cluster of another Ray version, a lost head node): one line, the rest kept
+        import traceback
+
+        path = run_dir / "launcher-traceback.txt"
+        path.write_text(traceback.format_exc())
+        headline = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return _fail(f"the launch failed: {type(e).__name__}: {headline} (traceback: {path})", EXIT_FAILED)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

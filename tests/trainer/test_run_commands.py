@@ -136,6 +136,24 @@ def test_a_second_launch_into_a_run_folder_that_one_holds_is_refused_in_one_line
     assert (folder / ".lock").read_text().strip() == str(os.getpid())
 
 
+def test_an_error_of_ray_itself_is_one_line_with_its_traceback_kept(tmp_path, monkeypatch, capsys):
+    """A cluster of another Ray version, a head node lost mid-run: Ray's exception came out
+    as a traceback of the launcher's."""
+    from distflow import cli
+    from distflow.config import load_config
+    from distflow.runtime import ray_launcher
+
+    def lost_head(*args, **kwargs):
+        raise ConnectionError("Could not read 'session_name' from GCS\n(more of Ray's text)")
+
+    monkeypatch.setattr(ray_launcher, "launch_ray", lost_head)
+    assert cli._launch(load_config(None, []), tmp_path, cli.WORKER_ENTRY, (), None, None) == 1
+    assert capsys.readouterr().err.strip() == (
+        "distflow: error: the launch failed: ConnectionError: Could not read 'session_name' from GCS (traceback: "
+        f"{tmp_path / 'launcher-traceback.txt'})")
+    assert "lost_head" in (tmp_path / "launcher-traceback.txt").read_text()
+
+
 def test_launch_settings_that_need_the_host_are_not_refused_or_isolated(monkeypatch):
     from distflow import cli
     from distflow.config import load_config
