@@ -61,6 +61,10 @@ class VLLMRolloutEngine:
         except ImportError as e:
             raise RuntimeError(f"{INSTALL_HINT} ({e})") from None
         on_gpu = torch.cuda.is_available()
+        if not on_gpu and _is_mixture_of_experts(model_path):
+            raise RuntimeError("rollout.engine=vllm: vLLM's CPU backend does not reload a mixture-of-experts "
+                               "model's weights in place correctly (pushed the weights it had, its log-probs moved "
+                               "0.04 off the trainer's); on CPU use rollout.engine=hf")
         if dist.is_initialized():  # external_launcher reads the rank from torchrun's variables
             os.environ["RANK"] = str(dist.get_rank())
             os.environ["LOCAL_RANK"] = str(torch.cuda.current_device() if on_gpu else dist.get_rank())
@@ -213,6 +217,13 @@ def _reload_warnings() -> Iterator[list[str]]:
         for lg, level in zip(loggers, levels):
             lg.removeHandler(handler)
             lg.setLevel(level)
+
+
+def _is_mixture_of_experts(model_path: str) -> bool:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    return any(getattr(config, key, 0) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 def _generation_config(model_path: str):

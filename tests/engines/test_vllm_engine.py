@@ -244,3 +244,34 @@ def _lora_checkpoint(rank: int, world: int, folder: str) -> dict:
 def test_a_lora_checkpoint_without_a_trainer_samples_from_its_merge(tmp_path):
     (gaps,) = run_gloo(_lora_checkpoint, 1, str(tmp_path / "adapter"), timeout=300)
     assert gaps["merged"] < 2e-4 and gaps["base"] > 1e-2, gaps
+
+
+def _moe_folder(path: str) -> str:
+    """A Qwen3-MoE of a shrunk config on the built-in tokenizer."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from distflow.config import BUILTIN_MODEL
+    from distflow.engines.common import load_tokenizer
+
+    tok = load_tokenizer(BUILTIN_MODEL)
+    config = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=128, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                            num_experts=4, num_experts_per_tok=2, max_position_embeddings=512,
+                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                            pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_an_moe_model_on_vllms_cpu_backend_is_refused_in_one_line(tmp_path):
+    """vLLM's CPU backend reloads an MoE's weights in place wrongly: pushed the very weights
+    it had loaded, its log-probs moved 0.04 off the trainer's (a dense model's stay within
+    2e-4): training on it would be silently off-policy."""
+    from distflow.engines.common import load_tokenizer
+    from distflow.engines.vllm_rollout import VLLMRolloutEngine
+
+    folder = _moe_folder(str(tmp_path / "moe"))
+    with pytest.raises(RuntimeError, match="vLLM's CPU backend does not reload a mixture-of-experts model's weights"):
+        VLLMRolloutEngine(folder, load_tokenizer(folder), max_model_len=256)
