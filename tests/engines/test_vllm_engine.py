@@ -275,3 +275,42 @@ def test_an_moe_model_on_vllms_cpu_backend_is_refused_in_one_line(tmp_path):
     folder = _moe_folder(str(tmp_path / "moe"))
     with pytest.raises(RuntimeError, match="vLLM's CPU backend does not reload a mixture-of-experts model's weights"):
         VLLMRolloutEngine(folder, load_tokenizer(folder), max_model_len=256)
+
+
+def _end_of_turn(rank: int, world: int, folder: str) -> dict:
+    import json as _json
+
+    from distflow.engines.common import load_tokenizer
+    from distflow.engines.rollout import SamplingParams
+    from distflow.engines.vllm_rollout import VLLMRolloutEngine
+
+    tok = load_tokenizer(folder)
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=12, greedy=True)
+    engine = VLLMRolloutEngine(folder, tok, max_model_len=256, kv_cache_memory_gb=0.25)
+    free = engine.generate(prompts, None, params)
+    engine.close()
+    end_of_turn = int(free["responses"][0, 3])  # the fourth token the model writes: an end of turn from now on
+    config = _json.loads(open(f"{folder}/generation_config.json").read())
+    config["eos_token_id"] = [tok.eos_token_id, end_of_turn]
+    open(f"{folder}/generation_config.json", "w").write(_json.dumps(config))
+    engine = VLLMRolloutEngine(folder, tok, max_model_len=256, kv_cache_memory_gb=0.25)
+    out = engine.generate(prompts, None, params)
+    engine.close()
+    first = int((free["responses"][0] == end_of_turn).nonzero()[0, 0])
+    return {"stop_ids": list(engine.stop_token_ids), "end_of_turn": end_of_turn, "eos": tok.eos_token_id,
+            "length": int(out["response_mask"][0].sum()), "first": first,
+            "same_prefix": bool(torch.equal(out["responses"][0, :first + 1], free["responses"][0, :first + 1]))}
+
+
+def test_an_end_of_turn_the_generation_config_names_ends_a_vllm_response(tmp_path):
+    import shutil
+
+    from distflow.config import BUILTIN_MODEL
+    from distflow.engines.common import resolve_model_path
+
+    folder = tmp_path / "model"
+    shutil.copytree(resolve_model_path(BUILTIN_MODEL), folder)
+    (r,) = run_gloo(_end_of_turn, 1, str(folder), timeout=300)
+    assert r["end_of_turn"] != r["eos"] and r["stop_ids"] == [r["eos"], r["end_of_turn"]], r
+    assert r["length"] == r["first"] + 1 and r["same_prefix"], r
