@@ -8,7 +8,9 @@ seed, step, prompt id, sample number), inside a logits processor that draws all 
 once: one counter-based uniform per row and token, turned into a token by inverting the
 CDF of softmax(logits / T), an exact sample. So the same prompt yields the same responses
 whichever worker generates it and whatever else shares its batch; this is what lets 1
-and 2 workers produce the same training run.
+and 2 workers produce the same training run. That holds where the logits themselves do
+not depend on the batch (fp32 on CPU, as the tests run); in bf16 on a GPU a kernel
+chosen by batch size can move a logit enough to flip a sampled token.
 """
 
 from __future__ import annotations
