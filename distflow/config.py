@@ -85,9 +85,11 @@ class RolloutConfig:
     gpu_memory_utilization: float = _spec(0.5, min=0.01, max=1.0, doc="vllm on GPU: share of GPU memory it may use")
     kv_cache_memory_gb: float | None = _spec(None, min=0.01, doc="vllm: KV-cache size in GiB (default: from "
                                                                  "gpu_memory_utilization on GPU, 1 GiB on CPU)")
-    release_memory_after_rollout: bool = _spec(True, doc="vllm on GPU: sleep after each step's generation "
-                                                        "(weights offloaded, KV cache dropped), wake for the "
-                                                        "weight push; vLLM's CPU backend cannot")
+    release_memory_after_rollout: bool = _spec(True, doc="vllm on GPU beside a trainer: sleep after each step's "
+                                                        "generation (weights offloaded, KV cache dropped), wake "
+                                                        "for the weight push; not where no trainer shares the "
+                                                        "GPU (a rollout worker, evaluation); vLLM's CPU backend "
+                                                        "cannot")
     temperature: float = _spec(1.0, min=1e-4)
     top_p: float = _spec(1.0, min=1e-4, max=1.0)
     max_new_tokens: int = _spec(32, min=1)

@@ -188,7 +188,9 @@ def make_rollout_engine(cfg: Config, policy_path: str, tokenizer, device: torch.
                                seed=cfg.trainer.seed,
                                gpu_memory_utilization=r.gpu_memory_utilization,
                                kv_cache_memory_gb=r.kv_cache_memory_gb,
-                               release_memory_after_rollout=r.release_memory_after_rollout,
+                               # a rollout worker's or evaluation's engine has its GPU to itself: sleeping would
+                               # only cost the copies out and back and the KV cache's rebuild
+                               release_memory_after_rollout=r.release_memory_after_rollout and actor is not None,
                                temperature=r.temperature, top_p=r.top_p)
     if adapter:  # the trainer's weights, or the checkpoint's merge where none is here (evaluation, a rollout worker)
         engine.update_weights(actor.iter_full_weights() if actor is not None else

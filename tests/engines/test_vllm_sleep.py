@@ -34,3 +34,17 @@ def test_the_weights_wake_for_the_push_and_the_kv_cache_after_it(monkeypatch):
     assert engine.llm.calls == [("sleep", 1), ("wake_up", ["weights"]), ("collective_rpc", None),
                                 ("wake_up", ["kv_cache"]), ("reset_prefix_cache", None)]
     assert freed == [3] and engine.weight_version == 3
+
+
+def test_an_engine_without_a_trainer_beside_it_never_sleeps(monkeypatch):
+    """A disaggregated rollout worker's or evaluation's engine has its GPU to itself: sleeping
+    cost two copies of the weights and the KV cache's rebuild every step, for nothing."""
+    from distflow.config import load_config
+    from distflow.engines import vllm_rollout
+    from distflow.trainer.loop import make_rollout_engine
+
+    made = []
+    monkeypatch.setattr(vllm_rollout, "VLLMRolloutEngine", lambda *args, **kwargs: made.append(kwargs) or object())
+    cfg = load_config(None, ["rollout.engine=vllm"])
+    make_rollout_engine(cfg, cfg.model.path, None, torch.device("cpu"), actor=None)
+    assert made[0]["release_memory_after_rollout"] is False
