@@ -98,11 +98,16 @@ def isolation() -> str:
         if sys.platform.startswith("linux") and os.geteuid() == 0:
             for candidate in MODES[MODES.index(cap):-1]:
                 try:
-                    _run("pass", "", Limits(time_s=10), candidate)
-                    mode = candidate
-                    break
+                    probe = _run("pass", "", Limits(time_s=10), candidate)
                 except SandboxError as e:
                     print(f"distflow: the code sandbox cannot use {candidate} ({e})", file=sys.stderr)
+                    continue
+                if probe.status == OK:
+                    mode = candidate
+                    break
+                # it started but the program did not run (own-uid: a Python its uid cannot reach, under /root)
+                why = probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else probe.status
+                print(f"distflow: the code sandbox cannot use {candidate} ({why})", file=sys.stderr)
         if mode != MODES[0]:
             print(f"distflow: the code sandbox runs programs in its {mode} mode (engines/sandbox.py says what "
                   "that contains)", file=sys.stderr)

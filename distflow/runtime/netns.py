@@ -74,7 +74,9 @@ def run_in_loopback_namespace(argv: list[str]) -> int:
     if answer[:1] != b"1":
         proc.wait()
         raise NamespaceUnavailable(answer[1:].decode(errors="replace") or f"set-up exited with {proc.returncode}")
-    forwarded = (signal.SIGTERM, signal.SIGHUP)  # a `kill` of this process stops the run, not just this waiter
+    # a `kill` of this process stops the run, not just this waiter; a signal it ignores (SIGHUP under `nohup`)
+    # the run ignores too, as it inherited
+    forwarded = [s for s in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) != signal.SIG_IGN]
     previous = ({s: signal.signal(s, lambda signum, _: proc.send_signal(signum)) for s in forwarded}
                 if threading.current_thread() is threading.main_thread() else {})
     try:

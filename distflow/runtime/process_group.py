@@ -105,7 +105,7 @@ def init_process_group(rank: int, world_size: int, master_addr: str, master_port
             rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=forming),
         )
-    except (dist.DistError, RuntimeError) as e:  # DistStoreError: not every worker joined, or rank 0 unreachable
+    except (dist.DistStoreError, dist.DistNetworkError) as e:  # not every worker joined; rank 0 not reachable
         raise RuntimeError(f"worker {rank}: the process group of {world_size} did not form within {forming} s at "
                            f"rank 0's {master_addr}:{master_port} (a worker that cannot reach that address: set "
                            f"GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME on the nodes); "

@@ -147,10 +147,12 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
     import ray
 
     wire, env, group = None, {}, None
-    # SIGTERM and SIGHUP stop the launch as Ctrl-C does (`Stopped`), from the first wait on; during the clean-up
-    # they are ignored; then what was there before ray.init (which sets its own) is put back
-    stop_signals = (signal.SIGTERM, signal.SIGHUP) if threading.current_thread() is threading.main_thread() else ()
-    before_ray = {s: signal.getsignal(s) for s in stop_signals}
+    # SIGTERM and SIGHUP stop the launch as Ctrl-C does (`Stopped`), from the first wait on, unless they were
+    # ignored (`nohup`); during the clean-up these and Ctrl-C are ignored; then what was there before ray.init
+    # (which sets its own) is put back
+    main_thread = threading.current_thread() is threading.main_thread()
+    before_ray = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)} if main_thread else {}
+    stop_signals = [s for s in (signal.SIGTERM, signal.SIGHUP) if s in before_ray and before_ray[s] != signal.SIG_IGN]
     _signals_received.clear()
     if centralized is not None:
         from distflow.runtime.centralized import make_wire, wire_env
@@ -227,7 +229,7 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM or SIGHUP through `_interrupt`
         raise Stopped(_signals_received[-1] if _signals_received else signal.SIGINT) from None
     finally:
-        for s in stop_signals:  # the stop is under way: a second signal must not cut it short
+        for s in before_ray:  # the stop is under way: a second signal (a second Ctrl-C) must not cut it short
             signal.signal(s, signal.SIG_IGN)
         if driver is not None:
             relay.stop(driver)

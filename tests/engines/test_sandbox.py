@@ -279,6 +279,33 @@ def test_own_uid_mode_as_root_without_namespaces_runs_the_program_as_its_uid_and
     assert _no_sandbox_processes_left({out["pid"]})
 
 
+def _reachable_by_others(path: str) -> bool:
+    """Whether a uid other than the owner's can pass through every folder above `path`."""
+    import stat
+
+    folder = os.path.dirname(os.path.realpath(path))
+    while True:
+        if not os.stat(folder).st_mode & stat.S_IXOTH:
+            return False
+        if folder == "/":
+            return True
+        folder = os.path.dirname(folder)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="own-uid mode is root's")
+def test_own_uid_mode_is_taken_only_where_its_probe_program_ran(monkeypatch, capsys):
+    """Its uid must reach this Python: under /root (0700, as here: pyenv) the probe's
+    program failed to start, yet the mode was taken and every code reward scored 0."""
+    monkeypatch.setattr(sandbox, "_ISOLATION", [])
+    monkeypatch.setenv("DISTFLOW_SANDBOX", "own-uid")
+    python = getattr(sys, "_base_executable", sys.executable)
+    reachable = _reachable_by_others(python)
+    assert sandbox.isolation() == ("own-uid" if reachable else "limits")
+    if not reachable:
+        assert "the code sandbox cannot use own-uid (PermissionError" in capsys.readouterr().err
+        assert run_python(GOOD, "2 3\n").stdout == "5\n"  # the fallback runs programs
+
+
 def test_an_unknown_sandbox_mode_is_a_one_line_error(monkeypatch):
     monkeypatch.setattr(sandbox, "_ISOLATION", [])
     monkeypatch.setenv("DISTFLOW_SANDBOX", "none")
