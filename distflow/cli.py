@@ -55,16 +55,17 @@ def _fail(message: str, code: int = EXIT_USAGE) -> int:
     return code
 
 
-def new_run_dir(cfg: Config) -> Path:
-    """trainer.output_dir, or a new folder runs/<date-time>-<algorithm>[-<n>] (two runs
-    started in the same second get their own), held by this process (`hold_run_folder`).
+def new_run_dir(cfg: Config, kind: str | None = None) -> Path:
+    """trainer.output_dir, or a new folder runs/<date-time>-<kind: the algorithm's name by
+    default>[-<n>] (two runs started in the same second get their own), held by this
+    process (`hold_run_folder`).
     Where a worker was when an earlier launch in the folder stopped (status/) is cleared:
     this launch's failures name its own stages."""
     if cfg.trainer.output_dir:
         path = Path(cfg.trainer.output_dir).expanduser()
         path.mkdir(parents=True, exist_ok=True)
     else:
-        stem = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{Path(cfg.algorithm.name).stem}"
+        stem = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{kind or Path(cfg.algorithm.name).stem}"
         path, n = stem, 1
         stem.parent.mkdir(parents=True, exist_ok=True)
         while True:
@@ -81,7 +82,7 @@ def new_run_dir(cfg: Config) -> Path:
 
 
 _HELD_FOLDERS: dict[str, object] = {}  # run folder -> its open lock file, held until this process exits
-HELD_FOLDER_ENV = "DISTFLOW_HELD_RUN_FOLDER"  # the folder a launcher holds, for the workers it starts itself
+HELD_FOLDER_ENV = "DISTFLOW_HELD_RUN_FOLDER"  # the folder torchrun's launcher holds, for the workers it starts
 
 
 def hold_run_folder(path: Path) -> None:
@@ -89,11 +90,14 @@ def hold_run_folder(path: Path) -> None:
     as this process runs: a second launch into the folder while one runs there (a
     scheduler's retry, a double submit) would write the same checkpoints and metrics, and
     is refused in one line. Taken once per process; not again by the workers of a
-    launcher that holds it (torchrun's, told through the environment)."""
+    launcher that holds it (torchrun's, told through the environment, `_exec_torchrun`)."""
     key = str(path)
     if key in _HELD_FOLDERS or os.environ.get(HELD_FOLDER_ENV) == key:
         return
-    lock = open(path / ".lock", "a+")
+    try:
+        lock = open(path / ".lock", "a+")
+    except OSError as e:
+        raise ConfigError(f"trainer.output_dir={path}: cannot write its lock file ({e.strerror})") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -107,7 +111,6 @@ def hold_run_folder(path: Path) -> None:
     lock.write(f"{os.getpid()}\n")
     lock.flush()
     _HELD_FOLDERS[key] = lock
-    os.environ[HELD_FOLDER_ENV] = key
 
 
 def record_config(run_dir: Path, cfg: Config) -> None:
@@ -424,10 +427,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     code = _loopback_rerun(cfg, ["eval", f"--k={args.k}", *_config_argv(args)])
     if code is not None:
         return code
-    if cfg.trainer.output_dir is None:
-        cfg.trainer.output_dir = str(Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-eval")
     try:
-        run_dir = new_run_dir(cfg)
+        run_dir = new_run_dir(cfg, kind="eval")
     except ConfigError as e:  # a folder another launch holds
         return _fail(str(e))
     cfg.trainer.output_dir = str(run_dir)
@@ -455,6 +456,7 @@ def _exec_torchrun(cfg: Config, argv: list[str]) -> int:
     args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={cfg.runtime.num_workers}",
                                          "-m", "distflow.train", *argv,
                                          f"trainer.output_dir={cfg.trainer.output_dir}"])
+    os.environ[HELD_FOLDER_ENV] = cfg.trainer.output_dir  # its workers, this process's children, do not take it again
     try:
         run(args)
     except ChildFailedError as e:  # torchrun's table of the failed ranks, then where each worker was

@@ -223,7 +223,9 @@ def _is_mixture_of_experts(model_path: str) -> bool:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path)
-    return any(getattr(config, key, 0) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
+    configs = [config, getattr(config, "text_config", None)]  # a vision-language model's experts are its text model's
+    return any(getattr(c, key, 0) for c in configs if c is not None
+               for key in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 def _generation_config(model_path: str):

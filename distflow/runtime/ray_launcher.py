@@ -31,15 +31,20 @@ _MAX_RAY_TEMP_LEN = 40
 
 # What a cluster's workers take from the launcher's environment (a local Ray's inherit all of
 # it): where the user's modules and the models are, and the settings of the libraries the
-# workers run (rank 0 logs to W&B or MLflow from its node). Networking (NCCL_*, GLOO_*) is
-# each node's own, as `ray start` set it there.
-FORWARDED_ENV_PREFIXES = ("HF_", "TRANSFORMERS_", "TORCH_", "VLLM_", "WANDB_", "MLFLOW_", "DISTFLOW_")
-FORWARDED_ENV_NAMES = ("PYTHONPATH", "CUDA_LAUNCH_BLOCKING")
+# workers run (rank 0 logs to W&B or MLflow from its node; their keys travel in the job's
+# runtime_env, which Ray's dashboard shows). Networking (NCCL_*, GLOO_*) and what names a
+# host (DISTFLOW_HOST_ID) are each node's own, as `ray start` set them there.
+FORWARDED_ENV_PREFIXES = ("HF_", "TRANSFORMERS_", "TORCH_", "VLLM_", "WANDB_", "MLFLOW_")
+FORWARDED_ENV_NAMES = ("DISTFLOW_SANDBOX", "CUDA_LAUNCH_BLOCKING")
 
 
 def forwarded_env(environ: dict[str, str]) -> dict[str, str]:
-    """The variables of `environ` that a cluster's workers are given (the launcher's)."""
-    return {k: v for k, v in environ.items() if k.startswith(FORWARDED_ENV_PREFIXES) or k in FORWARDED_ENV_NAMES}
+    """The variables of `environ` that a cluster's workers are given (the launcher's); its
+    PYTHONPATH goes before the node's own (Ray expands `${PYTHONPATH}` on the node)."""
+    out = {k: v for k, v in environ.items() if k.startswith(FORWARDED_ENV_PREFIXES) or k in FORWARDED_ENV_NAMES}
+    if environ.get("PYTHONPATH"):
+        out["PYTHONPATH"] = f"{environ['PYTHONPATH']}:${{PYTHONPATH}}"
+    return out
 
 
 class WorkerFailed(RuntimeError):

@@ -185,17 +185,18 @@ def latest(folder: Path) -> Path | None:
 
 def _checkpoints(folder: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
     """(path, trainer state) of each complete checkpoint in `folder` (`step_*`, `final`,
-    and one left aside by `put_in_place`); one whose state file cannot be read is skipped,
-    saying so."""
+    and one left aside by `put_in_place`); one whose state file cannot be read, or is of
+    another format, is skipped, saying so."""
     for p in sorted(folder.iterdir()) if folder.is_dir() else []:
         name = p.name.removesuffix(_ASIDE)
         if (p / STATE_FILE).is_file() and (_STEP_DIR.match(name) or name == "final"):
             try:
-                state = json.loads((p / STATE_FILE).read_text())
-            except (OSError, ValueError) as e:
-                print(f"distflow: skipping checkpoint {p}: its {STATE_FILE} cannot be read ({e})", file=sys.stderr)
+                state = read_state(p, json.loads((p / STATE_FILE).read_text()))
+            except (OSError, ValueError, AttributeError, CheckpointError) as e:  # AttributeError: JSON, not a dict
+                print(f"distflow: skipping checkpoint {p}: its {STATE_FILE} cannot be read or used ({e})",
+                      file=sys.stderr)
                 continue
-            yield p, read_state(p, state)
+            yield p, state
 
 
 def set_aside_newer(folder: Path, step: int) -> list[Path]:
@@ -326,33 +327,39 @@ def export(path: Path, out: Path, merge: bool, dtype: str | None = None) -> list
     if not path.is_dir() or not (((path / "config.json").is_file() and weights) or is_adapter_folder(path)):
         raise CheckpointError(f"checkpoint {path}: not a model folder (no config.json and .safetensors weights, "
                               "or adapter_config.json)")
+    out = out.expanduser().resolve()  # `--out .`: the folder's own name, for the partial one beside it
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"export --out {out}: exists and is not an empty folder; choose a new folder")
     if merge and is_adapter_folder(path) and not Path(base := adapter_base(path)).expanduser().is_dir():
         raise CheckpointError(f"checkpoint {path}: its adapter's base model {base} is not a folder here; "
                               "export the adapter without --merge, or put the base there")
-    # written beside `out` and renamed when complete: a failure leaves no folder that looks like a model
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    # a new folder is written beside `out` and renamed when complete; an empty one the user made (the working
+    # directory, say) is written in place and emptied again on a failure: none is left looking like a model
+    made = not out.exists()
+    folder = out.with_name(out.name + ".partial") if made else out
+    if made:
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
     try:
         if merge and is_adapter_folder(path):  # merged into the fp32 base, then cast (a bf16 base would round first)
-            load_causal_lm(str(path), "float32").save_pretrained(partial, safe_serialization=True)
-            load_tokenizer(str(path)).save_pretrained(partial)
+            load_causal_lm(str(path), "float32").save_pretrained(folder, safe_serialization=True)
+            load_tokenizer(str(path)).save_pretrained(folder)
             if (path / IMAGE_PROCESSOR_FILE).is_file():  # a VLM's image processor, as the checkpoint holds it
-                shutil.copy2(path / IMAGE_PROCESSOR_FILE, partial / IMAGE_PROCESSOR_FILE)
+                shutil.copy2(path / IMAGE_PROCESSOR_FILE, folder / IMAGE_PROCESSOR_FILE)
         else:
             for f in path.iterdir():
                 if f.is_file() and f.name not in _RESUME_ONLY:
-                    shutil.copy2(f, partial / f.name)
+                    shutil.copy2(f, folder / f.name)
         if dtype is not None:
-            _cast_weights(partial, getattr(torch, dtype))
+            _cast_weights(folder, getattr(torch, dtype))
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        for written in folder.iterdir() if not made else ():
+            shutil.rmtree(written) if written.is_dir() else written.unlink()
+        if made:
+            shutil.rmtree(folder, ignore_errors=True)
         raise
-    if out.exists():  # an empty folder the user made
-        out.rmdir()
-    os.replace(partial, out)
+    if made:
+        os.replace(folder, out)
     return sorted(f.name for f in out.iterdir())
 
 

@@ -96,6 +96,12 @@ def test_an_export_that_fails_leaves_no_folder_and_a_moved_base_is_one_line(rand
     with pytest.raises(OSError, match="No space left"):
         checkpoint.export(adapter, tmp_path / "out", merge=True, dtype="bfloat16")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base"]  # nothing that looks like a model
+    (tmp_path / "here").mkdir()  # `--out .` in an empty folder: written in place, emptied again on a failure
+    monkeypatch.chdir(tmp_path / "here")
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint.export(adapter, Path("."), merge=True, dtype="bfloat16")
+    assert not any((tmp_path / "here").iterdir()) and not (tmp_path / "here.partial").exists()
+    monkeypatch.undo()
     shutil.rmtree(base)  # the base was on the training machine
     with pytest.raises(checkpoint.CheckpointError, match=f"checkpoint {adapter}: its adapter's base model {base} is "
                                                          "not a folder here; export the adapter without --merge"):

@@ -107,6 +107,10 @@ try:  # a group of 2 whose second worker never comes (it cannot reach rank 0)
     init_process_group(0, 2, "127.0.0.1", free_port(), "cpu", 1800, 1)
 except RuntimeError as e:
     failed = [str(e), time.monotonic() - start]
+try:  # a worker that cannot reach rank 0's address (nothing listens there)
+    init_process_group(1, 2, "127.0.0.1", free_port(), "cpu", 1800, 1)
+except RuntimeError as e:
+    failed.append(str(e))
 init_process_group(0, 1, "127.0.0.1", free_port(), "cpu", 1800, 1)
 backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
 print(json.dumps(failed + [backend.options._timeout.total_seconds()]))
@@ -119,8 +123,9 @@ def test_a_group_that_does_not_form_fails_within_the_rendezvous_timeout_not_the_
     worker waiting runtime.collective_timeout_s (30 min) in silence."""
     out = subprocess.run([sys.executable, "-c", FORMING], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    message, seconds, collective_timeout = json.loads(out.stdout.strip().splitlines()[-1])
+    message, seconds, unreachable, collective_timeout = json.loads(out.stdout.strip().splitlines()[-1])
     assert message.startswith("worker 0: the process group of 2 did not form within 3 s at rank 0's 127.0.0.1:")
     assert "GLOO_SOCKET_IFNAME" in message and "\n" not in message
+    assert unreachable.startswith("worker 1: the process group of 2 did not form within 3 s at rank 0's 127.0.0.1:")
     assert seconds < 60
     assert collective_timeout == 1800  # once formed, collectives wait runtime.collective_timeout_s

@@ -85,3 +85,13 @@ def test_a_dead_workers_line_names_its_pid_node_and_rays_exit_detail():
                                 "to the node running low on memory.")
     assert death_detail(low_memory).endswith("Task was killed due to the node running low on memory.")
     assert death_detail("The actor died.") == ""
+
+
+def test_cluster_workers_get_the_launchers_library_settings_not_its_host_identity():
+    from distflow.runtime.ray_launcher import forwarded_env
+
+    launcher = {"PYTHONPATH": "/home/me/rewards", "HF_HOME": "/shared/hf", "WANDB_MODE": "offline",
+                "DISTFLOW_SANDBOX": "own-uid", "DISTFLOW_HOST_ID": "login-node", "DISTFLOW_NETNS": "loopback",
+                "GLOO_SOCKET_IFNAME": "eth9", "NCCL_IB_HCA": "mlx5_0", "HOME": "/home/me"}
+    assert forwarded_env(launcher) == {"PYTHONPATH": "/home/me/rewards:${PYTHONPATH}",  # before the node's own
+                                       "HF_HOME": "/shared/hf", "WANDB_MODE": "offline", "DISTFLOW_SANDBOX": "own-uid"}

@@ -132,11 +132,14 @@ def test_latest_ignores_incomplete_folders_and_prune_keeps_the_newest(tmp_path, 
     assert "skipping checkpoint" in capsys.readouterr().err
     (tmp_path / "step_70").mkdir()  # unreadable too, and named newer: it must not push out the good ones
     (tmp_path / "step_70" / checkpoint.STATE_FILE).write_text("{")
+    (tmp_path / "step_9").mkdir()  # another format's (a later version's): skipped alike, not raised on
+    (tmp_path / "step_9" / checkpoint.STATE_FILE).write_text(json.dumps({"format": 2, "step": 9}))
+    assert checkpoint.latest(tmp_path) == tmp_path / "step_6"
     checkpoint._prune(tmp_path, keep_last=2)
     # a folder that is not a checkpoint, or whose state cannot be read, is not counted or touched (nor the one
     # being written: `save` removes what crashed writes left before it writes)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_10", "step_4", "step_6", "step_7", "step_70",
-                                                          "step_8.tmp"]
+                                                          "step_8.tmp", "step_9"]
     with pytest.raises(checkpoint.CheckpointError, match="trainer.resume='/nowhere': no complete checkpoint"):
         checkpoint.resolve("/nowhere", tmp_path)
     assert checkpoint.resolve("off", tmp_path) is None

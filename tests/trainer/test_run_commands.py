@@ -95,6 +95,8 @@ def test_runs_started_in_the_same_second_get_their_own_folders_and_a_relaunch_fo
     cfg = load_config(None, [])
     folders = [new_run_dir(cfg) for _ in range(3)]
     assert [f.name for f in folders] == ["20261206-223000-grpo", "20261206-223000-grpo-2", "20261206-223000-grpo-3"]
+    # `distflow eval`'s too (two started at once shared one folder; now held, the second would be refused)
+    assert [new_run_dir(cfg, kind="eval").name for _ in range(2)] == ["20261206-223000-eval", "20261206-223000-eval-2"]
     (folders[0] / "status").mkdir()
     (folders[0] / "status" / "rank-0.json").write_text('{"rank": 0, "step": 37, "stage": "actor_update"}')
     assert new_run_dir(load_config(None, [f"trainer.output_dir={folders[0]}"])) == folders[0]
