@@ -459,8 +459,7 @@ def _exec_torchrun(cfg: Config, argv: list[str]) -> int:
     os.environ[HELD_FOLDER_ENV] = cfg.trainer.output_dir  # its workers, this process's children, do not take it again
     try:
         run(args)
-    except ChildFailedError as e:  # torchrun's table of the failed ranks, then where each worker was
-        print(e, file=sys.stderr)
+    except ChildFailedError as e:  # each failed worker said why in a line of its own; then where each one was
         return _fail(f"torchrun workers failed (exit {e.get_first_failure()[1].exitcode}); last stage per "
                      f"worker: {_worker_stages(Path(cfg.trainer.output_dir))}", EXIT_FAILED)
     except SignalException as e:  # Ctrl-C or a kill: torchrun has stopped the workers

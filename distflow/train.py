@@ -14,6 +14,8 @@ import argparse
 import json
 import os
 import sys
+import traceback
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -46,6 +48,23 @@ def main(argv: list[str] | None = None) -> int:
     init_process_group(rank, world, os.environ.get("MASTER_ADDR", "127.0.0.1"),
                        int(os.environ.get("MASTER_PORT", 29500)), cfg.runtime.device,
                        cfg.runtime.collective_timeout_s, cfg.runtime.threads_per_worker)
+    folder: list[str] = []  # the run folder once known: where a failure's traceback goes
+    try:
+        return _run(args, configs, rank, folder)
+    except Exception as e:  # one line here (every rank may fail, the others as echoes); the traceback in a file
+        if not folder:
+            raise
+        path = Path(folder[0]) / f"worker-{rank}-traceback.txt"
+        path.write_text(traceback.format_exc())
+        print(f"distflow: worker {rank} failed: {f'{type(e).__name__}: {e}'.splitlines()[0]} (traceback: {path})",
+              file=sys.stderr)
+        return 1
+
+
+def _run(args, configs: list, rank: int, folder: list[str]) -> int:
+    """The runs of `configs` one after another in this process group; `folder` gets each
+    run's folder as it starts."""
+    cfg = configs[0]
     with process_group_closed_on_exit():
         from distflow.cli import new_run_dir
         from distflow.trainer.loop import run_eval_worker, run_worker
@@ -61,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(holder[0], ConfigError):  # another launch holds it: every rank stops
                 return _refused(holder[0], rank)
             cfg.trainer.output_dir = holder[0]
+            folder[:] = [holder[0]]
             summary = run_worker(cfg.to_dict(), holder[0], progress=cfg.trainer.progress)
             if rank == 0:
                 print(f"heldout_accuracy_initial={summary['heldout_accuracy_initial']:.3f} "

@@ -138,3 +138,25 @@ def test_a_launch_stopped_by_a_signal_says_so_in_one_line_and_stops_its_workers(
     for pid in workers:
         _wait_for(lambda: not os.path.exists(f"/proc/{pid}") or
                   open(f"/proc/{pid}/status").read().find("State:\tZ") >= 0, 30, f"worker {pid} to stop")
+
+
+def test_a_torchrun_worker_that_raises_says_so_in_one_line_and_keeps_its_traceback(tmp_path):
+    """Under torchrun every worker's traceback and torchrun's table of them made 120 lines
+    for one error; now each worker says why in one line, its traceback in the run folder."""
+    (tmp_path / "est.py").write_text("def boom(inputs):\n    raise ValueError('boom: my estimator is broken')\n")
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "distflow.cli", "train", "runtime.launcher=torchrun",
+                           f"algorithm.estimator={tmp_path / 'est.py'}:boom", "trainer.total_steps=2",
+                           "trainer.progress=false", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
+                           "data.val_max_samples=4", f"trainer.output_dir={run_dir}"],
+                          cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for rank in (0, 1):
+        line = (f"distflow: worker {rank} failed: NodeFailed: node 'advantage' failed on worker {rank} in step 1: "
+                f"ValueError: boom: my estimator is broken (traceback: {run_dir / f'worker-{rank}-traceback.txt'})")
+        assert line in proc.stderr.splitlines(), proc.stderr[-3000:]
+        assert "raise ValueError('boom" in (run_dir / f"worker-{rank}-traceback.txt").read_text()
+    assert proc.stderr.strip().splitlines()[-1].startswith("distflow: error: torchrun workers failed (exit 1); last "
+                                                           "stage per worker: rank 0 'advantage' of step 1")
