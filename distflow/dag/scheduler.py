@@ -353,7 +353,9 @@ class Scheduler:
         """Re-run the filter's ancestors on new prompts until enough groups pass over all
         workers (or `max_rounds`), then keep exactly `target_groups`: passing groups
         first, then (only if too few passed) rejected ones, each by lowest global key,
-        so the choice is the same for any number of workers."""
+        so the choice is the same for any number of workers. Rejected groups keep the
+        batch's shape but are masked (no response tokens, `FILTERED_OUT`): nothing of
+        them is trained on or counted in the step's metrics."""
         src, flag, rounds = self.refill, node.outputs[0], 0
         batches = [store.all()]
         counted = self._counts_rows(node)  # a replica's groups are counted and offered once, by its first member
@@ -380,9 +382,19 @@ class Scheduler:
         mine = sorted({(k not in good, k) for k in keys}) if counted else []
         chosen = sorted(k for _, k in sorted(x for part in all_gather_objects(mine) for x in part)[:src.target_groups])
         chosen_set = set(chosen)
-        store.replace(src.renumber(batch.select([i for i, k in enumerate(keys) if k in chosen_set]), chosen))
+        rows = src.renumber(batch.select([i for i, k in enumerate(keys) if k in chosen_set]), chosen)
+        passed_groups = all_reduce_int(len(good) if counted else 0)
+        if passed_groups < src.target_groups:  # rejected groups fill the batch (on every worker alike)
+            # ... to keep its shape, training on none of their tokens: their signal is none (all rewards
+            # equal), and a shaped reward (DAPO's overlong penalty) would otherwise give them advantages
+            rejected = torch.tensor([k not in good for k in src.group_keys(rows)], dtype=torch.bool)
+            if "response_mask" in rows.tensors:
+                mask = rows.tensors["response_mask"]
+                rows.tensors["response_mask"] = mask * (~rejected).unsqueeze(-1).to(mask.dtype)
+            rows.tensors[FILTERED_OUT] = rows.tensors.get(FILTERED_OUT, torch.zeros_like(rejected)) | rejected
+        store.replace(rows)
         self.counters[f"{node.name}/refill_rounds"] = float(rounds)
-        self.counters[f"{node.name}/passed_groups"] = float(all_reduce_int(len(good) if counted else 0))
+        self.counters[f"{node.name}/passed_groups"] = float(passed_groups)
 
 
 def chrome_trace(spans: list[Span], rank: int, t0: float | None = None) -> dict:

@@ -197,14 +197,24 @@ def test_refilling_filter_reruns_its_ancestors_until_the_batch_is_full():
     assert sched.counters == {"f/refill_rounds": 3.0, "f/passed_groups": 4.0}
 
 
-def test_refill_tops_up_with_rejected_groups_when_rounds_run_out():
+def test_refill_tops_up_with_rejected_groups_when_rounds_run_out_and_trains_on_none_of_them():
+    """They keep the batch's shape. DAPO's overlong penalty, after the filter, gave a
+    rejected group (all rewards equal: no signal) full-size advantages from length alone,
+    and its tokens counted in the loss's normaliser: they are masked."""
     g = Graph([Node(name="f", role="filter", fn=keep_odd_groups, inputs=("group",), outputs=("keep",),
-                    refill=True)], ["x", "group", "prompt_mask"])
+                    refill=True)], ["x", "group", "prompt_mask", "response_mask"])
     refill = Refill()
     refill.max_rounds = 1
-    _, store, _, _ = run(g, False, refill=refill)
+    refill.prompts = lambda round_: _with_responses(Refill.prompts(refill, round_))
+    store = source()
+    store.put(Batch({"response_mask": torch.ones(6, 3, dtype=torch.long)}))
+    _, store, _, _ = run(g, False, store=store, refill=refill)
     # passed: 1, 11; then the lowest rejected keys: 0, 2
-    assert sorted(set(store.get("group")["group"].tolist())) == [0, 1, 2, 11]
+    rows = store.all()
+    assert sorted(set(rows["group"].tolist())) == [0, 1, 2, 11]
+    rejected = torch.tensor([g in (0, 2) for g in rows["group"].tolist()])
+    assert torch.equal(rows[FILTERED_OUT], rejected)
+    assert torch.equal(rows["response_mask"].sum(-1) > 0, ~rejected)
 
 
 class RankRefill(Refill):
