@@ -188,7 +188,12 @@ class AlgorithmConfig:
     max_refill_rounds: int = _spec(3, min=0, doc="dynamic sampling: extra generation rounds per step; after them a "
                                                   "batch short of passing groups is topped up with dropped ones "
                                                   "(no signal; dynamic_sampling/passed_groups counts the others)")
-    overlong_buffer_len: int = _spec(0, min=0, doc="overlong shaping (DAPO): tokens before the limit where the penalty ramps; 0 = off")
+    overlong_buffer_len: int = _spec(0, min=0, doc="overlong shaping (DAPO): tokens before the limit where the penalty "
+                                                   "ramps (set, it wins over overlong_buffer_fraction); 0 = off")
+    overlong_buffer_fraction: float = _spec(0.0, min=0.0, max=1.0,
+                                            doc="overlong shaping (DAPO) with the buffer as a share of the response "
+                                                "budget (the paper: 4096 of 20480 tokens, 0.2), so it scales with "
+                                                "rollout.max_new_tokens; 0 = off")
     overlong_penalty_factor: float = _spec(1.0, min=0.0)
 
 
@@ -729,6 +734,15 @@ def response_token_budget(cfg: Config) -> int:
     if r.max_turns == 1 and r.agent is None:
         return r.max_new_tokens
     return r.max_total_tokens or r.max_new_tokens * r.max_turns
+
+
+def overlong_buffer_tokens(cfg: Config) -> int:
+    """DAPO's overlong buffer in tokens (0: no shaping): algorithm.overlong_buffer_len where
+    set, else algorithm.overlong_buffer_fraction of the response budget (at least one token)."""
+    a = cfg.algorithm
+    if a.overlong_buffer_len or not a.overlong_buffer_fraction:
+        return a.overlong_buffer_len
+    return max(1, round(a.overlong_buffer_fraction * response_token_budget(cfg)))
 
 
 def tool_names(cfg: Config) -> list[str]:

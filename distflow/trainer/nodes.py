@@ -35,7 +35,7 @@ from distflow.algos.correction import rollout_correction
 from distflow.algos.estimators import ADV_ESTIMATORS, ESTIMATOR_INFO, AdvantageInputs, Estimator, EstimatorInfo
 from distflow.algos.estimators import estimator_info, get_adv_estimator
 from distflow.collectives import all_reduce_sum, is_first_rank
-from distflow.config import Config, response_token_budget
+from distflow.config import Config, overlong_buffer_tokens, response_token_budget
 from distflow.coordinator.microbatch import local_micro_batches, plan_micro_batches
 from distflow.data.batch import FILTERED_OUT, Batch, prompt_and_response_lengths
 from distflow.data.dataset import DatasetError, PromptRow
@@ -224,7 +224,7 @@ def reward(ctx: WorkerContext, batch: Batch) -> Batch:
 
 
 def overlong_penalty(ctx: WorkerContext, batch: Batch) -> Batch:
-    """DAPO's soft overlong punishment, added to the score (algorithm.overlong_buffer_len > 0):
+    """DAPO's soft overlong punishment, added to the score (`overlong_buffer_tokens` > 0):
     a response's length against rollout.max_new_tokens; a multi-turn episode's (its turns
     and the tool or environment tokens between them) against its budget,
     rollout.max_total_tokens (0: max_new_tokens per turn, max_turns of them)."""
@@ -237,7 +237,7 @@ def overlong_penalty(ctx: WorkerContext, batch: Batch) -> Batch:
 def _overlong(cfg: Config, length: torch.Tensor) -> torch.Tensor:
     """DAPO's penalty of responses of `length` tokens against the run's budget."""
     a = cfg.algorithm
-    return core.overlong_reward_penalty(length, response_token_budget(cfg), a.overlong_buffer_len,
+    return core.overlong_reward_penalty(length, response_token_budget(cfg), overlong_buffer_tokens(cfg),
                                         a.overlong_penalty_factor)
 
 
@@ -283,7 +283,7 @@ def greedy_baseline(ctx: WorkerContext, batch: Batch) -> Batch:
     out.meta.update({k: [batch[k][i] for i in rows]
                      for k in ("ground_truth", "data_source", "extra_info", "prompt_messages") if k in batch})
     scores, _, _ = score_responses(ctx.tokenizer, out, ctx.reward_fn, None)
-    if ctx.cfg.algorithm.overlong_buffer_len:  # shaped as the samples' scores are (overlong_penalty)
+    if overlong_buffer_tokens(ctx.cfg):  # shaped as the samples' scores are (overlong_penalty)
         scores = scores + _overlong(ctx.cfg, out["response_mask"].sum(-1))
     by_group = dict(zip(first, scores.tolist()))
     return Batch({"baseline_scores": torch.tensor([by_group[g] for g in groups], dtype=torch.float32)})

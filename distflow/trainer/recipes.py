@@ -15,7 +15,7 @@ the builder runs they are in the config, so the graph follows from the config al
   drop_failed_groups  multi-turn or an agent, rollout.on_failed_episode=drop_group: a filter
                         of the groups with an episode whose environment or agent raised
   dynamic_sampling    algorithm.dynamic_sampling: a refilling filter; later nodes wait for it
-  overlong_penalty    algorithm.overlong_buffer_len > 0
+  overlong_penalty    algorithm.overlong_buffer_len or _fraction > 0
   greedy_baseline     an estimator that needs a "baseline" (ReMax)
   critic_values,      an estimator that needs "values" (GAE): PPO's critic
   critic_update
@@ -34,7 +34,7 @@ The node implementations are the library in nodes.py; a user's YAML graph
 from __future__ import annotations
 
 from distflow.algos.core import get_policy_loss
-from distflow.config import ALGORITHMS, Config, Recipe, load_recipe
+from distflow.config import ALGORITHMS, Config, Recipe, load_recipe, overlong_buffer_tokens
 from distflow.dag.graph import Graph, GraphError, Node, load_graph_file
 from distflow.data.images import IMAGE_FIELDS
 from distflow.engines.agent import COUNTS as EPISODE_COUNTS
@@ -132,7 +132,7 @@ def recipe_graph(cfg: Config) -> Graph:
         built.append(_node("dynamic_sampling", "filter", ("scores", "group"), ("kept",), refill=True,
                            params={"reward_field": "scores"}, deps=gate))
         gate, gated = ("dynamic_sampling",), {"layout": "groups"}
-    if a.overlong_buffer_len:
+    if overlong_buffer_tokens(cfg):
         built.append(_node("overlong_penalty", "reward", ("scores", "response_mask")
                            + (("observation_mask",) if episodes else ()), ("shaped_scores",),
                            layout="groups", deps=gate))
@@ -194,7 +194,8 @@ def build_graph(cfg: Config) -> Graph:
 # ---------------------------------------------------------------------------- documentation
 
 _SHOWN = ("algorithm.estimator", "algorithm.policy_loss", "algorithm.loss_agg_mode", "algorithm.use_kl_loss",
-          "algorithm.use_kl_in_reward", "algorithm.dynamic_sampling", "algorithm.overlong_buffer_len")
+          "algorithm.use_kl_in_reward", "algorithm.dynamic_sampling", "algorithm.overlong_buffer_len",
+          "algorithm.overlong_buffer_fraction")
 
 
 def _kl_where(recipe: Recipe) -> str:
@@ -208,11 +209,12 @@ def recipe_row(recipe: Recipe) -> list[str]:
     estimator = recipe.setting("algorithm.estimator")
     needs = nodes.resolve_estimator(estimator)[1].needs
     extra = ", ".join(f"`{k.split('.', 1)[1]}={v}`" for k, v in recipe.settings if k not in _SHOWN)
-    buffer = recipe.setting("algorithm.overlong_buffer_len")
+    buffer, fraction = recipe.setting("algorithm.overlong_buffer_len"), recipe.setting("algorithm.overlong_buffer_fraction")
+    shaping = f"{buffer} tokens" if buffer else f"the last {fraction:.0%} of the budget" if fraction else "-"
     return [f"`{recipe.name}`", f"`{estimator}`", f"`{recipe.setting('algorithm.policy_loss')}`",
             f"`{recipe.setting('algorithm.loss_agg_mode')}`", "yes" if "values" in needs else "-",
             _kl_where(recipe), "yes" if recipe.setting("algorithm.dynamic_sampling") else "-",
-            f"{buffer} tokens" if buffer else "-", extra or "-", recipe.description]
+            shaping, extra or "-", recipe.description]
 
 
 def recipe_table() -> str:

@@ -74,11 +74,22 @@ def test_dynamic_sampling_keeps_groups_whose_rewards_differ():
     assert out["kept"].tolist() == [True, True, False, False, False, False]
 
 
-def test_overlong_penalty_ramps_over_the_buffer():
-    ctx = Ctx({}, "algorithm.overlong_buffer_len=4", "rollout.max_new_tokens=8")
+@pytest.mark.parametrize("buffer", ["algorithm.overlong_buffer_len=4", "algorithm.overlong_buffer_fraction=0.5",
+                                    "algorithm.overlong_buffer_len=4 algorithm.overlong_buffer_fraction=0.1"])
+def test_overlong_penalty_ramps_over_the_buffer(buffer):
+    """The buffer in tokens, or as a share of the budget (DAPO's recipe: it scales with
+    rollout.max_new_tokens, as the paper's 4096 of 20480); tokens, where given, win."""
+    ctx = Ctx({}, *buffer.split(), "rollout.max_new_tokens=8")
     mask = torch.tensor([[1] * 4 + [0] * 4, [1] * 6 + [0] * 2, [1] * 8])
     out = nodes.overlong_penalty(ctx, Batch({"scores": torch.ones(3), "response_mask": mask}))
     assert out["shaped_scores"].tolist() == [1.0, 0.5, 0.0]  # penalties 0, -0.5, -1
+
+
+def test_dapo_s_overlong_buffer_scales_with_the_response_budget():
+    from distflow.config import overlong_buffer_tokens
+
+    assert overlong_buffer_tokens(load_config(None, ["algorithm.name=dapo"])) == 8  # of 32: the default run's
+    assert overlong_buffer_tokens(load_config(None, ["algorithm.name=dapo", "rollout.max_new_tokens=20480"])) == 5120
 
 
 def test_overlong_penalty_weighs_a_multi_turn_episode_against_its_budget():
