@@ -170,12 +170,13 @@ def batch_whiten(
     against the spread (a reward model's offset). A batch with one valid token has
     variance 0 and whitens to 0.
     """
-    m, wide = mask.to(torch.float64), x.to(torch.float64)
-    total, count = sum_fn(float((wide * m).sum()), float(m.sum()))
+    valid = mask.bool()
+    wide = torch.where(valid, x.to(torch.float64), 0.0)  # a masked position's value never enters (inf * 0 is NaN)
+    total, count = sum_fn(float(wide.sum()), float(valid.sum()))
     mean = total / max(count, 1.0)
-    (squared_deviations,) = sum_fn(float(((wide - mean) ** 2 * m).sum()))
+    (squared_deviations,) = sum_fn(float(torch.where(valid, (wide - mean) ** 2, 0.0).sum()))
     var = squared_deviations / max(count - 1.0, 1.0)
-    return ((wide - mean) * (var + _WHITEN_EPS) ** -0.5 * m).to(x.dtype)
+    return torch.where(valid, (wide - mean) * (var + _WHITEN_EPS) ** -0.5, 0.0).to(x.dtype)
 
 
 # --------------------------------------------------------------------------
@@ -398,7 +399,7 @@ def agg_loss(
 
     * ``token-mean``: ``sum(loss * mask) / num_tokens``.
     * ``token-sum``: ``sum(loss * mask)``, no normaliser: the step size grows
-      with the number of tokens (verl's ``token-sum``; pair it with a smaller lr).
+      with the number of tokens (verl has no such mode; pair it with a smaller lr).
     * ``seq-mean-token-sum``: ``sum_i (sum_t loss_it) / num_seqs``.
     * ``seq-mean-token-mean``: ``sum_i (mean_t loss_it) / num_seqs``.
     * ``seq-mean-token-sum-norm``: ``sum(loss * mask) / (num_seqs * norm_len)``;

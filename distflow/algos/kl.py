@@ -132,9 +132,9 @@ def kl_penalized_rewards(
     positions; the caller feeds ``masked_mean(kl, mask, -1)`` averaged over the
     batch to the controller (verl's ``current_kl``).
     """
-    m = mask.to(token_scores.dtype)
-    kl = kl_penalty(log_probs, ref_log_probs, kind) * m  # (B, T)
-    return (token_scores - beta * kl) * m, kl
+    valid = mask.bool()  # a masked position's value never enters (inf * 0 is NaN)
+    kl = torch.where(valid, kl_penalty(log_probs, ref_log_probs, kind), 0.0)  # (B, T)
+    return torch.where(valid, token_scores - beta * kl, 0.0), kl
 
 
 def sequence_mean_kl(kl: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

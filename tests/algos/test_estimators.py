@@ -4,6 +4,7 @@ the same advantages whether the batch is on one process or split over several.""
 
 from __future__ import annotations
 
+import math
 import threading
 from functools import partial
 
@@ -172,6 +173,13 @@ def test_batch_whiten_keeps_a_small_spread_around_a_large_mean():
     whitened = core.batch_whiten(x, mask)
     assert whitened.dtype == torch.float32
     assert float(whitened.double().std()) == pytest.approx(1.0, abs=1e-2)
+
+
+def test_batch_whiten_ignores_what_lies_under_the_mask_an_infinite_value_too():
+    x = torch.tensor([[1.0, 2.0, math.inf], [3.0, -math.inf, 5.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1]])
+    clean = core.batch_whiten(torch.where(mask.bool(), x, 0.0), mask)
+    assert torch.equal(core.batch_whiten(x, mask), clean) and torch.isfinite(clean).all()  # it was all NaN
 
 
 def test_gae_on_a_shard_with_one_valid_token_leans_on_the_batch_wide_whiten():

@@ -3,6 +3,8 @@ its controllers, against hand-computed values."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -52,6 +54,10 @@ def test_kl_penalized_rewards_hand_values():
     torch.testing.assert_close(kl, torch.tensor([[0.5, 0.0, -0.25], [0.5, 0.0, 0.0]], dtype=F64))
     torch.testing.assert_close(rewards, torch.tensor([[-0.05, 0.0, 1.025], [-0.05, 45.0, 0.0]], dtype=F64))
     torch.testing.assert_close(sequence_mean_kl(kl, mask), torch.tensor([0.25 / 3, 0.25], dtype=F64))
+    # what lies under the mask never enters, an infinite log-prob of padding neither (inf * 0 was NaN)
+    logp[1, 2], ref[1, 2] = -math.inf, math.inf
+    again, kl_again = kl_penalized_rewards(scores, logp, ref, mask, beta=0.1, kind="k1")
+    assert torch.equal(again, rewards) and torch.equal(kl_again, kl)
 
 
 def test_fixed_controller_keeps_beta():
