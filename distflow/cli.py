@@ -408,10 +408,11 @@ def _launch(cfg: Config, run_dir: Path, entry: str, entry_args: tuple, on_poll, 
     except Exception as e:  # Ray's own (a cluster of another Ray version, a lost head node): one line, the rest kept
         import traceback
 
+        from distflow.runtime.process_group import headline
+
         path = run_dir / "launcher-traceback.txt"
         path.write_text(traceback.format_exc())
-        headline = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return _fail(f"the launch failed: {type(e).__name__}: {headline} (traceback: {path})", EXIT_FAILED)
+        return _fail(f"the launch failed: {headline(e)} (traceback: {path})", EXIT_FAILED)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from distflow.cli import check_graph, check_inputs
 from distflow.config import ConfigError, load_config
-from distflow.runtime.process_group import init_process_group, process_group_closed_on_exit
+from distflow.runtime.process_group import headline, init_process_group, process_group_closed_on_exit
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,8 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         path = Path(folder[0]) / f"worker-{rank}-traceback.txt"
         path.write_text(traceback.format_exc())
-        print(f"distflow: worker {rank} failed: {f'{type(e).__name__}: {e}'.splitlines()[0]} (traceback: {path})",
-              file=sys.stderr)
+        print(f"distflow: worker {rank} failed: {headline(e)} (traceback: {path})", file=sys.stderr)
         return 1
 
 

@@ -22,6 +22,12 @@ WORKER_ENV = {
 }
 
 
+def headline(error: BaseException) -> str:
+    """An error as a one-line report gives it: its type and its message's first line."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -109,7 +115,7 @@ def init_process_group(rank: int, world_size: int, master_addr: str, master_port
         raise RuntimeError(f"worker {rank}: the process group of {world_size} did not form within {forming} s at "
                            f"rank 0's {master_addr}:{master_port} (a worker that cannot reach that address: set "
                            f"GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME on the nodes); "
-                           f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+                           f"{headline(e)}") from None
     # from now on a collective waits for its slowest worker as long as runtime.collective_timeout_s says
     full = datetime.timedelta(seconds=timeout_s)
     dist.distributed_c10d._set_pg_timeout(full)

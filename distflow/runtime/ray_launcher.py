@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from distflow.runtime.meter import LauncherMeter
-from distflow.runtime.process_group import WORKER_ENV, free_port, run_in_group
+from distflow.runtime.process_group import WORKER_ENV, free_port, headline, run_in_group
 
 # AF_UNIX socket paths are limited to 107 bytes; Ray puts its sockets at
 # <temp>/session_<date>_<pid>/sockets/plasma_store, which leaves about 44 for <temp>
@@ -115,8 +115,7 @@ class _Worker:
         try:
             return run_in_group(entry, args, rank, world_size, master_addr, master_port, device, timeout_s, threads)
         except Exception as e:
-            headline = f"{type(e).__name__}: {e}".splitlines()[0]
-            raise WorkerError(rank, headline, traceback.format_exc()) from None
+            raise WorkerError(rank, headline(e), traceback.format_exc()) from None
 
 
 def check_ray_address(address: str, timeout_s: float = 10.0) -> str:
@@ -352,5 +351,5 @@ def _describe(rank: int, e: Exception, run_dir: Path, meter: LauncherMeter) -> s
         path.write_text(str(e))  # Ray's whole account: its guesses at the cause, the node's log to look in
         return (f"worker {rank} died{_where(run_dir, rank, meter)}: its process exited unexpectedly "
                 f"({death_detail(str(e)) or type(e).__name__}; Ray's account: {path})")
-    return f"worker {rank} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return f"worker {rank} failed: {headline(e)}"
 
