@@ -63,11 +63,16 @@ class Stopped(Exception):
 _signals_received: list[int] = []
 
 
-def _interrupt(signum: int, _frame) -> None:
-    """SIGTERM and SIGHUP interrupt the launcher's wait as Ctrl-C does (Ray may re-raise the
-    interrupt as a plain KeyboardInterrupt: the signal is kept here)."""
+def _record(signum: int, _frame) -> None:
+    """Ctrl-C, SIGTERM or SIGHUP during the launch: noted here and acted on where the launcher
+    waits for its workers (`_stop_if_signalled`, every poll). Raised from the handler, the
+    interrupt could land inside Ray's own code, which then hung the clean-up."""
     _signals_received.append(signum)
-    raise KeyboardInterrupt
+
+
+def _stop_if_signalled() -> None:
+    if _signals_received:
+        raise Stopped(_signals_received[-1])
 
 
 class ClusterTooSmall(ValueError):
@@ -151,12 +156,11 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
     import ray
 
     wire, env, group = None, {}, None
-    # SIGTERM and SIGHUP stop the launch as Ctrl-C does (`Stopped`), from the first wait on, unless they were
-    # ignored (`nohup`); during the clean-up these and Ctrl-C are ignored; then what was there before ray.init
-    # (which sets its own) is put back
+    # Ctrl-C, SIGTERM and SIGHUP stop the launch (`Stopped`), unless they were ignored (SIGHUP under `nohup`);
+    # during the clean-up they are ignored; then what was there before ray.init (which sets its own) is put back
     main_thread = threading.current_thread() is threading.main_thread()
     before_ray = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)} if main_thread else {}
-    stop_signals = [s for s in (signal.SIGTERM, signal.SIGHUP) if s in before_ray and before_ray[s] != signal.SIG_IGN]
+    stop_signals = [s for s, handler in before_ray.items() if handler != signal.SIG_IGN]
     _signals_received.clear()
     if centralized is not None:
         from distflow.runtime.centralized import make_wire, wire_env
@@ -187,7 +191,7 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
                 raise ClusterTooSmall(f"runtime.num_workers={num_workers}: the Ray cluster at {ray_address} has "
                                  f"{slots} free CPU slots for workers")
         for s in stop_signals:  # ray.init's own SIGTERM handler exits with code 15 and no word of the run
-            signal.signal(s, _interrupt)
+            signal.signal(s, _record)
         # the cluster's GPUs, busy or not (a GPU cluster that is busy now is waited for below, not run on CPUs)
         gpus = int(ray.cluster_resources().get("GPU", 0))
         use_gpu = device != "cpu" and gpus >= num_workers  # one each; else every worker on CPU, GPUs hidden or not
@@ -217,6 +221,7 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
         results: dict[int, Any] = {}
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=poll_s)
+            _stop_if_signalled()
             if relay is not None and relay.error is not None:
                 raise WorkerFailed(f"the driver failed: {type(relay.error).__name__}: {relay.error}")
             if on_poll is not None:
@@ -230,8 +235,8 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
         if on_poll is not None:  # what the workers wrote last
             on_poll()
         return [results[r] for r in range(num_workers)]
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM or SIGHUP through `_interrupt`
-        raise Stopped(_signals_received[-1] if _signals_received else signal.SIGINT) from None
+    except KeyboardInterrupt:  # Ctrl-C before `_record` took it over (while Ray started)
+        raise Stopped(signal.SIGINT) from None
     finally:
         for s in before_ray:  # the stop is under way: a second signal (a second Ctrl-C) must not cut it short
             signal.signal(s, signal.SIG_IGN)
