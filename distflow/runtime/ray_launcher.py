@@ -240,33 +240,40 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
     finally:
         for s in before_ray:  # the stop is under way: a second signal (a second Ctrl-C) must not cut it short
             signal.signal(s, signal.SIG_IGN)
-        if driver is not None:
-            relay.stop(driver)
-        for actor in actors:
-            try:
-                ray.kill(actor)
-            except Exception:
-                pass
-        if group is not None:
-            try:
-                ray.util.remove_placement_group(group)
-            except Exception:  # the cluster is gone: nothing left to free, and the run's own error comes first
-                pass
-        ray.shutdown()
-        (run_dir / "launcher.json").write_text(json.dumps(
-            meter.summary() | {"mode": "centralized" if centralized is not None else "distributed"}
-            | ({"centralized_wire": centralized_wire} if centralized is not None else {})
-            | (relay.stats() if relay else {})))
-        if cleanup:
-            shutil.rmtree(cleanup, ignore_errors=True)
-        for s, handler in before_ray.items():
-            if handler is not None:  # None: one set outside Python, which cannot be put back
-                signal.signal(s, handler)
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        try:
+            _clean_up(ray, driver, relay, actors, group)
+            (run_dir / "launcher.json").write_text(json.dumps(
+                meter.summary() | {"mode": "centralized" if centralized is not None else "distributed"}
+                | ({"centralized_wire": centralized_wire} if centralized is not None else {})
+                | (relay.stats() if relay else {})))
+            if cleanup:
+                shutil.rmtree(cleanup, ignore_errors=True)
+        finally:  # even where the clean-up failed: this process does not go on ignoring Ctrl-C
+            for s, handler in before_ray.items():
+                if handler is not None:  # None: one set outside Python, which cannot be put back
+                    signal.signal(s, handler)
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def _clean_up(ray, driver, relay, actors: list, group) -> None:
+    """The driver stopped, the workers killed, the placement group freed, Ray shut down."""
+    if driver is not None:
+        relay.stop(driver)
+    for actor in actors:
+        try:
+            ray.kill(actor)
+        except Exception:
+            pass
+    if group is not None:
+        try:
+            ray.util.remove_placement_group(group)
+        except Exception:  # the cluster is gone: nothing left to free, and the run's own error comes first
+            pass
+    ray.shutdown()
 
 
 def _packed_by_node(num_workers: int, use_gpu: bool, ray_address: str, timeout_s: float = 120.0):

@@ -114,9 +114,13 @@ def test_a_launch_stopped_by_a_signal_says_so_in_one_line_and_stops_its_workers(
            "trainer.progress=false", "trainer.save_final=false", "data.train_batch_size=4",
            "actor.ppo_mini_batch_size=4", "algorithm.group_size=4", "data.val_max_samples=8",
            f"trainer.output_dir={run_dir}", *(["runtime.network=host"] if how == signal.SIGINT else [])]
-    # started as `nohup` starts it: a hangup (the terminal closed) must not stop it
+
+    def as_nohup_in_a_terminal():  # a hangup (the terminal closed) must not stop it; Ctrl-C must
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a background job (CI's, under `&`) inherits SIGINT ignored
+
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+                            start_new_session=True, preexec_fn=as_nohup_in_a_terminal)
     try:
         _wait_for(lambda: (s := _status(run_dir, 1)) and s["step"] >= 1, 240, "worker 1 at step 1")
         workers = [_status(run_dir, r)["pid"] for r in (0, 1)]
@@ -125,7 +129,12 @@ def test_a_launch_stopped_by_a_signal_says_so_in_one_line_and_stops_its_workers(
         _wait_for(lambda: (s := _status(run_dir, 1)) and s["step"] > step + 1, 120, "the run to go on after SIGHUP")
         assert proc.poll() is None
         proc.send_signal(how)
-        _, stderr = proc.communicate(timeout=90)
+        try:
+            _, stderr = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:  # it went on: what it said, for the failure
+            os.killpg(proc.pid, signal.SIGKILL)
+            stderr = proc.communicate(timeout=30)[1]
+            raise AssertionError(f"still running 90 s after {how.name}: {stderr[-3000:]}") from None
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
