@@ -251,10 +251,15 @@ exec(compile(code, "main.py", "exec"), {"__name__": "__main__"})
 """
 
 
+def _python() -> str:
+    """The interpreter the sandbox runs (this one's base, not a virtual environment's link)."""
+    return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+
+
 def _binds() -> list[str]:
     """What the program's root holds, read-only: the system's libraries and this Python."""
     prefix = os.path.realpath(sys.base_prefix)
-    python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    python = _python()
     paths = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/etc/ld.so.cache", prefix]
     if not python.startswith(prefix + os.sep) and not python.startswith("/usr/"):
         paths.append(os.path.dirname(python))
@@ -298,7 +303,7 @@ def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> Result:
 
 
 def _run(code: str, stdin: str, limits: Limits, mode: str) -> Result:
-    python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    python = _python()
     with _held_uid() as uid, tempfile.TemporaryDirectory(prefix=_folder_prefix(os.getpid()),
                                                           ignore_cleanup_errors=True) as tmp:
         with open(os.path.join(tmp, "main.py"), "w", opener=_private) as f:
@@ -357,7 +362,7 @@ def remove_leftovers(pid: int) -> None:
     for folder in Path(tempfile.gettempdir()).glob(_folder_prefix(pid) + "*"):
         shutil.rmtree(folder, ignore_errors=True)
     if os.geteuid() == 0 and sys.platform.startswith("linux"):
-        python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+        python = _python()
         for uid in set(sandbox_uids(pid)) & _uids_running():
             _kill_uid(uid, python)
 
