@@ -75,6 +75,37 @@ def test_optimizer_and_rng_state_round_trip(tmp_path, random_model_dir):
     assert checkpoint.latest(tmp_path) == tmp_path / "step_1"
 
 
+def test_a_parameter_the_optimizer_never_stepped_resumes_without_state(tmp_path, random_model_dir):
+    """A trainable parameter that never had a gradient (an expert no token was routed to, a
+    vision tower before its first image) has no AdamW state in the checkpoint. Resuming
+    takes the others' state and leaves it without one, as it was: not torch's strict-load
+    error, and not a zero state with a step counted."""
+    from transformers import AutoTokenizer
+
+    actor = Actor(load_causal_lm(random_model_dir), OptimConfig(lr=1e-2), torch.device("cpu"))
+    names = [n for n, p in actor.model.named_parameters() if p.requires_grad]
+    stepped = set(names[: len(names) // 2])
+    sum((p * p).sum() for n, p in actor.model.named_parameters() if n in stepped).backward()
+    actor.optimizer.step()
+    checkpoint.save(tmp_path / "step_1", hf_skeleton=actor.model, tokenizer=AutoTokenizer.from_pretrained(random_model_dir),
+                    actor=actor, critic=None, step=1, loader_state={"epoch": 0, "offset": 4}, metrics_file=None,
+                    keep_last=0)
+    fresh = Actor(load_causal_lm(str(tmp_path / "step_1")), OptimConfig(lr=1e-2), torch.device("cpu"))
+    checkpoint.restore(tmp_path / "step_1", actor=fresh, critic=None)
+    old = dict(actor.model.named_parameters())
+    for name, param in fresh.model.named_parameters():
+        if name in stepped:
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(fresh.optimizer.state[param][key], actor.optimizer.state[old[name]][key])
+        else:
+            assert param not in fresh.optimizer.state, name
+    meta = json.loads((tmp_path / "step_1" / "optimizer.json").read_text())  # another model's: a parameter unlisted
+    meta["param_groups"][0]["params"].remove(names[-1])
+    (tmp_path / "step_1" / "optimizer.json").write_text(json.dumps(meta))
+    with pytest.raises(checkpoint.CheckpointError, match=f"no entry for 1 .* {names[-1]}"):
+        checkpoint.restore(tmp_path / "step_1", actor=fresh, critic=None)
+
+
 def test_export_keeps_the_trained_weights_or_casts_them_on_request(tmp_path, random_model_dir):
     """By default the exported weights are the checkpoint's fp32 master weights, bit for
     bit; with a dtype they are cast to it (half the bytes for bfloat16) and the config says
