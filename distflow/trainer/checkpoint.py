@@ -266,24 +266,31 @@ def check_resumable(path: Path, lora_rank: int) -> None:
 def _load_optimizer(engine, path: Path, stem: str) -> None:
     """The engine's AdamW moments and steps from the checkpoint; its settings (learning rate,
     betas, weight decay) stay this run's, as the config says (a resumed run may change them).
-    A parameter the checkpoint lists but has no state for was never stepped (an expert no
-    token reached): it is left without state, as it was, not given a zero state whose step
-    counts."""
+    Under several workers rank 0 alone reads the file and torch sends each rank its part,
+    one tensor at a time: not every rank holding the whole optimizer at once. A parameter
+    the checkpoint lists but has no state for was never stepped (an expert no token
+    reached): it is left without state, as it was, not given a zero state whose step counts."""
+    from safetensors import safe_open
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    state = _unflatten_optimizer(load_file(path / f"{stem}.safetensors"),
-                                 json.loads((path / f"{stem}.json").read_text()))
-    listed = {name for group in state["param_groups"] for name in group["params"]}
-    trainable = {name for name, p in engine.model.named_parameters() if p.requires_grad}
+    meta = json.loads((path / f"{stem}.json").read_text())
+    with safe_open(path / f"{stem}.safetensors", "pt") as f:  # the names alone, from the file's header
+        stepped = {flat.split("\x00")[0] for flat in f.keys()}
+    listed = {name for group in meta["param_groups"] for name in group["params"]}
+    # the unwrapped module's names, as torch's optimizer state names them (DDP's `module.` prefix dropped)
+    trainable = {name for name, p in engine.module.named_parameters() if p.requires_grad}
     if trainable - listed:
         unknown = sorted(trainable - listed)
         raise CheckpointError(f"checkpoint {path}: {stem} has no entry for {len(unknown)} of this model's trainable "
                               f"parameters (e.g. {unknown[0]}); it was saved for another model")
+    broadcast = dist.is_initialized() and dist.get_world_size() > 1
+    state = (_unflatten_optimizer(load_file(path / f"{stem}.safetensors"), meta)
+             if not broadcast or _rank() == 0 else {})
     # strict=False: torch's loader gives the never-stepped ones a zero state with a step, undone below
-    set_optimizer_state_dict(engine.model, engine.optimizer, state,
-                             options=StateDictOptions(full_state_dict=True, strict=False))
-    params = dict(engine.model.named_parameters(remove_duplicate=False))  # a tied weight under each of its names
-    for name in listed - state["state"].keys():
+    set_optimizer_state_dict(engine.model, engine.optimizer, state, options=StateDictOptions(
+        full_state_dict=True, strict=False, broadcast_from_rank0=broadcast))
+    params = dict(engine.module.named_parameters(remove_duplicate=False))  # a tied weight under each of its names
+    for name in listed - stepped:
         engine.optimizer.state.pop(params[name], None)
     for group in engine.optimizer.param_groups:
         group.update(lr=engine.optim.lr, betas=engine.optim.betas, weight_decay=engine.optim.weight_decay)

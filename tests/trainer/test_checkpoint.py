@@ -17,7 +17,7 @@ import torch
 from distflow.engines.actor import Actor, OptimConfig
 from distflow.engines.common import load_causal_lm
 from distflow.trainer import checkpoint
-from helpers import distflow_sweep
+from helpers import distflow_sweep, run_gloo
 
 SMALL = ["trainer.total_steps=3", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
          "algorithm.group_size=4", "data.val_max_samples=16", "rollout.max_new_tokens=24",
@@ -104,6 +104,44 @@ def test_a_parameter_the_optimizer_never_stepped_resumes_without_state(tmp_path,
     (tmp_path / "step_1" / "optimizer.json").write_text(json.dumps(meta))
     with pytest.raises(checkpoint.CheckpointError, match=f"no entry for 1 .* {names[-1]}"):
         checkpoint.restore(tmp_path / "step_1", actor=fresh, critic=None)
+
+
+def _resume_on_two_ranks(rank: int, world: int, model_dir: str, folder: str, strategy: str):
+    """One step, a checkpoint, and a fresh actor restored from it, on two ranks: (the files
+    this rank read while restoring, whether the optimizer state came back whole)."""
+    from unittest import mock
+
+    from transformers import AutoTokenizer
+
+    torch.manual_seed(0)
+    actor = Actor(load_causal_lm(model_dir), OptimConfig(lr=1e-2), torch.device("cpu"), strategy=strategy)
+    actor.model(input_ids=torch.arange(12).view(2, 6)).logits.float().pow(2).mean().backward()
+    actor.optimizer.step()
+    out = Path(folder) / strategy / "step_1"
+    checkpoint.save(out, hf_skeleton=load_causal_lm(model_dir), tokenizer=AutoTokenizer.from_pretrained(model_dir),
+                    actor=actor, critic=None, step=1, loader_state={"epoch": 0, "offset": 0}, metrics_file=None,
+                    keep_last=0)
+    before = checkpoint._full_state(actor.model, actor.optimizer, weights=False)[1].get("state", {})  # rank 0 holds it whole
+    fresh = Actor(load_causal_lm(str(out)), OptimConfig(lr=1e-2), torch.device("cpu"), strategy=strategy)
+    read, real = [], checkpoint.load_file
+    with mock.patch.object(checkpoint, "load_file", lambda f, *a, **k: (read.append(Path(f).name), real(f, *a, **k))[1]):
+        checkpoint.restore(out, actor=fresh, critic=None)
+    after = checkpoint._full_state(fresh.model, fresh.optimizer, weights=False)[1].get("state", {})  # rank 0 holds it whole
+    whole = before.keys() == after.keys() and all(torch.equal(v, after[n][k]) for n, s in before.items()
+                                                  for k, v in s.items())
+    return sorted(read), whole, fresh.strategy
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_on_resume_rank_0_alone_reads_the_optimizer_and_every_rank_gets_its_state(tmp_path, random_model_dir,
+                                                                                   strategy):
+    """The optimizer file is twice the weights in fp32; every rank reading it whole would hold
+    N copies on a host at once. Rank 0 reads it and torch sends each rank its part."""
+    ranks = run_gloo(_resume_on_two_ranks, 2, random_model_dir, str(tmp_path), strategy, timeout=240.0)
+    assert [used for _, _, used in ranks] == [strategy, strategy]
+    assert all(whole for _, whole, _ in ranks)
+    assert ranks[0][0] == ["optimizer.safetensors", "rng.safetensors"]
+    assert ranks[1][0] == ["rng.safetensors"]
 
 
 def test_export_keeps_the_trained_weights_or_casts_them_on_request(tmp_path, random_model_dir):
