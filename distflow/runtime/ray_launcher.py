@@ -117,10 +117,28 @@ class _Worker:
 
     def run(self, entry: str, args: tuple, rank: int, world_size: int, master_addr: str,
             master_port: int, device: str, timeout_s: int, threads: int) -> Any:
+        import ray
+
+        if device != "cpu" and ray.get_gpu_ids():  # the GPU Ray gave this actor, as the device index it uses
+            os.environ["LOCAL_RANK"] = str(gpu_index(ray.get_gpu_ids()[0], os.environ.get("CUDA_VISIBLE_DEVICES")))
         try:
             return run_in_group(entry, args, rank, world_size, master_addr, master_port, device, timeout_s, threads)
         except Exception as e:
             raise WorkerError(rank, headline(e), traceback.format_exc()) from None
+
+
+def gpu_index(assigned, visible: str | None) -> int:
+    """The device index of the GPU Ray `assigned` an actor, in the process's own numbering: its
+    place in CUDA_VISIBLE_DEVICES (Ray narrows that to the actor's GPU, so 0, unless
+    RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES keeps the node's list), or its id where the
+    variable is not set. Not the worker's local rank: under NOSET every actor would take cuda:0."""
+    gpu = str(assigned)
+    listed = [v.strip() for v in visible.split(",")] if visible else []
+    if not listed:
+        return int(gpu)
+    if gpu not in listed:
+        raise RuntimeError(f"Ray gave this worker GPU {gpu}, which CUDA_VISIBLE_DEVICES={visible!r} does not list")
+    return listed.index(gpu)
 
 
 def check_ray_address(address: str, timeout_s: float = 10.0) -> str:
