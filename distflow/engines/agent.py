@@ -116,23 +116,25 @@ def tool_result_form(tokenizer) -> ToolResultForm:
     return ToolResultForm(framed="<tool_response>" not in text)
 
 
-def observation_ids(tokenizer, messages: Messages, turn: list[int]) -> list[int]:
+def observation_ids(tokenizer, messages: Messages, turn: list[int], stop_ids: tuple[int, ...] = ()) -> list[int]:
     """The tokens of `messages` after the assistant's `turn`, up to the next assistant
     turn's opening: what the chat template renders after an assistant message in a
     conversation that goes on with them (the template may add a system prompt or other
     framing at the start, which must not be repeated mid-episode). Where the template
-    closes an assistant message with the end-of-turn token and more (Qwen's
-    `<|im_end|>\n`), what follows that token comes first, as the whole conversation
-    renders it; after a turn cut short of that token, the token too (verl's #6501). The
-    assistant message's end is found in the whole conversation, not by rendering it
-    alone: Qwen3's template renders a last assistant message with an empty think block
-    and an earlier one without."""
+    closes an assistant message with a token a response stops at (`stop_ids`, the engine's
+    `stop_token_ids`; the tokenizer's EOS where not given) and more (Qwen's `<|im_end|>\n`,
+    Gemma's `<end_of_turn>\n`, whose EOS is another token), what follows that token comes
+    first, as the whole conversation renders it; after a turn cut short of that token,
+    the token too (verl's #6501). The assistant message's end is found in the whole
+    conversation, not by rendering it alone: Qwen3's template renders a last assistant
+    message with an empty think block and an earlier one without."""
     full = tokenizer.apply_chat_template(_BEFORE + messages, add_generation_prompt=True, tokenize=False)
-    eos = tokenizer.eos_token
-    end = full.find(_TURN + eos) if eos else -1
-    if end >= 0:  # the assistant message ends with the end-of-turn token: what follows it
-        opening = eos if not turn or turn[-1] != tokenizer.eos_token_id else ""
-        return tokenizer(opening + full[end + len(_TURN) + len(eos):], add_special_tokens=False)["input_ids"]
+    for stop in stop_ids or (tokenizer.eos_token_id,):
+        closing = tokenizer.convert_ids_to_tokens(stop) if stop is not None else None
+        end = full.find(_TURN + closing) if closing else -1
+        if end >= 0:  # the assistant message ends with this token: what follows it
+            opening = closing if not turn or turn[-1] != stop else ""
+            return tokenizer(opening + full[end + len(_TURN) + len(closing):], add_special_tokens=False)["input_ids"]
     base = tokenizer.apply_chat_template(_BEFORE, tokenize=False)
     if full.startswith(base):  # another ending: the conversation's rendering after the assistant message's
         return tokenizer(full[len(base):], add_special_tokens=False)["input_ids"]
@@ -307,7 +309,7 @@ class EpisodeRunner:
                     if step.done or last:
                         continue
                     try:
-                        rendered = observation_ids(self.tokenizer, step.observation, new)
+                        rendered = observation_ids(self.tokenizer, step.observation, new, self.engine.stop_token_ids)
                     except Exception as e:  # the chat template cannot take the answer: this episode fails there
                         failed(i, "the chat template could not render rollout.env's answer", e)
                         continue

@@ -287,7 +287,8 @@ class ChatEndpoint:
         if not extends:
             raise RequestError(400, "a sample's request must extend its conversation: the earlier messages, the "
                                     "assistant's reply, then new messages (token in, token out)", "history_mismatch")
-        new = observation_ids(self.tokenizer, _plain(messages[len(before) + 1:]), trajectory.tokens[-1:])
+        new = observation_ids(self.tokenizer, _plain(messages[len(before) + 1:]), trajectory.tokens[-1:],
+                              self.engine.stop_token_ids)
         room = self.max_total_tokens - len(trajectory.tokens)
         return trajectory.prompt_ids + trajectory.tokens + new[:max(room, 0)]
 

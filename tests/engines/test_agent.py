@@ -263,6 +263,38 @@ def test_an_episode_s_tokens_are_the_whole_conversation_as_the_template_renders_
     assert observation_ids(tok, tool, turn[:-1]) == [tok.eos_token_id] + observed
 
 
+GEMMA_LIKE = ("{%- for m in messages -%}<|im_start|>{{ 'model' if m.role == 'assistant' else m.role }}\n"
+              "{{ m.content }}<|endoftext|>\n{%- endfor -%}"
+              "{%- if add_generation_prompt %}<|im_start|>model\n{% endif -%}")
+
+
+def test_a_turn_that_ends_at_an_end_of_turn_token_other_than_eos_gets_the_template_s_newline(qwen2_model_dir):
+    """Gemma's template closes a turn with <end_of_turn> and a newline, and its EOS is another
+    token (<eos>): the engine stops at <end_of_turn> (the model's generation config lists
+    it), so the newline after it must come from the observation, and a turn cut short gets
+    the token too, as with an EOS that closes turns (Qwen's). Here <|endoftext|> stands for
+    <end_of_turn> beside the tokenizer's EOS <|im_end|>."""
+    from transformers import GenerationConfig
+
+    from distflow.engines.common import load_tokenizer
+    from distflow.engines.rollout import stop_token_ids
+
+    tok = load_tokenizer(qwen2_model_dir)
+    tok.chat_template = GEMMA_LIKE
+    end_of_turn = tok.convert_tokens_to_ids("<|endoftext|>")
+    stops = stop_token_ids(tok, GenerationConfig(eos_token_id=[tok.eos_token_id, end_of_turn]))
+    question = [{"role": "user", "content": "What is 2+2?"}]
+    reply, answer = "<tool_call>x</tool_call>", [{"role": "user", "content": "4"}]
+    prompt = tok(tok.apply_chat_template(question, add_generation_prompt=True, tokenize=False),
+                 add_special_tokens=False)["input_ids"]
+    turn = tok(reply, add_special_tokens=False)["input_ids"] + [end_of_turn]
+    observed = observation_ids(tok, answer, turn, stops)
+    whole = tok.apply_chat_template(question + [{"role": "assistant", "content": reply}] + answer,
+                                    add_generation_prompt=True, tokenize=False)
+    assert prompt + turn + observed == tok(whole, add_special_tokens=False)["input_ids"]
+    assert observation_ids(tok, answer, turn[:-1], stops) == [end_of_turn] + observed
+
+
 class _PaysPerTurn:
     """Rewards every turn it is shown with 1 and asks for more."""
 
