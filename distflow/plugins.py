@@ -67,9 +67,10 @@ def _load_file(path: str, spec: str, what: str):
         return sys.modules[name]
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # while it runs, as an import has it: a dataclass looks its module up there
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:  # the user's file fails to import: say which and why, in one line
+        del sys.modules[name]
         raise PluginError(f"{what}={spec!r}: importing {path} failed: {type(e).__name__}: {e}") from None
-    sys.modules[name] = module
     return module

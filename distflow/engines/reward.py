@@ -19,6 +19,7 @@ choices for ambiguous forms are in docs/REWARDS.md. A custom function is named a
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import math
 import os
@@ -32,7 +33,7 @@ import traceback
 from fractions import Fraction
 from typing import Any, Protocol
 
-from distflow.plugins import load_callable
+from distflow.plugins import PluginError, load_callable
 
 GSM8K_MODES = ("strict", "flexible")
 
@@ -165,10 +166,32 @@ def load_reward_fn(spec: str | None, gsm8k_mode: str = "strict") -> RewardFn:
     that function (the mode is the default reward's: a custom function ignores it)."""
     check_gsm8k_mode(gsm8k_mode)
     if spec is not None:
-        return load_callable(spec, "reward.custom_fn")
+        return _takes_verl_keywords(load_callable(spec, "reward.custom_fn"), spec)
     if gsm8k_mode == "strict":
         return default_compute_score  # itself, so that it stays verl's plain signature
     return functools.partial(default_compute_score, gsm8k_mode=gsm8k_mode)
+
+
+REWARD_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")  # verl's compute_score keywords
+
+
+def _takes_verl_keywords(fn: RewardFn, spec: str) -> RewardFn:
+    """`fn`, where it can be called as verl calls a reward function, by keyword; else one line."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without one: its call will say
+        return fn
+    try:
+        signature.bind(**dict.fromkeys(REWARD_ARGUMENTS))
+    except TypeError:
+        raise PluginError(f"reward.custom_fn={spec!r}: {getattr(fn, '__name__', 'it')}{signature} cannot be called "
+                          f"with verl's keyword arguments {', '.join(REWARD_ARGUMENTS)}") from None
+    return fn
+
+
+def _scored(fn: RewardFn, args) -> float:
+    """`fn` called on one sample's (data_source, solution_str, ground_truth, extra_info), by keyword as verl does."""
+    return score_of(fn(**dict(zip(REWARD_ARGUMENTS, args))))
 
 
 # ---------------------------------------------------------------------------- running rewards safely
@@ -222,7 +245,7 @@ def serve(spec: str | None, requests, replies, gsm8k_mode: str = "strict") -> No
     replies.flush()
     for line in requests:
         try:
-            reply = [True, score_of(fn(*json.loads(line)))]
+            reply = [True, _scored(fn, json.loads(line))]
         except Exception:
             reply = [False, traceback.format_exc()]
         replies.write(json.dumps(reply) + "\n")
@@ -260,7 +283,7 @@ class RewardRunner:
 
     def _in_process(self, args) -> tuple[bool, Any]:
         try:
-            return True, score_of(self.fn(*args))
+            return True, _scored(self.fn, args)
         except Exception:
             return False, traceback.format_exc()
 

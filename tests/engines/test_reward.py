@@ -51,6 +51,43 @@ def test_custom_reward_from_file_and_module(tmp_path, monkeypatch):
     assert load_reward_fn(None) is default_compute_score
 
 
+VERL_SIGNATURES = """
+from __future__ import annotations
+from dataclasses import dataclass
+
+@dataclass
+class Settings:  # a dataclass of a module given by its file, under postponed annotations
+    bonus: float = 1.0
+
+def reordered(solution_str, ground_truth, data_source=None, extra_info=None):
+    return Settings().bonus if solution_str == ground_truth and data_source == "src" else 0.0
+
+def any_keywords(**kwargs):
+    return float(kwargs["solution_str"] == kwargs["ground_truth"] and kwargs["extra_info"] == {"k": 1})
+
+def positional(a, b, c, d):
+    return 1.0
+"""
+
+
+@pytest.mark.parametrize("timeout_s", [0.0, 30.0], ids=["in-process", "child"])
+def test_a_reward_function_gets_verl_s_keyword_arguments(tmp_path, timeout_s):
+    """verl calls compute_score(data_source=..., solution_str=..., ground_truth=...,
+    extra_info=...): a function with its parameters in another order, or taking **kwargs,
+    scores as it does there (called by position, the first scored every sample 0 as a
+    success and the second failed every sample). One whose parameters are named otherwise
+    is refused at start-up in one line."""
+    from distflow.engines.reward import OK, RewardRunner
+
+    (tmp_path / "verl_style.py").write_text(VERL_SIGNATURES)
+    reordered = RewardRunner(f"{tmp_path / 'verl_style.py'}:reordered", timeout_s)
+    assert reordered("src", "42", "42", {}) == (1.0, OK) and reordered("src", "41", "42", {}) == (0.0, OK)
+    assert RewardRunner(f"{tmp_path / 'verl_style.py'}:any_keywords", timeout_s)("s", "7", "7", {"k": 1}) == (1.0, OK)
+    with pytest.raises(ValueError, match=r"reward.custom_fn=.*:positional'?: positional\(a, b, c, d\) cannot be "
+                                         r"called with verl's keyword arguments"):
+        RewardRunner(f"{tmp_path / 'verl_style.py'}:positional", timeout_s)
+
+
 @pytest.mark.parametrize("spec, fragment", [
     ("nosuchmodule_xyz:fn", "cannot import nosuchmodule_xyz"),
     ("/no/file.py:fn", "no such file"),
