@@ -78,17 +78,29 @@ def read_number(text: str) -> str | None:
     """The number at the start of `text` (after spaces and markup), as plain text:
     '-1234.5', '3/4'; currency, separators and what follows (units, '%', a period)
     dropped. None if there is no number there or its form is ambiguous."""
+    return _read_number(text)[0]
+
+
+def is_one_number(text: str) -> bool:
+    """`text` is a number and nothing else (spaces and a closing period aside): '72',
+    '-1,234.5', '$5'; not '2\\sqrt{3}', '10^{5}', '2,\\!000' or '\\frac{1}{2}'."""
+    number, end = _read_number(text)
+    return number is not None and text[end:].strip().rstrip(".") == ""
+
+
+def _read_number(text: str) -> tuple[str | None, int]:
+    """(read_number's answer, where the number's text ends)."""
     m = _NUMBER.match(text, _MARKUP.match(text).end())
     if m is None or (m["int"] is None and m["dec"] is None) or (m["int"] is None and m["den"]):
-        return None  # no digits ('$', '-'), or a fraction without a numerator ('/4')
+        return None, 0  # no digits ('$', '-'), or a fraction without a numerator ('/4')
     if m["sign1"] and m["sign2"]:
-        return None  # '-$-5'
+        return None, 0  # '-$-5'
     sign = m["sign1"] or m["sign2"] or ""
     if sign == "\u2013":
-        return None  # an en dash: a minus to some writers, a dash to others
+        return None, 0  # an en dash: a minus to some writers, a dash to others
     digits = re.sub(f"[{_SEPS}]", "", m["int"] or "0")
     tail = f".{m['dec']}" if m["dec"] else f"/{m['den']}" if m["den"] else ""
-    return ("-" if sign in ("-", "\u2212") else "") + digits + tail
+    return ("-" if sign in ("-", "\u2212") else "") + digits + tail, m.end()
 
 
 def number_value(number: str | None) -> Fraction | None:
@@ -156,8 +168,9 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth: str
 
     if data_source.lower().split("/")[-1] in sandbox.CODE_SOURCES:  # e.g. "codecontests", "likaixin/TACO"
         return sandbox.code_score(data_source, solution_str, ground_truth, extra_info)
-    if _GSM8K_ANSWER.search(solution_str) or "gsm8k" in data_source or data_source.startswith("distflow/"):
-        return gsm8k_score(solution_str, ground_truth, gsm8k_mode)  # the built-in tasks are GSM8K-style
+    if "gsm8k" in data_source or data_source.startswith("distflow/") or (  # the built-in tasks are GSM8K-style
+            _GSM8K_ANSWER.search(solution_str) and is_one_number(str(ground_truth))):  # not MATH's 2\sqrt{3}
+        return gsm8k_score(solution_str, ground_truth, gsm8k_mode)
     return math_verify_score(solution_str, ground_truth)
 
 

@@ -38,6 +38,15 @@ def test_default_dispatch():
     # markdown headings are not a GSM8K answer: the boxed answer is read by math-verify
     steps = "#### Step 1: compute\n2+3=5\n#### Answer\nThe answer is \\boxed{5}"
     assert default_compute_score("lighteval/MATH", steps, "5") == 1.0
+    # a `####` answer to a ground truth that is more than one number (MATH's LaTeX) is math-verify's to read:
+    # the GSM8K rule read the truth's leading number and took wrong answers ...
+    assert default_compute_score("lighteval/MATH", "#### 2", "2,\\!000") == 0.0
+    assert default_compute_score("lighteval/MATH", "so 2\\sqrt{3}. #### 2", "2\\sqrt{3}") == 0.0
+    assert default_compute_score("lighteval/MATH", "#### 10", "10^{5}") == 0.0
+    # ... and refused right ones
+    assert default_compute_score("lighteval/MATH", "\\boxed{2000}. #### 2000", "2,\\!000") == 1.0
+    assert default_compute_score("lighteval/MATH", "\\boxed{\\frac{1}{2}}\n#### 1/2", "\\frac{1}{2}") == 1.0
+    assert default_compute_score("lighteval/MATH", "#### 1,000.", "1000") == 1.0  # a number: the GSM8K rule
 
 
 def test_custom_reward_from_file_and_module(tmp_path, monkeypatch):
