@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import torch
 
@@ -59,10 +60,12 @@ class RewardModel:
         text_config = self.model.config.get_text_config()
         if text_config.pad_token_id is None:  # HF's own pooling finds the last token by it
             text_config.pad_token_id = self.model.config.pad_token_id = self.tokenizer.pad_token_id
-        self.per_token = None  # the score head's output at every position, where the head is one per token
+        # the score head's output at every position, where the head is one per token: each thread's own (the
+        # reward node scores several rollout chunks at once, on the scheduler's threads)
+        self._head_output = threading.local()
         head = getattr(self.model, "score", None)  # decoder models' (Llama, Qwen, Mistral, Gemma ...)
         if isinstance(head, torch.nn.Linear):
-            head.register_forward_hook(lambda module, inputs, output: setattr(self, "per_token", output))
+            head.register_forward_hook(lambda module, inputs, output: setattr(self._head_output, "value", output))
         positions = getattr(text_config, "max_position_embeddings", None) or max_length
         self.device, self.micro_batch_size, self.max_length = device, micro_batch_size, min(max_length, positions)
         self.templated = bool(getattr(self.tokenizer, "chat_template", None))
@@ -92,11 +95,12 @@ class RewardModel:
             enc = self.tokenizer(texts[start:start + self.micro_batch_size], return_tensors="pt", padding=True,
                                  truncation=True, max_length=self.max_length, add_special_tokens=not self.templated)
             mask = enc["attention_mask"].to(self.device)
-            self.per_token = None
+            self._head_output.value = None
             logits = self.model(input_ids=enc["input_ids"].to(self.device), attention_mask=mask).logits
-            if self.per_token is not None and self.per_token.dim() == 3:  # (rows, tokens, 1), right-padded
+            per_token = self._head_output.value
+            if per_token is not None and per_token.dim() == 3:  # (rows, tokens, 1), right-padded
                 last = mask.sum(-1) - 1
-                logits = self.per_token[torch.arange(len(last), device=self.device), last]
+                logits = per_token[torch.arange(len(last), device=self.device), last]
             scores.append(logits[:, 0].float().cpu())
         return torch.cat(scores) if scores else torch.zeros(0)
 

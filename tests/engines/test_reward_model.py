@@ -71,6 +71,40 @@ def test_the_score_is_read_at_the_last_token_when_the_config_s_pad_id_ends_every
         assert score == pytest.approx(float(last), abs=1e-5)
 
 
+def test_two_threads_scoring_at_once_each_get_their_own_conversations_scores(qwen2_reward_model_dir):
+    """The reward node runs on the scheduler's threads, one per rollout chunk: two chunks'
+    calls at once. The first call's forward is held until the second's has run; each
+    still gets its own scores (the head's output was kept in one attribute for all
+    threads, and the first read the second's)."""
+    import threading
+
+    rm = RewardModel(qwen2_reward_model_dir, torch.device("cpu"))
+    first, second = _single_turn(PROMPTS[:2], RESPONSES[:2]), _single_turn(PROMPTS[2:], RESPONSES[2:])
+    alone = rm.score(first), rm.score(second)
+    forward, first_ran, second_ran = rm.model.forward, threading.Event(), threading.Event()
+
+    def held(*args, **kwargs):  # the first's forward, then the second's, then the first's call goes on
+        if threading.current_thread().name == "first":
+            out = forward(*args, **kwargs)
+            first_ran.set()
+            assert second_ran.wait(30)
+        else:
+            assert first_ran.wait(30)
+            out = forward(*args, **kwargs)
+            second_ran.set()
+        return out
+
+    rm.model.forward = held
+    results = {}
+    threads = [threading.Thread(target=lambda name=name, c=c: results.__setitem__(name, rm.score(c)), name=name)
+               for name, c in (("first", first), ("second", second))]
+    threads[0].start()
+    threads[1].start()
+    for t in threads:
+        t.join(60)
+    assert torch.equal(results["first"], alone[0]) and torch.equal(results["second"], alone[1])
+
+
 def test_the_reward_is_the_model_s_score_and_accuracy_the_rule_s(qwen2_reward_model_dir, qwen2_model_dir):
     from distflow.data.batch import Batch
     from distflow.engines.common import load_tokenizer
