@@ -291,7 +291,8 @@ class TrainerConfig:
     save_every: int = _spec(0, min=0, doc="steps between checkpoints (step_N); 0 = only at the end")
     save_final: bool = _spec(True, doc="a checkpoint `final` after the last step (then the last step_N is not "
                                        "written twice)")
-    max_bad_steps: int = _spec(3, min=1, doc="stop after this many steps in a row with a non-finite loss or gradient")
+    max_bad_steps: int = _spec(3, min=1, doc="stop after this many steps in a row with a non-finite loss or "
+                                           "gradient, or with no sample's reward computed")
     keep_last: int = _spec(0, min=0, doc="keep only the newest M step_* checkpoints; 0 = keep all")
     resume: str = _spec("auto", doc="auto (the run folder's latest checkpoint, if any) | off | PATH")
     progress: bool = _spec(True)

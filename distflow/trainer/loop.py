@@ -289,6 +289,18 @@ def skipped_an_update(record: dict) -> bool:
     return any(v > 0 for k, v in record.items() if k.endswith("/skipped_updates"))
 
 
+def scored_nothing(record: dict) -> bool:
+    """Whether every reward call of the step failed or timed out: every sample scored 0, so
+    the step had nothing to learn from (a reward function broken for every input, a judge
+    that cannot be reached)."""
+    scored = record.get("reward/scored", 0.0)
+    return scored > 0 and record.get("reward/failed", 0.0) + record.get("reward/timed_out", 0.0) >= scored
+
+
+def bad_step(record: dict) -> bool:
+    return skipped_an_update(record) or scored_nothing(record)
+
+
 def worker_device(cfg: Config) -> torch.device:
     """This worker's device: the GPU the runtime bound it to, where it chose one
     (`process_group.uses_cuda`); outside a launched worker, a GPU unless runtime.device=cpu."""
@@ -428,7 +440,7 @@ class Trainer:
         metrics = path / "metrics.jsonl"
         self.history = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
         for record in self.history:  # the run of bad steps the checkpoint ends on goes on counting
-            self.bad_steps = self.bad_steps + 1 if skipped_an_update(record) else 0
+            self.bad_steps = self.bad_steps + 1 if bad_step(record) else 0
         if self.writer is not None:  # the run's metrics file continues from the checkpoint's copy
             tmp = self.writer.path.with_suffix(".tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
@@ -584,14 +596,24 @@ class Trainer:
             self.trackers.close(failed)
 
     def _check_bad_steps(self, step: int, metrics: dict[str, float]) -> None:
-        """A step where an update met NaN/inf was skipped (counted in */skipped_updates);
-        `trainer.max_bad_steps` such steps in a row stop the run: something is broken."""
-        self.bad_steps = self.bad_steps + 1 if skipped_an_update(metrics) else 0
-        if self.bad_steps >= self.cfg.trainer.max_bad_steps:
+        """A step where an update met NaN/inf was skipped (counted in */skipped_updates), or
+        where no sample's reward could be computed; `trainer.max_bad_steps` such steps in a
+        row stop the run: something is broken."""
+        self.bad_steps = self.bad_steps + 1 if bad_step(metrics) else 0
+        if self.bad_steps < self.cfg.trainer.max_bad_steps:
+            return
+        limit = f"trainer.max_bad_steps={self.cfg.trainer.max_bad_steps}"
+        if skipped_an_update(metrics):
             raise FloatingPointError(
                 f"stopping at step {step}: {self.bad_steps} steps in a row had a non-finite loss or gradient "
-                f"(trainer.max_bad_steps={self.cfg.trainer.max_bad_steps}); updates were skipped, the last "
-                f"checkpoint is intact; check the rewards, the learning rate and the data")
+                f"({limit}); updates were skipped, the last checkpoint is intact; check the rewards, the learning "
+                f"rate and the data")
+        network = " (runtime.network=auto runs it without the host's network: a judge it calls is reached only " \
+            "with runtime.network=host)" if netns.inside() else ""
+        raise RuntimeError(
+            f"stopping at step {step}: {self.bad_steps} steps in a row could score no sample ({limit}): every "
+            f"reward call failed or timed out (reward/failed, reward/timed_out; the first error is printed above); "
+            f"check the reward function{network}")
 
     def _log(self, record: dict) -> None:
         if self.writer is not None:

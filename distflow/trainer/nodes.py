@@ -218,6 +218,7 @@ def reward(ctx: WorkerContext, batch: Batch) -> Batch:
         if given in batch:                       # the environment's rewards is the reward; accuracy as always
             scores, status = batch[given], torch.zeros_like(status)
     if ctx.counts_rows:  # every sample scored, a refill round's and those a filter drops later too
+        ctx.acc.add_total("reward/scored", float(len(status)))
         ctx.acc.add_total("reward/failed", float((status == FAILED).sum()))
         ctx.acc.add_total("reward/timed_out", float((status == TIMED_OUT).sum()))
     return Batch({"scores": scores, "accuracy": correct, "reward_status": status})
