@@ -388,7 +388,7 @@ class Trainer:
             self._start_afresh()
         # last, so that a run that failed to start leaves no tracker run open
         self.trackers = Trackers(cfg, run_dir, self.rank,  # TensorBoard, W&B, MLflow (trainer.logger)
-                                 resumed=self.resume_from is not None)
+                                 resumed=self.resume_from is not None, start_step=self.start_step)
 
     def _policy(self, policy_path: str):
         """The policy to train: the model folder or the checkpoint; with LoRA the base model

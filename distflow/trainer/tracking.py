@@ -75,10 +75,12 @@ def _flat(tree: dict, prefix: str = "") -> dict[str, str]:
 
 
 class TensorBoardTracker:
-    def __init__(self, run_dir: Path, info: dict):
+    def __init__(self, run_dir: Path, info: dict, purge_step: int | None = None):
+        """`purge_step`: a resumed launch's first step; what an earlier launch logged from
+        there on is hidden (it logged past its last checkpoint), not shown beside the new."""
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
         self.writer.add_text("run_info", "\n".join(f"    {k} = {v}" for k, v in sorted(_flat(info).items())))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -164,9 +166,9 @@ def _mlflow_key(name: str) -> str:
 class Trackers:
     """The trackers `trainer.logger` names besides jsonl, as one; empty off rank 0."""
 
-    def __init__(self, cfg: Config, run_dir: Path, rank: int, resumed: bool = False):
-        """`resumed`: the run goes on from a checkpoint; in the same folder, its W&B and
-        MLflow runs go on too."""
+    def __init__(self, cfg: Config, run_dir: Path, rank: int, resumed: bool = False, start_step: int = 0):
+        """`resumed`: the run goes on from a checkpoint, of step `start_step`; in the same
+        folder, its W&B and MLflow runs go on too."""
         self.trackers: list[Tracker] = []
         if rank != 0:
             return
@@ -184,7 +186,7 @@ class Trackers:
         ids = dict(earlier)  # a launch without one of the trackers keeps its id for a later one
         for name in names:
             if name == "tensorboard":
-                self.trackers.append(TensorBoardTracker(run_dir, info))
+                self.trackers.append(TensorBoardTracker(run_dir, info, start_step + 1 if resumed else None))
             elif name == "wandb":
                 self.trackers.append(WandbTracker(run_dir, info, t.project_name, experiment, t.wandb_mode,
                                                   earlier.get("wandb")))

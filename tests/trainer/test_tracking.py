@@ -76,6 +76,26 @@ def test_a_resumed_run_continues_its_wandb_and_mlflow_runs(tmp_path):
     assert json.loads((tmp_path / "trackers.json").read_text()) == first_ids
 
 
+def test_tensorboard_shows_a_resumed_run_s_steps_once(tmp_path):
+    """A launch that stopped after logging steps 1-3 with its last checkpoint at step 1: the
+    resumed launch logs steps 2 and 3 again. TensorBoard showed both launches' values of
+    those steps, a zig-zag; the resumed writer now purges what came after its checkpoint."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = load_config(None, ["trainer.logger=jsonl,tensorboard"])
+    first = Trackers(cfg, tmp_path, rank=0)
+    for step in (1, 2, 3):
+        first.log({"step": step, "reward/mean": float(step)})
+    first.close()
+    again = Trackers(cfg, tmp_path, rank=0, resumed=True, start_step=1)
+    for step in (2, 3):
+        again.log({"step": step, "reward/mean": 10.0 * step})
+    again.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 1.0), (2, 20.0), (3, 30.0)]
+
+
 def test_a_failed_run_is_marked_failed(tmp_path):
     trackers = Trackers(load_config(None, [ALL]), tmp_path, rank=0)
     trackers.log(RECORDS[1])
