@@ -788,8 +788,12 @@ def parse_override(text: str) -> tuple[str, Any]:
 def _typed(key: str, raw: str) -> Any:
     """A value as written (an override's text, or a config file's scalar): read as YAML
     (numbers, booleans, null), except for a text key, which takes the text as written
-    (YAML 1.1 made `0755` 493, `12:30` 750 and `1.10` 1.1); null still clears an
-    optional one, and verl's list syntax gives a comma-separated key its text."""
+    (YAML 1.1 made `0755` 493, `12:30` 750 and `1.10` 1.1, and cut `runs/exp #2` at its
+    comment); null still clears an optional one, a quoted text loses its quotes, and
+    verl's list syntax gives a comma-separated key its text."""
+    text = raw.strip()
+    if _takes_text_only(key) and not (text in ("null", "Null", "NULL", "~") or text.startswith(("'", '"', "["))):
+        return text
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:
@@ -797,7 +801,7 @@ def _typed(key: str, raw: str) -> Any:
     if isinstance(value, list) and key in COMMA_SEPARATED:  # verl's list syntax: trainer.logger=[jsonl,wandb]
         value = ",".join(str(v) for v in value)
     if value is not None and not isinstance(value, str) and _takes_text_only(key):
-        value = raw.strip()
+        value = text
     return value
 
 

@@ -28,6 +28,11 @@ def test_dotted_overrides_are_typed():
     # verl's list syntax for the comma-separated keys
     listed = load_config(None, ["trainer.logger=[jsonl,tensorboard]", "data.val_files=['builtin:arith:test']"])
     assert (listed.trainer.logger, listed.data.val_files) == ("jsonl,tensorboard", "builtin:arith:test")
+    # " #" is no comment in a text key's value: YAML cut `runs/exp #2` to `runs/exp`, another run's folder
+    hashed = load_config(None, ["trainer.output_dir=runs/exp #2", "trainer.experiment_name=run #1",
+                                "trainer.project_name='quoted #3'"])
+    assert (hashed.trainer.output_dir, hashed.trainer.experiment_name, hashed.trainer.project_name) == \
+        ("runs/exp #2", "run #1", "quoted #3")
 
 
 def test_yaml_file_then_overrides(tmp_path):
@@ -41,6 +46,8 @@ def test_yaml_file_then_overrides(tmp_path):
     typed = load_config(str(path))
     assert (typed.trainer.output_dir, typed.trainer.experiment_name, typed.trainer.total_steps) == ("0755", "12:30", 7)
     assert typed.trainer.logger == "jsonl,tensorboard" and typed.rollout.temperature == 1.0
+    path.write_text('trainer:\n  output_dir: "runs/exp #2"  # a comment\n')
+    assert load_config(str(path)).trainer.output_dir == "runs/exp #2"
     # a section whose keys are all commented out is empty; a file that is not YAML says where, or that it is not text
     path.write_text("algorithm:\n  # name: dapo\ntrainer:\n  total_steps: 7\n")
     assert load_config(str(path)).trainer.total_steps == 7

@@ -94,7 +94,13 @@ def policy_forward(model, micro: Batch, train: bool, temperature: float = 1.0, p
 
 def _micro(batch: Batch, rows: list[int]) -> Batch:
     # An empty micro-batch still runs (FSDP's and DDP's collectives need every rank), on
-    # one row with its response masked out: its loss and gradient are exactly zero.
+    # one row with its response masked out: its loss and gradient are exactly zero. A rank
+    # that holds no rows at all (a scoring forward outside the training layout, after a
+    # filter) runs a blank one: a one-token prompt and a masked one-token response.
+    if not rows and len(batch) == 0:
+        one = torch.ones(1, 1, dtype=torch.long, device=batch["prompts"].device)
+        return Batch({"prompts": one * 0, "prompt_mask": one, "responses": one * 0,
+                      "response_mask": batch["response_mask"].new_zeros(1, 1)})
     micro = batch.select(rows or [0])
     if not rows:
         micro.tensors["response_mask"] = torch.zeros_like(micro["response_mask"])

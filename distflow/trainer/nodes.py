@@ -336,7 +336,8 @@ def kl_in_reward(ctx: WorkerContext, batch: Batch) -> Batch:
     a, mask = ctx.cfg.algorithm, batch["response_mask"].float()
     scores = core.token_level_rewards(batch[ctx.params["reward_field"]], mask)  # (B, R)
     beta = ctx.reward_kl.value
-    rewards, per_token = kl.kl_penalized_rewards(scores, batch[ctx.params["sampler_field"]], batch["ref_log_probs"], mask,
+    sampler = batch[ctx.params.get("sampler_field", "rollout_log_probs")]  # a user's graph may leave it out
+    rewards, per_token = kl.kl_penalized_rewards(scores, sampler, batch["ref_log_probs"], mask,
                                                  beta, a.reward_kl_type)
     seq_kl = kl.sequence_mean_kl(per_token, mask)  # (B,); 0 for a row with no tokens (a filter's masked rows)
     rows = float((mask.sum(-1) > 0).sum())  # the responses that have a KL

@@ -75,6 +75,15 @@ def _score_head_chunked(rank: int, world: int, model_dir: str, strategy: str):
                   head_chunk_tokens=chunk).compute(local, [[0], [1]]) for chunk in (3, 0)]
 
 
+def _score_with_rank_1_empty(rank: int, world: int, model_dir: str, strategy: str):
+    """Rank 0 scores two rows; rank 1 holds none (a filter left it none, or its layout has
+    fewer groups than ranks) and still joins the lockstep forward."""
+    rows = [0, 1] if rank == 0 else []
+    local = _batch(model_dir).select(rows)
+    actor = Actor(load_causal_lm(model_dir), OptimConfig(lr=1e-3), torch.device("cpu"), strategy=strategy)
+    return actor.compute(local, [rows])
+
+
 def _train_prompt_once(rank: int, world: int, model_dir: str, prompt_once: bool):
     """One update on the grouped batch, rank r holding every sample of its prompts, in
     one micro-batch (so that rows share their prompt's forward)."""
@@ -100,6 +109,7 @@ def _on_two_ranks(rank: int, world: int, model_dir: str) -> dict:
             "checkpointed": {s: _train(rank, world, model_dir, s, gradient_checkpointing=True) for s in EXPLICIT},
             "head_chunked": {s: _train(rank, world, model_dir, s, head_chunk_tokens=3) for s in EXPLICIT},
             "head_chunked_scores": {s: _score_head_chunked(rank, world, model_dir, s) for s in EXPLICIT},
+            "rank_1_empty": {s: _score_with_rank_1_empty(rank, world, model_dir, s) for s in EXPLICIT},
             "load": {s: _load_full_state(rank, world, model_dir, s) for s in EXPLICIT},
             "bf16": {s: _train_bf16(rank, world, model_dir, s) for s in EXPLICIT},
             "prompt_once": _train_prompt_once(rank, world, model_dir, True)}
@@ -148,6 +158,18 @@ def test_chunked_head_scores_like_the_whole_logits_on_two_ranks(two_ranks, strat
     for chunked, whole in (ranks["head_chunked_scores"][strategy] for ranks in two_ranks):
         assert whole.abs().sum() > 0
         torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", EXPLICIT)
+def test_a_rank_without_rows_joins_the_scoring_forward(random_model_dir, two_ranks, strategy):
+    """A scoring forward outside the training layout (the reference's or old log-probs'
+    after a filter, in the groups' layout) can leave a rank no rows: it runs a blank row
+    with the others (it failed on `row 0` of nothing), and theirs are scored as alone."""
+    alone = Actor(load_causal_lm(random_model_dir), OptimConfig(lr=1e-3), torch.device("cpu")).compute(
+        _batch(random_model_dir).select([0, 1]), [[0, 1]])
+    scored, empty = (ranks["rank_1_empty"][strategy] for ranks in two_ranks)
+    torch.testing.assert_close(scored, alone, rtol=0, atol=1e-5)
+    assert empty.shape[0] == 0
 
 
 @pytest.mark.parametrize("strategy", EXPLICIT)
