@@ -297,8 +297,6 @@ def scored_nothing(record: dict) -> bool:
     return scored > 0 and record.get("reward/failed", 0.0) + record.get("reward/timed_out", 0.0) >= scored
 
 
-def bad_step(record: dict) -> bool:
-    return skipped_an_update(record) or scored_nothing(record)
 
 
 def worker_device(cfg: Config) -> torch.device:
@@ -440,7 +438,7 @@ class Trainer:
         metrics = path / "metrics.jsonl"
         self.history = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
         for record in self.history:  # the run of bad steps the checkpoint ends on goes on counting
-            self.bad_steps = self.bad_steps + 1 if bad_step(record) else 0
+            self.bad_steps = self.bad_steps + 1 if skipped_an_update(record) or scored_nothing(record) else 0
         if self.writer is not None:  # the run's metrics file continues from the checkpoint's copy
             tmp = self.writer.path.with_suffix(".tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
@@ -599,7 +597,12 @@ class Trainer:
         """A step where an update met NaN/inf was skipped (counted in */skipped_updates), or
         where no sample's reward could be computed; `trainer.max_bad_steps` such steps in a
         row stop the run: something is broken."""
-        self.bad_steps = self.bad_steps + 1 if bad_step(metrics) else 0
+        unscored = scored_nothing(metrics)
+        if self.stream is not None and dist.is_initialized():  # disaggregated: one train rank got the reward counts
+            flag = torch.tensor([float(unscored)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            unscored = bool(flag.item())
+        self.bad_steps = self.bad_steps + 1 if skipped_an_update(metrics) or unscored else 0
         if self.bad_steps < self.cfg.trainer.max_bad_steps:
             return
         limit = f"trainer.max_bad_steps={self.cfg.trainer.max_bad_steps}"
