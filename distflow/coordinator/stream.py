@@ -37,21 +37,26 @@ _TAG = 0
 END = -1
 
 
-def split_groups_by_tokens(batch: Batch, parts: int) -> list[list[int]]:
-    """Row indices of `batch` in `parts` lists: every prompt group whole, the lists'
-    token totals near-equal. Rows keep their order inside each list."""
-    groups = batch["group"].tolist() if len(batch) else []
-    keys = sorted(set(groups))
-    tokens = dict.fromkeys(keys, 0)
-    for g, n in zip(groups, sequence_lengths(batch) if len(batch) else []):
-        tokens[g] += n
+def group_tokens(batch: Batch) -> dict[int, int]:
+    """Each prompt group's token total in `batch` (a rollout rank's share of a step)."""
+    tokens: dict[int, int] = {}
+    for g, n in zip(batch["group"].tolist(), sequence_lengths(batch)) if len(batch) else ():
+        tokens[g] = tokens.get(g, 0) + n
+    return tokens
+
+
+def assign_groups(tokens_by_sender: list[dict[int, int]], parts: int) -> dict[int, int]:
+    """Every sender's groups (`group_tokens` of each rollout rank) over `parts` receivers,
+    as one partition: each group whole, the receivers' token totals near-equal. Each
+    sender splitting its own share put every sender's heaviest part on the first
+    receivers and, with fewer groups than receivers per sender, left some receivers none.
+    The same on every sender (the groups are taken in id order)."""
+    tokens = {g: n for share in tokens_by_sender for g, n in share.items()}
+    keys = sorted(tokens)
     owner = {}
     for part, members in enumerate(karmarkar_karp([tokens[k] for k in keys], parts)):
         owner.update({keys[i]: part for i in members})
-    out: list[list[int]] = [[] for _ in range(parts)]
-    for row, g in enumerate(groups):
-        out[owner[g]].append(row)
-    return out
+    return owner
 
 
 def _send_message(pg: dist.ProcessGroup, dst: int, step: int, note: dict, payload: torch.Tensor) -> list:
@@ -92,22 +97,21 @@ class _Thread:
 
 
 class TrajectorySender(_Thread):
-    """On a rollout rank: `send(step, batch, note)` returns at once; a thread sends.
-    `index`: this rollout rank's among the rollout ranks; its heaviest part goes to train
-    rank `index` (mod their number), the next to the next, so the rollout ranks' heaviest
-    parts do not all land on the first train rank."""
+    """On a rollout rank: `send(step, batch, note, owner)` returns at once; a thread sends."""
 
-    def __init__(self, pg: dist.ProcessGroup, train_ranks: range, index: int):
-        self.pg, self.train_ranks, self.index = pg, train_ranks, index
+    def __init__(self, pg: dist.ProcessGroup, train_ranks: range):
+        self.pg, self.train_ranks = pg, train_ranks
         self.outbox: queue.Queue = queue.Queue()
         super().__init__("trajectory sender", self._loop)
 
-    def send(self, step: int, batch: Batch, note: dict) -> dict[str, float]:
-        """Queue this step's samples (split by groups and tokens) for the train ranks;
-        returns the bytes queued per train rank."""
+    def send(self, step: int, batch: Batch, note: dict, owner: dict[int, int]) -> dict[str, float]:
+        """Queue this step's samples for the train ranks, each prompt group to the one
+        `owner` names (`assign_groups`: by index among them); returns the bytes queued per
+        train rank."""
         self.check()
-        parts = split_groups_by_tokens(batch, len(self.train_ranks))  # heaviest first
-        parts = [parts[(t - self.index) % len(parts)] for t in range(len(parts))]  # train rank t's
+        parts: list[list[int]] = [[] for _ in self.train_ranks]
+        for row, g in enumerate(batch["group"].tolist() if len(batch) else []):
+            parts[owner[g]].append(row)
         ids = batch["sample_id"] if len(batch) else []
         buffers = [pack(batch, rows, [ids[r] for r in rows]) for rows in parts]
         self.outbox.put((step, note, buffers))

@@ -44,7 +44,9 @@ from distflow.coordinator.double_buffer import DoubleBuffer
 from distflow.coordinator.layout import Layout
 from distflow.coordinator.placement import Placement
 from distflow.coordinator.store import LocalStore
-from distflow.coordinator.stream import TrajectoryReceiver, TrajectorySender, WeightPublisher, WeightSubscriber
+from distflow.collectives import all_gather_objects
+from distflow.coordinator.stream import (TrajectoryReceiver, TrajectorySender, WeightPublisher, WeightSubscriber,
+                                         assign_groups, group_tokens)
 from distflow.dag.scheduler import Scheduler, node_seconds
 from distflow.data.batch import Batch
 from distflow.engines.common import load_tokenizer
@@ -163,7 +165,7 @@ class RolloutWorker:
                                    if any(n.refill for n in self.graph.nodes) else None,
                                    on_node=lambda name: self._status(self.ctx.step, name),
                                    train_ranks=cfg.runtime.train_workers)  # a filter leaves each of them a row
-        self.sender = TrajectorySender(roles.bridge, roles.train_ranks, self.rank)
+        self.sender = TrajectorySender(roles.bridge, roles.train_ranks)
         self.weights = WeightSubscriber(roles.weights, self.start_step)
         self.swaps_in_flight = 0  # rollout.partial: weights swapped in during a generation
         if cfg.rollout.partial:
@@ -205,7 +207,8 @@ class RolloutWorker:
             batch.tensors["weight_version"] = sample_versions(batch, self.engine.weight_version)
             busy += time.perf_counter() - t0
             metrics = self._metrics(step, spans, timer)  # a collective among the rollout workers
-            self.sender.send(step, batch, {"metrics": metrics} if self.rank == 0 else {})
+            owner = assign_groups(all_gather_objects(group_tokens(batch)), len(self.roles.train_ranks))  # and one more
+            self.sender.send(step, batch, {"metrics": metrics} if self.rank == 0 else {}, owner)
         self.sender.close()
         # the trainers end the stream after their last update: up to k + 1 steps after the last samples were sent,
         # and then the final evaluation and checkpoint

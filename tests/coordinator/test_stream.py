@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from distflow.coordinator.stream import (TrajectoryReceiver, TrajectorySender, WeightPublisher, WeightSubscriber,
-                                         split_groups_by_tokens)
+                                         assign_groups, group_tokens)
 from distflow.data.batch import Batch
 from helpers import run_gloo
 
@@ -24,35 +24,43 @@ def _batch(groups: list[int], response_lengths: list[int], width: int = 8) -> Ba
                  {"sample_id": list(range(100, 100 + n))})
 
 
-def test_split_keeps_groups_whole_and_balances_tokens():
+def test_one_partition_of_every_sender_s_groups_keeps_them_whole_and_balances_tokens():
     # groups 0..3 with 2 rows each; token totals per group: 2+2+2+2=8, 2*(2+6)=16, 2*(2+1)=6, 2*(2+5)=14
     batch = _batch([0, 0, 1, 1, 2, 2, 3, 3], [2, 2, 6, 6, 1, 1, 5, 5])
-    parts = split_groups_by_tokens(batch, 2)
-    assert sorted(r for p in parts for r in p) == list(range(8))
-    groups = [{int(batch["group"][r]) for r in p} for p in parts]
-    assert groups[0].isdisjoint(groups[1])  # no group is cut
-    tokens = sorted(sum(2 + int(batch["response_mask"][r].sum()) for r in p) for p in parts)
-    assert tokens == [22, 22]  # {8, 14} and {16, 6}: the best split
-    assert all(p == sorted(p) for p in parts)
+    assert group_tokens(batch) == {0: 8, 1: 16, 2: 6, 3: 14}
+    assert group_tokens(batch.select([])) == {}
+    # two senders holding two groups each, over two receivers: {8, 14} and {16, 6}, the best split
+    owner = assign_groups([{0: 8, 1: 16}, {2: 6, 3: 14}], 2)
+    assert owner[0] == owner[3] != owner[1] == owner[2]
+    # two senders of two equal groups each, over four receivers: one group each. Each sender splitting its own
+    # share (and rotating by its rank) gave the receivers 1, 2, 1 and 0 groups
+    owner = assign_groups([{0: 10, 1: 10}, {2: 10, 3: 10}], 4)
+    assert sorted(owner.values()) == [0, 1, 2, 3]
+
+
+def _step_batch(rank: int, step: int) -> Batch:
+    offset = 10 * rank + step
+    batch = _batch([offset, offset, offset + 5, offset + 5], [1, 3, 7, 2])
+    batch.meta["sample_id"] = [1000 * rank + 10 * step + i for i in range(4)]
+    return batch
 
 
 def _trajectories(rank: int, world: int) -> list:
     """Ranks 0-1 train, ranks 2-3 generate; each rollout rank sends two steps."""
     pg = dist.new_group(backend="gloo")  # a group of its own, as the roles get
     if rank >= 2:
-        sender = TrajectorySender(pg, range(2), index=rank - 2)
-        for step in (1, 2):
-            offset = 10 * rank + step
-            batch = _batch([offset, offset, offset + 5, offset + 5], [1, 3, 7, 2])
-            batch.meta["sample_id"] = [1000 * rank + 10 * step + i for i in range(4)]
-            sender.send(step, batch, {"from": rank, "step": step})
+        sender = TrajectorySender(pg, range(2))
+        for step in (1, 2):  # the rollout ranks' group sizes, as they all-gather them
+            owner = assign_groups([group_tokens(_step_batch(r, step)) for r in (2, 3)], 2)
+            sender.send(step, _step_batch(rank, step), {"from": rank, "step": step}, owner)
         sender.close()
         return []
     receiver = TrajectoryReceiver(pg, range(2, 4), 1, 2, timeout_s=60)
     out = []
     for step in (1, 2):
         batch, notes = receiver.take(step)
-        out.append((step, sorted(batch["sample_id"]), batch["group"].tolist(), notes))
+        out.append((step, sorted(batch["sample_id"]), batch["group"].tolist(), notes,
+                    int(batch["prompt_mask"].sum() + batch["response_mask"].sum())))
     return out
 
 
@@ -62,11 +70,8 @@ def test_trajectories_reach_the_train_ranks_whole_and_once():
         got = [results[r][step_index] for r in (0, 1)]
         ids = sorted(got[0][1] + got[1][1])
         assert ids == sorted(1000 * r + 10 * step + i for r in (2, 3) for i in range(4))  # every sample once
-        for _, _, groups, _ in got:
-            assert len(groups) == 4  # one whole group of 2 from each rollout rank (balanced by tokens)
-        # each rollout rank's heavier group (lengths 7 and 2) goes to another train rank
-        heavy = [sorted(g for g in groups if g % 10 >= 5) for _, _, groups, _ in got]
-        assert heavy == [[20 + step + 5] * 2, [30 + step + 5] * 2]
+        for _, _, groups, _, tokens in got:  # two whole groups of 2 each: a heavy one (13 tokens), a light one (8)
+            assert len(groups) == 4 and {groups.count(g) for g in groups} == {2} and tokens == 21
         # the note travels with the first train rank's part only
         assert got[0][3] == [{"from": 2, "step": step}, {"from": 3, "step": step}]
         assert got[1][3] == [{}, {}]
