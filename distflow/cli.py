@@ -134,6 +134,8 @@ def check_inputs(cfg: Config, training: bool = True) -> None:
     for key in ("train_files", "val_files") if training else ("val_files",):
         spec, rows = getattr(cfg.data, key), 0
         sources = [s.strip() for s in spec.split(",") if s.strip()]
+        if key == "train_files" and not sources:
+            raise ConfigError("data.train_files: empty; name the training data (files, or builtin:TASK:SPLIT)")
         for source in sources:
             if source.startswith("builtin:"):
                 try:
@@ -151,7 +153,10 @@ def check_inputs(cfg: Config, training: bool = True) -> None:
                 except DatasetError as e:
                     raise ConfigError(f"data.{key}: {e}") from None
             else:
-                rows += has_a_row(source)
+                try:
+                    rows += has_a_row(source)
+                except OSError as e:
+                    raise ConfigError(f"data.{key}={source!r}: cannot be read ({e.strerror or e})") from None
         if sources and not any(s.startswith("builtin:") for s in sources) and not rows:
             raise ConfigError(f"data.{key}={spec!r}: no rows in the dataset")
     if not cfg.data.val_files:

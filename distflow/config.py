@@ -595,6 +595,9 @@ def _validate_turns(cfg: Config) -> None:
         if importlib.util.find_spec("openai") is None:
             raise ConfigError(f'rollout.agent={r.agent!r}: the openai package is not installed; '
                               'pip install "distflow[agents]"')
+        if cfg.data.on_long_prompt == "truncate":
+            raise ConfigError(f"data.on_long_prompt=truncate: rollout.agent={r.agent!r} sends each row's messages "
+                              "whole, which a truncated prompt no longer matches; use skip or error")
     elif r.max_turns == 1:
         for key in ("tools", "env", "tool_schemas"):
             if getattr(r, key):

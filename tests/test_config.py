@@ -194,6 +194,9 @@ def _parquet(path, rows):
     ("trainer.resume={tmp}", "trainer.resume='{tmp}': no complete checkpoint there"),
     ("data.train_files=builtin:arith:tain", "data.train_files: builtin:arith:tain: unknown built-in dataset"),
     ("data.val_files=builtin:arith:test:ten", "data.val_files: builtin:arith:test:ten: unknown built-in dataset"),
+    ("data.train_files=", "data.train_files: empty; name the training data"),
+    ("data.train_files={tmp}/unreadable.jsonl", "data.train_files='{tmp}/unreadable.jsonl': cannot be read "
+                                                "(Input/output error)"),
 ])
 def test_inputs_the_launcher_can_check_fail_before_anything_starts(override, fragment, tmp_path):
     """What `check_inputs` finds from the files' names, footers and folders alone."""
@@ -201,6 +204,7 @@ def test_inputs_the_launcher_can_check_fail_before_anything_starts(override, fra
 
     (tmp_path / "rows.csv").write_text("prompt\nhello\n")
     _parquet(tmp_path / "empty.parquet", [])
+    (tmp_path / "unreadable.jsonl").symlink_to("/proc/self/mem")  # a file whose read fails, even for root
     cfg = load_config(None, [override.format(tmp=tmp_path)])
     with pytest.raises(ValueError) as err:
         check_inputs(cfg)
@@ -239,6 +243,16 @@ def test_held_out_files_default_to_the_builtin_tasks_test_split_and_own_data_nee
     for name in ("blank.jsonl", "empty.json"):
         with pytest.raises(ConfigError, match=rf"data.val_files='.*{name}': no rows in the dataset"):
             check_inputs(load_config(None, [f"data.val_files={tmp_path / name}"]))
+
+
+def test_an_agent_s_prompts_are_not_truncated():
+    """The agent's endpoint renders each row's messages whole and asks the first request to
+    match the row's prompt tokens: a truncated prompt failed every such episode (and cut the
+    template's head, the tools' schemas with it)."""
+    with pytest.raises(ConfigError, match=r"^data.on_long_prompt=truncate: rollout.agent='json:loads' .* use skip or "
+                                          r"error$"):
+        load_config(None, ["rollout.agent=json:loads", "data.on_long_prompt=truncate"])
+    load_config(None, ["rollout.agent=json:loads", "data.on_long_prompt=skip"])
 
 
 def test_a_relaunch_with_other_settings_keeps_the_earlier_config(tmp_path):
