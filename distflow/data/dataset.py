@@ -40,7 +40,7 @@ class DatasetError(ValueError):
 class PromptRow:
     index: int  # position in the concatenated dataset: the prompt's stable id
     messages: list[dict[str, str]]
-    ground_truth: str
+    ground_truth: Any  # text (a number is read as text), or a JSON list or mapping, passed to a reward function whole
     data_source: str
     extra_info: Any = field(default_factory=dict)  # a mapping in verl's datasets; any JSON value passes
     images: list[Any] = field(default_factory=list)  # verl's `images` column, decoded when the row is encoded
@@ -75,9 +75,10 @@ def _row(raw: Any, index: int, where: str, folder: str | None = None) -> PromptR
     reward_model = raw.get("reward_model")
     if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
         raise DatasetError(f"{where}: missing 'reward_model.ground_truth'")
-    if not isinstance(reward_model["ground_truth"], (str, int, float)):
-        raise DatasetError(f"{where}: 'reward_model.ground_truth' must be a string or a number, "
-                           f"not {type(reward_model['ground_truth']).__name__}")
+    truth = reward_model["ground_truth"]
+    if not isinstance(truth, (str, int, float, list, tuple, dict)):
+        raise DatasetError(f"{where}: 'reward_model.ground_truth' must be a string, a number, or a list or mapping "
+                           f"of JSON values, not {type(truth).__name__}")
     extra = raw.get("extra_info")
     images = raw.get("images")
     if images is not None and not isinstance(images, (list, tuple)):
@@ -85,7 +86,9 @@ def _row(raw: Any, index: int, where: str, folder: str | None = None) -> PromptR
     return PromptRow(
         index=index,
         messages=[{"role": str(m["role"]), "content": m["content"]} for m in messages],
-        ground_truth=_as_text(reward_model["ground_truth"]),
+        # a structure (verl's search data: {"target": [...]}) as JSON gives it back, as extra_info
+        ground_truth=_json_values(truth, where, "reward_model.ground_truth") if isinstance(truth, (list, tuple, dict))
+        else _as_text(truth),
         data_source=str(raw.get("data_source") or "unknown"),
         extra_info={} if extra is None else _json_values(extra, where),  # as verl passes it: any JSON value
         images=[_beside_data_file(entry, folder) for entry in images or []],
@@ -100,14 +103,14 @@ def _as_text(truth: Any) -> str:
     return str(truth)
 
 
-def _json_values(extra: Any, where: str) -> Any:
-    """`extra_info` as JSON gives it back (tuples as lists, keys as strings): rows that move
-    between workers travel as JSON, so every row, moved or kept, reaches the reward
-    function alike. A value JSON cannot hold is a bad row."""
+def _json_values(value: Any, where: str, key: str = "extra_info") -> Any:
+    """`extra_info` (or a structured ground truth) as JSON gives it back (tuples as lists,
+    keys as strings): rows that move between workers travel as JSON, so every row, moved
+    or kept, reaches the reward function alike. A value JSON cannot hold is a bad row."""
     try:
-        return json.loads(json.dumps(extra))
+        return json.loads(json.dumps(value))
     except (TypeError, ValueError) as e:
-        raise DatasetError(f"{where}: 'extra_info' must hold JSON values (strings, numbers, booleans, lists, "
+        raise DatasetError(f"{where}: '{key}' must hold JSON values (strings, numbers, booleans, lists, "
                            f"mappings): {e}") from None
 
 

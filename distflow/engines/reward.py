@@ -162,12 +162,29 @@ def math_verify_score(solution_str: str, ground_truth: str) -> float:
 _GSM8K_ANSWER = re.compile(r"####\s*[-+$]?\s*\d")  # "#### 72", "#### -3", "#### $5"; not a "#### Step 1" heading
 
 
+def _is_code(data_source: str) -> bool:
+    from distflow.engines.sandbox import CODE_SOURCES
+
+    return data_source.lower().split("/")[-1] in CODE_SOURCES  # e.g. "codecontests", "likaixin/TACO"
+
+
+def rule_reads(data_source: str, ground_truth: Any) -> bool:
+    """Whether the default reward scores a sample of this ground truth: text or a number, or
+    a code dataset's test cases (as JSON text or the mapping); another structure (verl's
+    search data, `{"target": [...]}`) is a custom function's to read."""
+    return isinstance(ground_truth, (str, int, float)) or _is_code(data_source)
+
+
 def default_compute_score(data_source: str, solution_str: str, ground_truth: str,
                           extra_info: dict[str, Any] | None = None, *, gsm8k_mode: str = "strict") -> float:
     from distflow.engines import sandbox
 
-    if data_source.lower().split("/")[-1] in sandbox.CODE_SOURCES:  # e.g. "codecontests", "likaixin/TACO"
+    if _is_code(data_source):
         return sandbox.code_score(data_source, solution_str, ground_truth, extra_info)
+    if not rule_reads(data_source, ground_truth):
+        raise ValueError(f"the default reward reads a ground truth of text or a number, not a "
+                         f"{type(ground_truth).__name__}; set reward.custom_fn to score this data_source "
+                         f"({data_source!r})")
     if "gsm8k" in data_source or data_source.startswith("distflow/") or (  # the built-in tasks are GSM8K-style
             _GSM8K_ANSWER.search(solution_str) and is_one_number(str(ground_truth))):  # not MATH's 2\sqrt{3}
         return gsm8k_score(solution_str, ground_truth, gsm8k_mode)

@@ -436,11 +436,11 @@ def extract_code(solution_str: str) -> str:
     return blocks[-1] if blocks else solution_str
 
 
-def code_score(data_source: str, solution_str: str, ground_truth: str,
+def code_score(data_source: str, solution_str: str, ground_truth: str | dict,
                extra_info: dict[str, Any] | None = None) -> float:
     """The fraction of test cases the response's program passes, run in the sandbox.
 
-    `ground_truth` is JSON in the format of APPS / TACO / verl's code datasets:
+    `ground_truth` is JSON (or the mapping it holds) in the format of APPS / TACO / verl's code datasets:
     `{"inputs": [...], "outputs": [...]}`, optionally with `"fn_name"`, `"time_limit"`
     (seconds per case) and `"memory_limit_mb"`. Without `fn_name` each input is the
     program's stdin and each output its expected stdout (a list of lines is joined); they
@@ -450,7 +450,7 @@ def code_score(data_source: str, solution_str: str, ground_truth: str,
     value it returns must equal the output (or, as APPS wraps them, its only item). A
     program that crashes, times out or is killed fails that case; the call itself never
     raises for anything the program does."""
-    cases = json.loads(ground_truth)
+    cases = json.loads(ground_truth) if isinstance(ground_truth, str) else ground_truth
     inputs, outputs, fn_name = cases["inputs"], cases["outputs"], cases.get("fn_name")
     if len(inputs) != len(outputs) or not inputs:
         raise ValueError("ground truth needs as many 'inputs' as 'outputs', at least one")

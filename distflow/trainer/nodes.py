@@ -45,7 +45,7 @@ from distflow.engines.agent import COUNTS as EPISODE_COUNTS
 from distflow.engines.agent import FAILED_EPISODE_FIELDS, EpisodeRunner
 from distflow.engines.common import LogProbModel
 from distflow.engines.critic import Critic
-from distflow.engines.reward import FAILED, OK, TIMED_OUT, RewardRunner
+from distflow.engines.reward import FAILED, OK, TIMED_OUT, RewardRunner, rule_reads
 from distflow.engines.reward_model import RewardModel
 from distflow.engines.rollout import RolloutEngine, SamplingParams, left_pad, sample_seed
 from distflow.plugins import load_callable
@@ -186,7 +186,9 @@ def _generated(out: Batch) -> Batch:
 def score_responses(tokenizer, batch: Batch, reward_fn: RewardRunner | RewardModel,
                     accuracy_fn: RewardRunner | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rewards, accuracy, status): accuracy is 1 where the rule-based scorer gives full
-    marks (a code response passes every test), else 0 (and 0 without `accuracy_fn`); status
+    marks (a code response passes every test), else 0 (and 0 without `accuracy_fn`); where
+    the rule reads no such ground truth (a structure, verl's search data), where the reward
+    does (a custom function's full marks); status
     is OK, FAILED (raised or not a number) or TIMED_OUT per sample; a failed sample scores 0
     and the run goes on. A reward model scores the batch at once, from the prompts'
     messages and the responses (an episode's: its turns and observations, `episode_messages`)."""
@@ -199,8 +201,14 @@ def score_responses(tokenizer, batch: Batch, reward_fn: RewardRunner | RewardMod
         value, state = (0.0, OK) if learned else reward_fn(src, text, gt, extra)
         rewards.append(value)
         status.append(state)
-        marks = (value if accuracy_fn is reward_fn else 0.0 if accuracy_fn is None
-                 else accuracy_fn(src, text, gt, extra)[0])
+        if accuracy_fn is reward_fn:
+            marks = value
+        elif accuracy_fn is None:
+            marks = 0.0
+        elif rule_reads(src, gt):
+            marks = accuracy_fn(src, text, gt, extra)[0]
+        else:  # a ground truth the rule reads no answer from: the custom function's full marks
+            marks = 0.0 if learned else value
         correct.append(1.0 if marks >= 1.0 else 0.0)
     scores, status = torch.tensor(rewards, dtype=torch.float32), torch.tensor(status, dtype=torch.long)
     if learned:  # a non-finite score (an overflow) scores 0 and counts as failed, as a function's does

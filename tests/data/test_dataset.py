@@ -36,6 +36,53 @@ def test_a_number_as_ground_truth_is_read_as_its_positional_text(tmp_path):
     assert gsm8k_score("#### 0.00001", rows[0].ground_truth) == 1.0  # '1e-05' was no number to the reader
 
 
+def test_a_structured_ground_truth_reaches_a_custom_reward_function_as_it_is(tmp_path):
+    """verl's search and tool datasets keep a mapping as the ground truth
+    (`{"target": ["Paris"]}`) and pass it to the reward function whole; so do code datasets
+    that store their test cases as a mapping. Such rows were refused as bad rows. The
+    default reward scores code cases given as a mapping, and says in one line that it reads
+    no other structure."""
+    from distflow.engines.reward import OK, RewardRunner, default_compute_score
+
+    path = tmp_path / "search.jsonl"
+    truths = [{"target": ["Paris", "paris"]}, ["4", "four"]]
+    path.write_text("\n".join(json.dumps({**_verl_row(i), "reward_model": {"ground_truth": t}})
+                              for i, t in enumerate(truths)))
+    rows = load_rows(str(path))
+    assert [r.ground_truth for r in rows] == truths
+    (tmp_path / "exact.py").write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    targets = ground_truth['target'] if isinstance(ground_truth, dict) else ground_truth\n"
+        "    return float(solution_str in targets)\n")
+    for timeout_s in (0.0, 30.0):  # in this process, and through the child's JSON
+        runner = RewardRunner(f"{tmp_path / 'exact.py'}:score", timeout_s)
+        assert [runner("s", "paris", rows[0].ground_truth, {}), runner("s", "five", rows[1].ground_truth, {})] == \
+            [(1.0, OK), (0.0, OK)]
+    # accuracy, the rule's full marks where it reads the truth, is the custom function's where it reads none
+    import torch
+
+    from distflow.data.batch import Batch
+    from distflow.engines.tiny_model import build_tokenizer
+    from distflow.trainer.nodes import score_responses
+
+    tok = build_tokenizer()
+    answers = [tok("#### 4", add_special_tokens=False)["input_ids"], tok("#### 5", add_special_tokens=False)["input_ids"]]
+    responses = torch.tensor([a + [tok.pad_token_id] * (8 - len(a)) for a in answers])
+    batch = Batch({"responses": responses, "response_mask": (responses != tok.pad_token_id).long()},
+                  {"ground_truth": [["4"], "4"], "data_source": ["search"] * 2, "extra_info": [{}] * 2})
+    (tmp_path / "listed.py").write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(isinstance(ground_truth, list) and solution_str.endswith(ground_truth[0]))\n")
+    listed = RewardRunner(f"{tmp_path / 'listed.py'}:score", 0.0)
+    scores, accuracy, status = score_responses(tok, batch, listed, RewardRunner(None, 0.0))
+    assert scores.tolist() == [1.0, 0.0] and accuracy.tolist() == [1.0, 0.0] and status.tolist() == [OK, OK]
+    cases = {"inputs": ["2\n"], "outputs": ["4"]}
+    assert default_compute_score("codecontests", "```python\nprint(int(input()) * 2)\n```", cases) == 1.0
+    with pytest.raises(ValueError, match=r"^the default reward reads a ground truth of text or a number, not a dict; "
+                                         r"set reward.custom_fn to score this data_source \('openai/gsm8k'\)$"):
+        default_compute_score("openai/gsm8k", "#### 4", rows[0].ground_truth)
+
+
 def test_limit():
     assert len(load_rows("builtin:arith:test", limit=7)) == 7
 
@@ -45,7 +92,6 @@ def test_limit():
     ({"prompt": [{"role": "user"}]}, "line 2: each prompt message needs"),
     ({"reward_model": {}}, "line 2: missing 'reward_model.ground_truth'"),
     ({"prompt": [{"role": "user", "content": "  "}]}, "line 2: the prompt is empty"),
-    ({"reward_model": {"ground_truth": ["4"]}}, "line 2: 'reward_model.ground_truth' must be a string or a number"),
     ({"prompt": 7}, "line 2: 'prompt' must be a non-empty list"),
 ])
 def test_malformed_row_names_file_and_row(tmp_path, bad, fragment):
