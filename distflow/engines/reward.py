@@ -228,6 +228,7 @@ def _scored(fn: RewardFn, args) -> float:
 
 OK, FAILED, TIMED_OUT = 0, 1, 2  # per-sample reward status
 START_TIMEOUT_S = 120
+CODE_CALL_MARGIN_S = 5.0  # a code sample's reward call beyond its tests' own limits: reading, extracting, sandboxing
 _CHILD = """
 import json, os, sys
 replies = os.fdopen(os.dup(1), "w")
@@ -288,7 +289,9 @@ class RewardRunner:
     An exception, or a value that is not a finite number, scores 0 with status FAILED;
     the first traceback is printed once per worker. With `timeout_s > 0` the function
     runs in a child process: a call that exceeds the limit scores 0 with status
-    TIMED_OUT, and the child is killed and restarted. Thread-safe (one call at a time).
+    TIMED_OUT, and the child is killed and restarted. The default reward's limit on a
+    code sample is at least what its tests' own limits add up to (they run one after
+    another). Thread-safe (one call at a time).
     `gsm8k_mode` (strict|flexible, config `reward.gsm8k_mode`) is the default reward's GSM8K
     mode, in this process and in the child alike."""
 
@@ -302,8 +305,13 @@ class RewardRunner:
     def __call__(self, data_source: str, solution_str: str, ground_truth: str,
                  extra_info: dict[str, Any] | None = None) -> tuple[float, int]:
         args = (data_source, solution_str, ground_truth, extra_info)
+        limit = self.timeout_s
+        if self.spec is None and limit > 0 and _is_code(data_source):
+            from distflow.engines.sandbox import code_time_budget
+
+            limit = max(limit, code_time_budget(ground_truth) + CODE_CALL_MARGIN_S)
         with self._lock:
-            ok, value = self._in_child(args) if self.timeout_s > 0 else self._in_process(args)
+            ok, value = self._in_child(args, limit) if limit > 0 else self._in_process(args)
         if ok is None:
             return 0.0, TIMED_OUT
         if ok and isinstance(value, float) and math.isfinite(value):
@@ -317,7 +325,7 @@ class RewardRunner:
         except Exception:
             return False, traceback.format_exc()
 
-    def _in_child(self, args) -> tuple[bool | None, Any]:
+    def _in_child(self, args, limit: float) -> tuple[bool | None, Any]:
         if self._proc is None or self._proc.poll() is not None:
             try:
                 self._start()
@@ -326,7 +334,7 @@ class RewardRunner:
         try:
             self._proc.stdin.write(json.dumps(args, default=str) + "\n")
             self._proc.stdin.flush()
-            line = self._readline(self.timeout_s)
+            line = self._readline(limit)
         except (OSError, ValueError):  # the child died (a crash, os._exit, OOM kill)
             line = ""
         if line is None:  # hung: kill it; the next call starts a fresh one

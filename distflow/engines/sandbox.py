@@ -436,6 +436,16 @@ def extract_code(solution_str: str) -> str:
     return blocks[-1] if blocks else solution_str
 
 
+def code_time_budget(ground_truth: str | dict) -> float:
+    """The longest `code_score` can take on these test cases: each case's time limit and a
+    second to start, one case after another (0 for cases it cannot read: it fails at once)."""
+    try:
+        cases = json.loads(ground_truth) if isinstance(ground_truth, str) else ground_truth
+        return len(cases["inputs"]) * (float(cases.get("time_limit", Limits.time_s)) + 1.0)
+    except (TypeError, ValueError, KeyError, AttributeError):
+        return 0.0
+
+
 def code_score(data_source: str, solution_str: str, ground_truth: str | dict,
                extra_info: dict[str, Any] | None = None) -> float:
     """The fraction of test cases the response's program passes, run in the sandbox.
@@ -454,7 +464,8 @@ def code_score(data_source: str, solution_str: str, ground_truth: str | dict,
     inputs, outputs, fn_name = cases["inputs"], cases["outputs"], cases.get("fn_name")
     if len(inputs) != len(outputs) or not inputs:
         raise ValueError("ground truth needs as many 'inputs' as 'outputs', at least one")
-    limits = Limits(time_s=float(cases.get("time_limit", 5.0)), memory_mb=int(cases.get("memory_limit_mb", 512)))
+    limits = Limits(time_s=float(cases.get("time_limit", Limits.time_s)),
+                    memory_mb=int(cases.get("memory_limit_mb", Limits.memory_mb)))
     code, passed = extract_code(solution_str), 0
     for given, expected in zip(inputs, outputs):
         if fn_name:

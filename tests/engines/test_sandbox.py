@@ -398,11 +398,12 @@ time.sleep(3600)
 
 def test_a_reward_call_cut_by_its_timeout_leaves_no_sandbox_or_folder_behind():
     """The reward process is killed while its code sandbox runs a program that sleeps (no
-    CPU limit ends it): the sandbox ends with it and its folder goes."""
+    CPU limit ends it): the sandbox ends with it and its folder goes. (A custom function
+    calling the sandbox: the default reward's limit would cover the test's 20 s.)"""
     import tempfile
 
     slow = json.dumps({"inputs": [""], "outputs": ["1\n"], "time_limit": 20})
-    runner = RewardRunner(None, timeout_s=1.5)
+    runner = RewardRunner("distflow.engines.sandbox:code_score", timeout_s=1.5)
     try:
         assert runner("codecontests", "", slow)[1] == 0  # the reward process is up (an empty program scores 0)
         reward_pid = runner._proc.pid
@@ -411,3 +412,19 @@ def test_a_reward_call_cut_by_its_timeout_leaves_no_sandbox_or_folder_behind():
         runner.close()
     assert _no_sandbox_processes_left({reward_pid})
     assert not list(Path(tempfile.gettempdir()).glob(f"distflow-sandbox-{reward_pid}-*"))
+
+
+def test_a_code_sample_s_limit_covers_its_tests_own_limits():
+    """The default reward runs a code sample's tests one after another, each within its own
+    time limit: a sample whose tests all pass within theirs is scored, not cut at
+    reward.timeout_s (it scored 0 as timed out, however many tests passed)."""
+    from distflow.engines.reward import OK, RewardRunner
+
+    slow = "```python\nimport time\ntime.sleep(1.2)\nprint(input())\n```"
+    cases = json.dumps({"inputs": ["1\n", "2\n"], "outputs": ["1", "2"], "time_limit": 3})
+    runner = RewardRunner(None, timeout_s=2.0)
+    try:
+        assert runner("codecontests", slow, cases, {}) == (1.0, OK)
+    finally:
+        runner.close()
+
