@@ -172,11 +172,14 @@ class TrajectoryReceiver(_Thread):
         return batch, notes
 
 
-def _flatten(weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[dict, list[torch.Tensor]]:
-    """One flat buffer per dtype and the index to cut it back: {name: [dtype, offset, shape]}."""
+def _flatten(weights: Iterable[tuple[str, torch.Tensor]],
+             dtype: torch.dtype | None = None) -> tuple[dict, list[torch.Tensor]]:
+    """One flat buffer per dtype and the index to cut it back: {name: [dtype, offset, shape]};
+    with `dtype`, the floating-point tensors cast to it."""
     index, pieces = {}, {}
     for name, tensor in weights:
-        t = tensor.detach().to("cpu").contiguous()
+        t = tensor.detach().to("cpu", dtype=dtype if dtype is not None and tensor.is_floating_point() else None)
+        t = t.contiguous()
         key = str(t.dtype).removeprefix("torch.")
         offset = sum(p.numel() for p in pieces.get(key, []))
         index[name] = [key, offset, list(t.shape)]
@@ -199,9 +202,12 @@ class WeightPublisher:
     def __init__(self, pg: dist.ProcessGroup):
         self.pg = pg
 
-    def publish(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
-        """Send `weights` as `version`; returns the bytes sent."""
-        index, flats = _flatten(weights)
+    def publish(self, weights: Iterable[tuple[str, torch.Tensor]], version: int,
+                dtype: torch.dtype | None = None) -> int:
+        """Send `weights` as `version`, the floating-point ones in `dtype` where given (the
+        rollout engines' own: bf16 engines are sent half the bytes of fp32 master
+        weights, rounded as they would round them); returns the bytes sent."""
+        index, flats = _flatten(weights, dtype)
         body = json.dumps(index).encode()
         _broadcast(self.pg, torch.tensor([version, len(body)], dtype=torch.int64))
         _broadcast(self.pg, torch.frombuffer(bytearray(body), dtype=torch.uint8))

@@ -124,8 +124,8 @@ class TrainSide:
         if version >= self.cfg.trainer.total_steps:  # nobody generates with the last weights
             return
         weights = actor.iter_full_weights()
-        if self.publisher is not None:
-            self.publisher.publish(weights, version)
+        if self.publisher is not None:  # in the rollout engines' dtype (model.dtype)
+            self.publisher.publish(weights, version, getattr(torch, self.cfg.model.dtype))
         elif not actor.holds_full_weights:
             for _ in weights:  # each tensor's gather is a collective
                 pass

@@ -82,13 +82,15 @@ def _weights(rank: int, world: int) -> list:
     if rank == 0:
         dist.barrier()  # the subscribers have timed out waiting
         publisher = WeightPublisher(pg)
-        for version in (1, 2):
-            sent = publisher.publish([("w", torch.full((2, 3), float(version))),
-                                      ("ids", torch.arange(4) * version),
-                                      ("b", torch.full((3,), -float(version)))], version)
+        sent = []
+        for version in (1, 2):  # version 2 in the rollout engines' bfloat16: its floating-point tensors cast
+            sent.append(publisher.publish([("w", torch.full((2, 3), float(version))),
+                                           ("ids", torch.arange(4) * version),
+                                           ("b", torch.full((3,), -float(version)))], version,
+                                          dtype=torch.bfloat16 if version == 2 else None))
             dist.barrier()  # the subscribers look between versions
         publisher.close()
-        return [sent]
+        return sent
     subscriber = WeightSubscriber(pg, version=0)
     with pytest.raises(TimeoutError, match="no weights of version 1 within 0 s"):  # nothing sent yet
         subscriber.wait_for(1, timeout_s=0.2)
@@ -97,7 +99,7 @@ def _weights(rank: int, world: int) -> list:
     for version in (1, 2):
         subscriber.wait_for(version, timeout_s=60)
         v, weights = subscriber.take_newer()
-        seen.append((v, {name: t.tolist() for name, t in weights}))
+        seen.append((v, {name: t.tolist() for name, t in weights}, {name: str(t.dtype) for name, t in weights}))
         assert subscriber.take_newer() is None  # handed over once
         dist.barrier()
     subscriber.join(timeout_s=60)
@@ -106,12 +108,15 @@ def _weights(rank: int, world: int) -> list:
 
 def test_weights_arrive_versioned_with_names_shapes_and_dtypes_or_a_wait_times_out():
     results = run_gloo(_weights, 3)
-    assert results[0] == [6 * 4 + 4 * 8 + 3 * 4 - 0]  # float32 2x3 + int64 4 + float32 3, in bytes
+    # float32 2x3 + int64 4 + float32 3, in bytes; then with the floats in bfloat16
+    assert results[0] == [6 * 4 + 4 * 8 + 3 * 4, 6 * 2 + 4 * 8 + 3 * 2]
     for rank in (1, 2):
-        (v1, w1), (v2, w2) = results[rank]
+        (v1, w1, d1), (v2, w2, d2) = results[rank]
         assert (v1, v2) == (1, 2)
         assert w1 == {"w": [[1.0] * 3] * 2, "ids": [0, 1, 2, 3], "b": [-1.0] * 3}
         assert w2 == {"w": [[2.0] * 3] * 2, "ids": [0, 2, 4, 6], "b": [-2.0] * 3}
+        assert d1 == {"w": "torch.float32", "ids": "torch.int64", "b": "torch.float32"}
+        assert d2 == {"w": "torch.bfloat16", "ids": "torch.int64", "b": "torch.bfloat16"}
 
 
 def _weights_after_a_long_step(rank: int, world: int) -> list:
