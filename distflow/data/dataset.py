@@ -194,7 +194,7 @@ class _JsonlSource:
         with open(path, "rb") as f:
             offset = 0
             for line_no, line in enumerate(f, 1):
-                if line.strip():
+                if not _blank(line.removeprefix(_BOM) if offset == 0 else line):
                     self.offsets.append(offset)
                     self.line_numbers.append(line_no)
                 offset += len(line)
@@ -207,9 +207,12 @@ class _JsonlSource:
         self.rows_read += 1
         try:  # a file saved with a byte-order mark has it before its first row
             return json.loads((line.removeprefix(_BOM) if self.offsets[index] == 0 else line).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except json.JSONDecodeError as e:
             raise DatasetError(f"{self.path}: line {self.line_numbers[index]} is not UTF-8 JSON "
-                               f"({type(e).__name__})") from None
+                               f"({e.msg}, column {e.colno})") from None
+        except UnicodeDecodeError as e:
+            raise DatasetError(f"{self.path}: line {self.line_numbers[index]} is not UTF-8 JSON "
+                               f"(byte {e.start + 1} is not UTF-8)") from None
 
 
 class _ListSource:
@@ -222,6 +225,18 @@ class _ListSource:
 
 
 _BOM = b"\xef\xbb\xbf"
+
+
+def _blank(line: bytes) -> bool:
+    """A line of white space alone, Unicode's too (a no-break space); bytes that are no
+    UTF-8 are not blank (the row fails where it is read, naming its line)."""
+    stripped = line.strip()
+    if not stripped or stripped.isascii():
+        return not stripped
+    try:
+        return not stripped.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return False
 
 
 def _head(path: str) -> bytes:
@@ -237,7 +252,7 @@ def has_a_row(path: str) -> bool:
     if head.startswith(b"["):
         return not head[1:].lstrip().startswith(b"]")
     with open(os.path.expanduser(path), "rb") as f:
-        return any(line.strip() for line in f)
+        return any(not _blank(line.removeprefix(_BOM) if i == 0 else line) for i, line in enumerate(f))
 
 
 def _json_array(path: str) -> _ListSource | None:

@@ -173,8 +173,15 @@ def test_jsonl_rows_are_parsed_on_demand(tmp_path):
     data = ShardedDataset(str(path))
     assert len(data) == 51
     assert data.rows([7, 3])[0].ground_truth == "7" and data.rows_read == 2
-    with pytest.raises(DatasetError, match="line 51 is not UTF-8 JSON"):
+    with pytest.raises(DatasetError, match=r"line 51 is not UTF-8 JSON \(Expecting property name enclosed in "
+                                           r"double quotes, column 2\)$"):
         data.rows([50])
+    # a byte-order mark alone on the first line, and a line of no-break spaces, are blank lines, not bad rows
+    spaced = tmp_path / "spaced.jsonl"
+    spaced.write_bytes(b"\xef\xbb\xbf\n" + json.dumps(_verl_row(0)).encode() + "\n\u00a0\u00a0\n".encode()
+                       + json.dumps(_verl_row(1)).encode() + b"\n")
+    data = ShardedDataset(str(spaced))
+    assert len(data) == 2 and [r.ground_truth for r in data.rows([0, 1])] == ["0", "1"]
 
 
 # ---------------------------------------------------------------------------- the bad-row policy
