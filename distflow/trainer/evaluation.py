@@ -162,6 +162,10 @@ def table(report: dict[str, float], k: int) -> str:
     if "rows_chosen" in report and report["rows_chosen"] < report["rows_in_files"]:
         scored += (f" (data.val_max_samples={int(report['rows_chosen'])} of the {int(report['rows_in_files']):,} "
                    "rows of data.val_files; -1: all)")
+    if report.get("skipped_rows"):
+        scored += f", {int(report['skipped_rows'])} rows dropped as bad"
+    if report.get("truncated_prompts"):
+        scored += f", {int(report['truncated_prompts'])} prompts truncated to data.max_prompt_length"
     lines.append(f"{scored}; greedy responses: {report['response_length/mean']:.1f} tokens on "
                  f"average, at most {report['response_length/max']:.0f}, "
                  f"{report['response_length/clip_ratio']:.1%} cut at the token limit")

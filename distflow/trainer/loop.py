@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from distflow.algos.kl import AdaptiveKLController, make_kl_controller
-from distflow.collectives import all_gather_objects
+from distflow.collectives import all_gather_objects, all_reduce_sum
 from distflow.config import Config, from_dict, response_token_budget, tool_names, traced_steps
 from distflow.coordinator.double_buffer import DoubleBuffer
 from distflow.coordinator.executor import TransferStats
@@ -269,7 +269,8 @@ def heldout_rows(cfg: Config, tokenizer, images: ImagePrompter | None, rank: int
                  world: int) -> tuple[list[tuple[PromptRow, list[int]]], dict[str, int]]:
     """This worker's held-out rows and their prompt ids, under the bad-row policy (a bad
     row is dropped, not replaced), and how many rows were chosen of how many in the files
-    (`rows_chosen`, `rows_in_files`). The rows are
+    (`rows_chosen`, `rows_in_files`), and how many of those were dropped as bad or had their
+    prompt truncated over all workers (`skipped_rows`, `truncated_prompts`; a collective). The rows are
     data.val_max_samples of them (-1: all), a sample of the files' rows drawn with a fixed
     seed (the same rows for every run, and no stride that a file's order could alias with),
     in file order, every world-th of those here."""
@@ -279,9 +280,11 @@ def heldout_rows(cfg: Config, tokenizer, images: ImagePrompter | None, rank: int
     indices = list(chosen)[rank::world]
     encode = partial(nodes.encode_prompt, tokenizer, images=images, max_image_pixels=cfg.data.max_image_pixels,
                      tools=prompt_tools(cfg))
-    taken, _ = PromptReader(data, cfg.data.max_prompt_length, cfg.data.on_bad_row, cfg.data.on_long_prompt
-                            ).take(indices, encode, replace=False)
-    return taken, {"rows_chosen": wanted, "rows_in_files": len(data)}
+    taken, counts = PromptReader(data, cfg.data.max_prompt_length, cfg.data.on_bad_row, cfg.data.on_long_prompt
+                                 ).take(indices, encode, replace=False)
+    skipped, truncated = all_reduce_sum(counts["skipped_rows"], counts["truncated_prompts"])  # over the workers
+    return taken, {"rows_chosen": wanted, "rows_in_files": len(data), "skipped_rows": skipped,
+                   "truncated_prompts": truncated}
 
 
 def skipped_an_update(record: dict) -> bool:
@@ -333,7 +336,11 @@ class Trainer:
         self.rollout_layout = Layout(self.world, tp_size=cfg.rollout.replica_size)
         self.train_layout = Layout.data_parallel(self.world)
         self.prompts = PromptSource(cfg, self.rollout_layout, self.rank, self.tokenizer.pad_token_id)
-        self.val, _ = heldout_rows(cfg, self.tokenizer, self.prompts.images, self.rank, self.world)
+        self.val, held_out = heldout_rows(cfg, self.tokenizer, self.prompts.images, self.rank, self.world)
+        if self.rank == 0 and held_out["skipped_rows"] + held_out["truncated_prompts"]:
+            print(f"distflow: held-out rows: {held_out['skipped_rows']:.0f} of {held_out['rows_chosen']} dropped as "
+                  f"bad (data.on_bad_row), {held_out['truncated_prompts']:.0f} prompts truncated "
+                  f"(data.on_long_prompt); val/accuracy is measured on what is left", file=sys.stderr)
         roles = {n.role for n in self.graph.nodes}  # which engines this graph needs
         torch.manual_seed(cfg.trainer.seed)
         # resuming: the policy comes from the checkpoint (a HF folder), the reference from model.path

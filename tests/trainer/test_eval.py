@@ -216,9 +216,17 @@ def test_held_out_rows_are_a_fixed_sample_of_every_file_and_minus_one_takes_all(
     for limit, chosen in ((8, 8), (-1, 40)):
         cfg = load_config(None, [f"data.val_files={','.join(files)}", f"data.val_max_samples={limit}"])
         halves = [heldout_rows(cfg, tok, None, rank, 2) for rank in range(2)]
-        assert [h[1] for h in halves] == [{"rows_chosen": chosen, "rows_in_files": 40}] * 2
+        assert [h[1] for h in halves] == [{"rows_chosen": chosen, "rows_in_files": 40, "skipped_rows": 0.0,
+                                           "truncated_prompts": 0.0}] * 2
         sources = [row.data_source for half in halves for row, _ in half[0]]
         assert len(sources) == chosen and 0 < sources.count("math.jsonl") < chosen  # rows of both files
+    # prompts cut to data.max_prompt_length are counted and the report's table says so (they were silently scored)
+    cut = load_config(None, [f"data.val_files={files[0]}", "data.max_prompt_length=8", "data.on_long_prompt=truncate"])
+    taken, held = heldout_rows(cut, tok, None, 0, 1)
+    assert held["truncated_prompts"] == len(taken) == 30 and held["skipped_rows"] == 0
+    report = {"accuracy": 0.5, "reward": 0.5, "rows": 30.0, "response_length/mean": 3.0, "response_length/max": 4.0,
+              "response_length/clip_ratio": 0.0, **held}
+    assert "30 prompts, 30 prompts truncated to data.max_prompt_length;" in table(report, 0)
     with pytest.raises(ConfigError, match="data.val_max_samples=0: no held-out rows"):
         load_config(None, ["data.val_max_samples=0"])
     cfg = load_config(None, ["data.val_files=builtin:arith-tools:test", "data.val_max_samples=16"])  # levels 1-4 in turn
