@@ -57,10 +57,13 @@ _NUMBER = re.compile(
     rf"| \d+/\d|{_SIGN}\d)")
 _MARKUP = re.compile(r"[\s*`_]*")  # before the number: spaces, **bold**, `code`, _italics_
 # A candidate number anywhere in a text (flexible mode): not glued to a word ('H2O',
-# 'x-5' is a difference, not -5) and greedy over digits and separators, so that '7,2' or
-# '1 234' is one candidate (then refused) rather than a '2' or '234' to fall back on.
+# 'x-5' is a difference, not -5), nor the second part of a time, a range or a mixed number
+# ('1:30', '10-20', '3 1/2': the whole is refused where it starts, with no part to fall back
+# on), and greedy over digits and separators, so that '7,2' or '1 234' is one candidate
+# (then refused) rather than a '2' or '234' to fall back on.
 _CANDIDATE = re.compile(
-    rf"(?<![\w.])(?:{_SIGN}?\\?[$€£]\s?)?{_SIGN}?\.?\d(?:[\d.,/^{_SEPS}]| (?=\d{{3}}(?!\d)))*")
+    rf"(?<![\w.])(?<!\d[{_SIGN[1:-1]}:/])(?!(?<=\d )\d+/\d)"
+    rf"(?:{_SIGN}?\\?[$€£]\s?)?{_SIGN}?\.?\d(?:[\d.,/^{_SEPS}]| (?=\d{{3}}(?!\d)))*")
 
 
 class RewardFn(Protocol):

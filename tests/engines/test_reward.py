@@ -281,7 +281,9 @@ ANSWER_FORMS = [
     ("a superscript power", "#### 3\u00b2", "9", (None, 0), (None, 0), 0),
     ("times ten to a power", "#### 2\u00d710^3", "2000", (None, 0), (None, 0), 0),
     ("digits grouped by underscores", "#### 1_000", "1000", (None, 0), (None, 0), 0),
-    ("mixed number", "#### 3 1/2", "3.5", (None, 0), ("1/2", 0), 0),
+    ("mixed number", "#### 3 1/2", "3.5", (None, 0), (None, 0), 0),
+    ("a time", "#### 1:30", "30", (None, 0), (None, 0), 0),
+    ("a range", "#### 10-20", "20", (None, 0), (None, 0), 0),
     ("words after `####`", "#### The answer is 72", "72", (None, 0), ("72", 1), 1),
     ("no `####`, last number", "So she has 72 apples.", "72", (None, 0), ("72", 1), 1),
     ("no `####`, last number ambiguous", "So the answer is 7,2.", "7.2", (None, 0), (None, 0), 1),
@@ -356,6 +358,10 @@ def test_docs_table_matches_the_functions():
     ("it is 1 234", "234", "flexible", 0.0),  # no falling back to the last group of an SI-style number
     ("it is 7,2 or 8", "8", "flexible", 1.0),  # only the last number counts, ambiguous or not
     ("no number here", "0", "flexible", 0.0),
+    ("It takes 1:30", "30", "flexible", 0.0),  # a part of a time, a range or a mixed number is no answer ...
+    ("from 10-20 or 10−20", "20", "flexible", 0.0),
+    ("about 3 1/2", "1/2", "flexible", 0.0),
+    ("it is 3 and then 12", "12", "flexible", 1.0),  # ... numbers apart from each other are
     ("#### 72", "abc", "strict", 0.0),  # a ground truth that is no number matches nothing
 ])
 def test_gsm8k_cases(response, truth, mode, score):
