@@ -298,8 +298,11 @@ class RewardRunner:
     `gsm8k_mode` (strict|flexible, config `reward.gsm8k_mode`) is the default reward's GSM8K
     mode, in this process and in the child alike."""
 
-    def __init__(self, spec: str | None, timeout_s: float, gsm8k_mode: str = "strict"):
+    def __init__(self, spec: str | None, timeout_s: float, gsm8k_mode: str = "strict", measures: str = "reward"):
+        """`measures`: "reward", or "accuracy" for the runner of the accuracy metric alone (a
+        failure there counts the sample as wrong, not in reward/failed)."""
         self.spec, self.timeout_s, self.gsm8k_mode = spec, timeout_s, check_gsm8k_mode(gsm8k_mode)
+        self.measures = measures
         self.fn = load_reward_fn(spec, gsm8k_mode)  # also in this process: a bad name fails at start-up
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
@@ -384,8 +387,10 @@ class RewardRunner:
     def _report(self, text: str) -> None:
         if not self._reported:
             self._reported = True
-            print(f"distflow: reward function failed (scored 0, counted in reward/failed; "
-                  f"only the first failure is printed):\n{text}", file=sys.stderr, flush=True)
+            what = ("reward function failed (scored 0, counted in reward/failed" if self.measures == "reward" else
+                    "the default reward, which the accuracy metric reads, failed (the sample counts as wrong in "
+                    "reward/accuracy")
+            print(f"distflow: {what}; only the first failure is printed):\n{text}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         with self._lock:

@@ -240,10 +240,10 @@ def make_reward_runners(cfg: Config, device: torch.device) -> tuple[RewardRunner
     rw = cfg.reward
     if rw.model_path is not None:
         return (RewardModel(rw.model_path, device, rw.model_micro_batch_size, rw.model_max_length),
-                RewardRunner(None, rw.timeout_s))
+                RewardRunner(None, rw.timeout_s, measures="accuracy"))
     reward_fn = RewardRunner(rw.custom_fn, rw.timeout_s, gsm8k_mode=rw.gsm8k_mode)
     accuracy_fn = (reward_fn if rw.custom_fn is None and rw.gsm8k_mode == "strict"
-                   else RewardRunner(None, rw.timeout_s))
+                   else RewardRunner(None, rw.timeout_s, measures="accuracy"))
     return reward_fn, accuracy_fn
 
 

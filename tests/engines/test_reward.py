@@ -419,3 +419,16 @@ def test_reward_runner_passes_the_gsm8k_mode(timeout_s):
     finally:
         for runner in runners.values():
             runner.close()
+
+
+def test_a_failure_of_the_accuracy_metric_s_scorer_says_so(capsys):
+    """With a custom reward, the accuracy metric is the default reward's; its failure said
+    "counted in reward/failed", where it is counted as a wrong answer."""
+    from distflow.engines.reward import FAILED, RewardRunner
+
+    accuracy = RewardRunner(None, 0.0, measures="accuracy")
+    assert accuracy("search", "#### 4", {"target": ["4"]}, {}) == (0.0, FAILED)
+    err = capsys.readouterr().err
+    assert "the default reward, which the accuracy metric reads, failed (the sample counts as wrong" in err
+    assert "reward/failed" not in err
+
