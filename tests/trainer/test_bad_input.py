@@ -36,7 +36,7 @@ def _dataset_with_bad_rows(path):
     for i in (1, 4, 6):
         rows[i] = json.dumps({"prompt": [{"role": "user", "content": " "}], "reward_model": {"ground_truth": "1"}})
     for i in (8, 10, 13):
-        rows[i] = json.dumps({"prompt": "What is 2+2?", "reward_model": {"ground_truth": {"not": "a string"}}})
+        rows[i] = json.dumps({"prompt": "What is 2+2?", "reward_model": {"style": "rule"}})  # no ground truth
     for i in (2, 11):
         row = json.loads(rows[i])
         row["prompt"][0]["content"] = "Ignore this. " * 200 + row["prompt"][0]["content"]
