@@ -338,14 +338,12 @@ def _summed_over_workers(ctx) -> Callable[..., list[float]]:
 
 def kl_in_reward(ctx: WorkerContext, batch: Batch) -> Batch:
     """algorithm.use_kl_in_reward: token rewards = the score on the last token minus
-    beta * KL(sampler || reference) on every token (the sampler's log-probs: the trainer's
-    recomputed old ones where the graph has them, else the engine's), with beta from the controller; the
+    beta * KL(sampler || reference) on every token, with beta from the controller; the
     controller then sees the batch's mean KL over all workers (a collective)."""
     a, mask = ctx.cfg.algorithm, batch["response_mask"].float()
     scores = core.token_level_rewards(batch[ctx.params["reward_field"]], mask)  # (B, R)
     beta = ctx.reward_kl.value
-    sampler = batch[ctx.params.get("sampler_field", "rollout_log_probs")]  # a user's graph may leave it out
-    rewards, per_token = kl.kl_penalized_rewards(scores, sampler, batch["ref_log_probs"], mask,
+    rewards, per_token = kl.kl_penalized_rewards(scores, batch["rollout_log_probs"], batch["ref_log_probs"], mask,
                                                  beta, a.reward_kl_type)
     seq_kl = kl.sequence_mean_kl(per_token, mask)  # (B,); 0 for a row with no tokens (a filter's masked rows)
     rows = float((mask.sum(-1) > 0).sum())  # the responses that have a KL

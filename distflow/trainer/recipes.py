@@ -10,9 +10,8 @@ the builder runs they are in the config, so the graph follows from the config al
              └─ (critic_values) (old_log_prob) ───────────────────────────────── actor_update (critic_update)
 
   ref_log_prob        with KL in the loss or in the reward
-  kl_in_reward        algorithm.use_kl_in_reward: the penalty (from the sampling policy's
-                        log-probs, recomputed where old_log_prob runs, else the rollout's
-                        own, and the reference's) goes into the token rewards
+  kl_in_reward        algorithm.use_kl_in_reward: the penalty (from the rollout's own
+                        log-probs and the reference's) goes into the token rewards
   drop_failed_groups  multi-turn or an agent, rollout.on_failed_episode=drop_group: a filter
                         of the groups with an episode whose environment or agent raised
   dynamic_sampling    algorithm.dynamic_sampling: a refilling filter; later nodes wait for it
@@ -144,18 +143,17 @@ def recipe_graph(cfg: Config) -> Graph:
                            deps=gate, **gated))
     if a.use_kl_loss or a.use_kl_in_reward:
         built.append(_node("ref_log_prob", "reference", scoring, ("ref_log_probs",), deps=gate, **gated))
-    if recomputes_old_log_probs(cfg):
-        # before the KL penalty, which reads them in the groups' layout (layouts only move on towards train's)
-        built.append(_node("old_log_prob", "actor_forward", scoring, ("old_log_probs",), deps=gate,
-                           **({"layout": "groups"} if a.use_kl_in_reward else {})))
     if a.use_kl_in_reward:
-        # the sampling policy's log-probs as the trainer computes them where it does (verl's old_log_prob), else the
-        # engine's own; a collective (the controller sees the KL of the whole batch), after any group-layout shaping
-        sampler = "old_log_probs" if recomputes_old_log_probs(cfg) else "rollout_log_probs"
-        built.append(_node("kl_in_reward", "reward", (reward_field, "response_mask", "ref_log_probs", sampler),
-                           ("token_rewards",), layout="groups", collective=True, chunked=False,
-                           params={"reward_field": reward_field, "sampler_field": sampler}))
+        # from the engine's own log-probs (verl takes the recomputed old ones): those come from a forward in the train
+        # layout, after this node's groups layout (layouts only move on towards train's), and a forward in the groups
+        # layout would run a replica's rows on each of its members. A collective (the controller sees the KL of the
+        # whole batch), after any group-layout shaping
+        built.append(_node("kl_in_reward", "reward", (reward_field, "response_mask", "ref_log_probs",
+                                                      "rollout_log_probs"), ("token_rewards",), layout="groups",
+                           collective=True, chunked=False, params={"reward_field": reward_field}))
         reward_field = "token_rewards"
+    if recomputes_old_log_probs(cfg):
+        built.append(_node("old_log_prob", "actor_forward", scoring, ("old_log_probs",), deps=gate))
     critic = "values" in info.needs
     adv_inputs = [reward_field, "response_mask", "group"] + (["values"] if critic else []) \
         + (["baseline_scores"] if "baseline" in info.needs else [])

@@ -233,16 +233,11 @@ def test_kl_in_reward_and_remax_add_their_nodes():
     assert g.by_name["kl_in_reward"].collective and "ref_log_probs" not in g.by_name["actor_update"].inputs
     grpo = build_graph(load_config(None, ["algorithm.use_kl_in_reward=true", "algorithm.use_kl_loss=false"]))
     assert {"kl_in_reward", "ref_log_prob"} <= set(grpo.by_name)
-    # on-policy, the penalty uses the rollout engine's own log-probs, returned while it generated ...
+    # the penalty uses the rollout engine's own log-probs, returned while it generated (the recomputed old ones come
+    # from a forward in the train layout, after the penalty's groups layout)
     assert grpo.parents["kl_in_reward"] == ["ref_log_prob", "reward", "rollout"]
-    # ... and the trainer's recomputed ones where the update recomputes them (verl's old_log_prob), which for an
-    # engine of other numerics (vLLM, bf16) are the policy's, not the engine's
     ppo = build_graph(load_config(None, ["algorithm.name=ppo", "algorithm.use_kl_in_reward=true", "actor.ppo_epochs=2"]))
-    assert "old_log_probs" in ppo.by_name["kl_in_reward"].inputs
-    assert ppo.parents["kl_in_reward"] == ["old_log_prob", "ref_log_prob", "reward", "rollout"]
-    from_engine = build_graph(load_config(None, ["algorithm.name=ppo", "algorithm.use_kl_in_reward=true", "actor.ppo_epochs=2",
-                                                 "algorithm.old_log_probs_from=rollout"]))
-    assert "rollout_log_probs" in from_engine.by_name["kl_in_reward"].inputs
+    assert "rollout_log_probs" in ppo.by_name["kl_in_reward"].inputs and ppo.by_name["old_log_prob"].layout == "train"
 
 
 def test_readme_and_docs_carry_the_generated_recipe_table():
