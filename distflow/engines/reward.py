@@ -179,11 +179,12 @@ def rule_reads(data_source: str, ground_truth: Any) -> bool:
 
 
 def default_compute_score(data_source: str, solution_str: str, ground_truth: str,
-                          extra_info: dict[str, Any] | None = None, *, gsm8k_mode: str = "strict") -> float:
+                          extra_info: dict[str, Any] | None = None, *, gsm8k_mode: str = "strict",
+                          code_time_budget_s: float | None = None) -> float:
     from distflow.engines import sandbox
 
     if _is_code(data_source):
-        return sandbox.code_score(data_source, solution_str, ground_truth, extra_info)
+        return sandbox.code_score(data_source, solution_str, ground_truth, extra_info, time_budget_s=code_time_budget_s)
     if not rule_reads(data_source, ground_truth):
         raise ValueError(f"the default reward reads a ground truth of text or a number, not a "
                          f"{type(ground_truth).__name__}; set reward.custom_fn to score this data_source "
@@ -194,15 +195,16 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth: str
     return math_verify_score(solution_str, ground_truth)
 
 
-def load_reward_fn(spec: str | None, gsm8k_mode: str = "strict") -> RewardFn:
-    """`None` -> the default in that GSM8K mode; `module:function` or `file.py:function` ->
-    that function (the mode is the default reward's: a custom function ignores it)."""
+def load_reward_fn(spec: str | None, gsm8k_mode: str = "strict", code_time_budget_s: float | None = None) -> RewardFn:
+    """`None` -> the default in that GSM8K mode, running a code sample's tests while they fit
+    in `code_time_budget_s`; `module:function` or `file.py:function` -> that function (the
+    mode and the budget are the default reward's: a custom function ignores them)."""
     check_gsm8k_mode(gsm8k_mode)
     if spec is not None:
         return _takes_verl_keywords(load_callable(spec, "reward.custom_fn"), spec)
-    if gsm8k_mode == "strict":
+    if gsm8k_mode == "strict" and code_time_budget_s is None:
         return default_compute_score  # itself, so that it stays verl's plain signature
-    return functools.partial(default_compute_score, gsm8k_mode=gsm8k_mode)
+    return functools.partial(default_compute_score, gsm8k_mode=gsm8k_mode, code_time_budget_s=code_time_budget_s)
 
 
 REWARD_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")  # verl's compute_score keywords
@@ -231,16 +233,16 @@ def _scored(fn: RewardFn, args) -> float:
 
 OK, FAILED, TIMED_OUT = 0, 1, 2  # per-sample reward status
 START_TIMEOUT_S = 120
-CODE_CALL_MARGIN_S = 5.0  # a code sample's reward call beyond its tests' own limits: reading, extracting, sandboxing
+CODE_CALL_MARGIN_S = 1.0  # of a reward call's limit, kept for what a code sample's call does besides its tests
 _CHILD = """
 import json, os, sys
 replies = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)
 sys.stdout = sys.stderr
-spec, gsm8k_mode, parent = json.loads(sys.argv[1])
+spec, gsm8k_mode, code_time_budget_s, parent = json.loads(sys.argv[1])
 from distflow.engines.reward import end_with_parent, serve
 end_with_parent(parent)
-serve(spec, sys.stdin, replies, gsm8k_mode)
+serve(spec, sys.stdin, replies, gsm8k_mode, code_time_budget_s)
 """
 
 
@@ -272,9 +274,10 @@ def score_of(result: Any) -> float:
     return float(result)
 
 
-def serve(spec: str | None, requests, replies, gsm8k_mode: str = "strict") -> None:
+def serve(spec: str | None, requests, replies, gsm8k_mode: str = "strict",
+          code_time_budget_s: float | None = None) -> None:
     """The reward child process's loop: JSON lines in, JSON lines out, one call at a time."""
-    fn = load_reward_fn(spec, gsm8k_mode)
+    fn = load_reward_fn(spec, gsm8k_mode, code_time_budget_s)
     replies.write(json.dumps(["ready", None]) + "\n")  # start-up does not count against a call's limit
     replies.flush()
     for line in requests:
@@ -292,9 +295,9 @@ class RewardRunner:
     An exception, or a value that is not a finite number, scores 0 with status FAILED;
     the first traceback is printed once per worker. With `timeout_s > 0` the function
     runs in a child process: a call that exceeds the limit scores 0 with status
-    TIMED_OUT, and the child is killed and restarted. The default reward's limit on a
-    code sample is at least what its tests' own limits add up to (they run one after
-    another). Thread-safe (one call at a time).
+    TIMED_OUT, and the child is killed and restarted; the default reward runs a code
+    sample's tests while they fit in that limit (`code_score`'s `time_budget_s`), so it
+    scores those it ran. Thread-safe (one call at a time).
     `gsm8k_mode` (strict|flexible, config `reward.gsm8k_mode`) is the default reward's GSM8K
     mode, in this process and in the child alike."""
 
@@ -311,13 +314,8 @@ class RewardRunner:
     def __call__(self, data_source: str, solution_str: str, ground_truth: str,
                  extra_info: dict[str, Any] | None = None) -> tuple[float, int]:
         args = (data_source, solution_str, ground_truth, extra_info)
-        limit = self.timeout_s
-        if self.spec is None and limit > 0 and _is_code(data_source):
-            from distflow.engines.sandbox import code_time_budget
-
-            limit = max(limit, code_time_budget(ground_truth) + CODE_CALL_MARGIN_S)
         with self._lock:
-            ok, value = self._in_child(args, limit) if limit > 0 else self._in_process(args)
+            ok, value = self._in_child(args) if self.timeout_s > 0 else self._in_process(args)
         if ok is None:
             return 0.0, TIMED_OUT
         if ok and isinstance(value, float) and math.isfinite(value):
@@ -331,7 +329,7 @@ class RewardRunner:
         except Exception:
             return False, traceback.format_exc()
 
-    def _in_child(self, args, limit: float) -> tuple[bool | None, Any]:
+    def _in_child(self, args) -> tuple[bool | None, Any]:
         if self._proc is None or self._proc.poll() is not None:
             try:
                 self._start()
@@ -340,7 +338,7 @@ class RewardRunner:
         try:
             self._proc.stdin.write(json.dumps(args, default=str) + "\n")
             self._proc.stdin.flush()
-            line = self._readline(limit)
+            line = self._readline(self.timeout_s)
         except (OSError, ValueError):  # the child died (a crash, os._exit, OOM kill)
             line = ""
         if line is None:  # hung: kill it; the next call starts a fresh one
@@ -360,7 +358,8 @@ class RewardRunner:
     def _start(self) -> None:
         # a fresh interpreter (not a fork of this threaded, torch-loaded one) that imports
         # only the reward module; its stdout is the reply channel, its prints go to stderr
-        argv = [sys.executable, "-c", _CHILD, json.dumps([self.spec, self.gsm8k_mode, os.getpid()])]
+        budget = max(self.timeout_s - CODE_CALL_MARGIN_S, 0.0)  # a code sample's tests run while they fit in it
+        argv = [sys.executable, "-c", _CHILD, json.dumps([self.spec, self.gsm8k_mode, budget, os.getpid()])]
         self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         line = self._readline(START_TIMEOUT_S)
         if not line or json.loads(line) != ["ready", None]:

@@ -436,18 +436,8 @@ def extract_code(solution_str: str) -> str:
     return blocks[-1] if blocks else solution_str
 
 
-def code_time_budget(ground_truth: str | dict) -> float:
-    """The longest `code_score` can take on these test cases: each case's time limit and a
-    second to start, one case after another (0 for cases it cannot read: it fails at once)."""
-    try:
-        cases = json.loads(ground_truth) if isinstance(ground_truth, str) else ground_truth
-        return len(cases["inputs"]) * (float(cases.get("time_limit", Limits.time_s)) + 1.0)
-    except (TypeError, ValueError, KeyError, AttributeError):
-        return 0.0
-
-
 def code_score(data_source: str, solution_str: str, ground_truth: str | dict,
-               extra_info: dict[str, Any] | None = None) -> float:
+               extra_info: dict[str, Any] | None = None, *, time_budget_s: float | None = None) -> float:
     """The fraction of test cases the response's program passes, run in the sandbox.
 
     `ground_truth` is JSON (or the mapping it holds) in the format of APPS / TACO / verl's code datasets:
@@ -459,15 +449,20 @@ def code_score(data_source: str, solution_str: str, ground_truth: str | dict,
     list of `fn_name` (a method of `Solution` where the program defines one) and the
     value it returns must equal the output (or, as APPS wraps them, its only item). A
     program that crashes, times out or is killed fails that case; the call itself never
-    raises for anything the program does."""
+    raises for anything the program does. The cases run one after another; with
+    `time_budget_s` one is started only while its time limit (and a second to start) fits
+    in what is left, and those not run fail: a slow program scores what it passed in time,
+    rather than the caller's limit cutting the whole call to nothing."""
     cases = json.loads(ground_truth) if isinstance(ground_truth, str) else ground_truth
     inputs, outputs, fn_name = cases["inputs"], cases["outputs"], cases.get("fn_name")
     if len(inputs) != len(outputs) or not inputs:
         raise ValueError("ground truth needs as many 'inputs' as 'outputs', at least one")
     limits = Limits(time_s=float(cases.get("time_limit", Limits.time_s)),
                     memory_mb=int(cases.get("memory_limit_mb", Limits.memory_mb)))
-    code, passed = extract_code(solution_str), 0
+    code, passed, start = extract_code(solution_str), 0, time.monotonic()
     for given, expected in zip(inputs, outputs):
+        if time_budget_s is not None and time.monotonic() - start + limits.time_s + 1.0 > time_budget_s:
+            break
         if fn_name:
             result = run_python(code + _CALL.format(fn=json.dumps(fn_name)), json.dumps(given), limits)
             passed += result.status == OK and _same_return(result.stdout, expected)

@@ -399,7 +399,8 @@ time.sleep(3600)
 def test_a_reward_call_cut_by_its_timeout_leaves_no_sandbox_or_folder_behind():
     """The reward process is killed while its code sandbox runs a program that sleeps (no
     CPU limit ends it): the sandbox ends with it and its folder goes. (A custom function
-    calling the sandbox: the default reward's limit would cover the test's 20 s.)"""
+    calling the sandbox: the default reward would not start a test whose limit, 20 s, is
+    beyond its call's.)"""
     import tempfile
 
     slow = json.dumps({"inputs": [""], "outputs": ["1\n"], "time_limit": 20})
@@ -414,17 +415,17 @@ def test_a_reward_call_cut_by_its_timeout_leaves_no_sandbox_or_folder_behind():
     assert not list(Path(tempfile.gettempdir()).glob(f"distflow-sandbox-{reward_pid}-*"))
 
 
-def test_a_code_sample_s_limit_covers_its_tests_own_limits():
-    """The default reward runs a code sample's tests one after another, each within its own
-    time limit: a sample whose tests all pass within theirs is scored, not cut at
-    reward.timeout_s (it scored 0 as timed out, however many tests passed)."""
+def test_a_code_sample_scores_the_tests_it_ran_within_the_reward_s_limit():
+    """The default reward runs a code sample's tests one after another. A slow program was
+    cut at reward.timeout_s and scored 0 as timed out, whatever it had passed; its tests now
+    start only while their own limit fits in the call's, and it scores those it passed."""
     from distflow.engines.reward import OK, RewardRunner
 
     slow = "```python\nimport time\ntime.sleep(1.2)\nprint(input())\n```"
-    cases = json.dumps({"inputs": ["1\n", "2\n"], "outputs": ["1", "2"], "time_limit": 3})
-    runner = RewardRunner(None, timeout_s=2.0)
+    cases = json.dumps({"inputs": [f"{i}\n" for i in range(6)], "outputs": [str(i) for i in range(6)], "time_limit": 3})
+    # 6 x 1.2 s of tests is more than 7 s; of the 6 s left for them, a test starts while 3 + 1 s fit: the first two
+    runner = RewardRunner(None, timeout_s=7.0)
     try:
-        assert runner("codecontests", slow, cases, {}) == (1.0, OK)
+        assert runner("codecontests", slow, cases, {}) == (pytest.approx(2 / 6), OK)
     finally:
         runner.close()
-
