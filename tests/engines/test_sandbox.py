@@ -419,7 +419,7 @@ def test_a_code_sample_scores_the_tests_it_ran_within_the_reward_s_limit():
     """The default reward runs a code sample's tests one after another. A slow program was
     cut at reward.timeout_s and scored 0 as timed out, whatever it had passed; its tests now
     start only while their own limit fits in the call's, and it scores those it passed."""
-    from distflow.engines.reward import OK, RewardRunner
+    from distflow.engines.reward import FAILED, OK, RewardRunner
 
     slow = "```python\nimport time\ntime.sleep(1.2)\nprint(input())\n```"
     cases = json.dumps({"inputs": [f"{i}\n" for i in range(6)], "outputs": [str(i) for i in range(6)], "time_limit": 3})
@@ -427,5 +427,8 @@ def test_a_code_sample_scores_the_tests_it_ran_within_the_reward_s_limit():
     runner = RewardRunner(None, timeout_s=7.0)
     try:
         assert runner("codecontests", slow, cases, {}) == (pytest.approx(2 / 6), OK)
+        # a time limit that no test could run within is a failure that says so, not a score of 0
+        assert runner("codecontests", slow, json.dumps({"inputs": ["1"], "outputs": ["1"], "time_limit": 9})) == \
+            (0.0, FAILED)
     finally:
         runner.close()
