@@ -264,7 +264,7 @@ def test_an_episode_s_tokens_are_the_whole_conversation_as_the_template_renders_
 
 
 GEMMA_LIKE = ("{%- for m in messages -%}<|im_start|>{{ 'model' if m.role == 'assistant' else m.role }}\n"
-              "{{ m.content }}<|endoftext|>\n{%- endfor -%}"
+              "{{ m.content }}{{ '<|endoftext|>\\n' }}{%- endfor -%}"
               "{%- if add_generation_prompt %}<|im_start|>model\n{% endif -%}")
 
 

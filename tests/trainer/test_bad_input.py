@@ -108,6 +108,31 @@ def test_a_reward_that_fails_on_every_sample_stops_the_run_after_max_bad_steps(t
     assert [(r["reward/scored"], r["reward/failed"]) for r in records] == [(16.0, 16.0), (16.0, 16.0)]
 
 
+def _stop_where_one_rank_saw_the_counts(rank: int, world: int) -> str:
+    """Train rank 0 alone holds the rollout side's reward counts, as in a disaggregated run."""
+    from types import SimpleNamespace
+
+    from distflow.config import load_config
+    from distflow.trainer.loop import Trainer
+
+    trainer = SimpleNamespace(stream=object(), bad_steps=1, cfg=load_config(None, ["trainer.max_bad_steps=2"]))
+    metrics = {"reward/scored": 16.0, "reward/failed": 16.0} if rank == 0 else {}
+    try:
+        Trainer._check_bad_steps(trainer, 2, metrics)
+    except RuntimeError as e:
+        return str(e)
+    return "went on"
+
+
+def test_every_disaggregated_train_worker_stops_where_one_saw_no_sample_scored():
+    """The rollout side's counts reach one train worker; the others stop with it, on the same
+    line, rather than wait for it in their next collective."""
+    from helpers import run_gloo
+
+    stops = run_gloo(_stop_where_one_rank_saw_the_counts, 2)
+    assert stops[0] == stops[1] and stops[0].startswith("stopping at step 2: 2 steps in a row could score no sample")
+
+
 def test_nan_updates_are_skipped_and_the_run_stops_after_max_bad_steps(tmp_path):
     (tmp_path / "nan_adv.py").write_text(
         "import torch\n"
