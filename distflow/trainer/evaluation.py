@@ -24,7 +24,8 @@ import torch
 from distflow.collectives import all_gather_objects
 from distflow.data.dataset import PromptRow
 from distflow.engines.agent import FAILED_EPISODE_FIELDS, EpisodeRunner
-from distflow.engines.reward import RewardRunner
+from distflow.engines.reward import RewardRunner, rule_reads
+from distflow.engines.reward_model import RewardModel
 from distflow.engines.rollout import RolloutEngine, SamplingParams, sample_seed
 from distflow.trainer.nodes import score_responses
 
@@ -119,10 +120,12 @@ def _sampled(engine, tokenizer, rows, ids, reward_fn, accuracy_fn, settings: Eva
     seeds = [sample_seed(settings.seed, _EVAL_STREAM, row.index, j) for row in rows for j in range(k)]
     params = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                             top_p=settings.top_p)
-    # only accuracy is kept of the samples: scored by the rule alone (a reward model's forwards would be thrown away)
+    # only accuracy is kept of the samples: scored by the rule alone (a reward model's forwards would be thrown away),
+    # unless the rule reads no answer from some row's ground truth: there the custom function's full marks count
+    unread = not isinstance(reward_fn, RewardModel) and not all(rule_reads(r.data_source, r.ground_truth) for r in rows)
     _, correct, _, _, _ = _scored(engine, tokenizer, [r for r in rows for _ in range(k)],
-                                  [p for p in ids for _ in range(k)], seeds, params, accuracy_fn, accuracy_fn,
-                                  episodes, None)
+                                  [p for p in ids for _ in range(k)], seeds, params,
+                                  reward_fn if unread else accuracy_fn, accuracy_fn, episodes, None)
     per_row = correct.view(len(rows), k) if rows else correct.view(0, k)
     for row, samples in zip(rows, per_row.tolist()):
         for group in _groups(row, by_source):

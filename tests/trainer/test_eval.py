@@ -80,6 +80,22 @@ def test_mean_and_pass_at_k_and_slices_by_hand():
     assert lines[-1] == "3 prompts; greedy responses: 10.3 tokens on average, at most 16, 33.3% cut at the token limit"
 
 
+def test_pass_at_k_of_a_structured_ground_truth_is_the_custom_reward_s(tmp_path):
+    """A ground truth the default rule reads no answer from (verl's search data keeps
+    `{"target": [...]}`): the samples' accuracy is the custom function's full marks, as the
+    greedy accuracy is (the default rule failed on every sample: pass@k was 0)."""
+    tok = build_tokenizer()
+    rows = [PromptRow(index=0, messages=[{"role": "user", "content": "q"}], ground_truth={"target": ["4"]},
+                      data_source="search", extra_info={})]
+    (tmp_path / "target.py").write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(solution_str.endswith(tuple(ground_truth['target'])))\n")
+    report = evaluate(ScriptedEngine(tok, ["#### 4"], [["#### 4", "#### 5"]]), tok, rows, [[5, 6]],
+                      RewardRunner(f"{tmp_path / 'target.py'}:score", 0), RewardRunner(None, 0),
+                      EvalSettings(max_new_tokens=16, k=2))
+    assert (report["accuracy"], report["mean@2"], report["pass@2"]) == (1.0, 0.5, 1.0)
+
+
 class EpisodeEngine:
     """Two episodes of a turn, a tool's reply (observation) and a second turn: the first ends its
     last turn with EOS, the second's last turn is cut at the budget."""
