@@ -85,10 +85,11 @@ def read_number(text: str) -> str | None:
 
 
 def is_one_number(text: str) -> bool:
-    """`text` is a number and nothing else (spaces and a closing period aside): '72',
-    '-1,234.5', '$5'; not '2\\sqrt{3}', '10^{5}', '2,\\!000' or '\\frac{1}{2}'."""
+    """`text` is one number, with at most words or a percent sign after it: '72', '-1,234.5',
+    '$5', '5 dollars', '72%'; not '2\\sqrt{3}', '10^{5}', '2,\\!000', '\\frac{1}{2}' or
+    '1, 2' (LaTeX, or another number, after the first)."""
     number, end = _read_number(text)
-    return number is not None and text[end:].strip().rstrip(".") == ""
+    return number is not None and not re.search(r"[\\^{}_\d]", text[end:])
 
 
 def _read_number(text: str) -> tuple[str | None, int]:

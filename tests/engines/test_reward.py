@@ -47,6 +47,8 @@ def test_default_dispatch():
     assert default_compute_score("lighteval/MATH", "\\boxed{2000}. #### 2000", "2,\\!000") == 1.0
     assert default_compute_score("lighteval/MATH", "\\boxed{\\frac{1}{2}}\n#### 1/2", "\\frac{1}{2}") == 1.0
     assert default_compute_score("lighteval/MATH", "#### 1,000.", "1000") == 1.0  # a number: the GSM8K rule
+    assert default_compute_score("mydata", "#### 5", "5 dollars") == 1.0  # ... with a unit, as the rule reads it
+    assert default_compute_score("mydata", "#### 1", "1, 2") == 0.0  # two numbers are no one number
 
 
 def test_custom_reward_from_file_and_module(tmp_path, monkeypatch):
