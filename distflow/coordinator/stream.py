@@ -23,7 +23,7 @@ import json
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -172,14 +172,15 @@ class TrajectoryReceiver(_Thread):
         return batch, notes
 
 
-def _flatten(weights: Iterable[tuple[str, torch.Tensor]],
-             dtype: torch.dtype | None = None) -> tuple[dict, list[torch.Tensor]]:
+def _flatten(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None,
+             keep_in_fp32: Sequence[str] = ()) -> tuple[dict, list[torch.Tensor]]:
     """One flat buffer per dtype and the index to cut it back: {name: [dtype, offset, shape]};
-    with `dtype`, the floating-point tensors cast to it."""
+    with `dtype`, the floating-point tensors cast to it, but those whose name holds one of
+    `keep_in_fp32` (the model's `_keep_in_fp32_modules`, which HF keeps in fp32 in any dtype)."""
     index, pieces = {}, {}
     for name, tensor in weights:
-        t = tensor.detach().to("cpu", dtype=dtype if dtype is not None and tensor.is_floating_point() else None)
-        t = t.contiguous()
+        cast = dtype is not None and tensor.is_floating_point() and not any(m in name for m in keep_in_fp32)
+        t = tensor.detach().to("cpu", dtype=dtype if cast else None).contiguous()
         key = str(t.dtype).removeprefix("torch.")
         offset = sum(p.numel() for p in pieces.get(key, []))
         index[name] = [key, offset, list(t.shape)]
@@ -203,11 +204,12 @@ class WeightPublisher:
         self.pg = pg
 
     def publish(self, weights: Iterable[tuple[str, torch.Tensor]], version: int,
-                dtype: torch.dtype | None = None) -> int:
+                dtype: torch.dtype | None = None, keep_in_fp32: Sequence[str] = ()) -> int:
         """Send `weights` as `version`, the floating-point ones in `dtype` where given (the
         rollout engines' own: bf16 engines are sent half the bytes of fp32 master
-        weights, rounded as they would round them); returns the bytes sent."""
-        index, flats = _flatten(weights, dtype)
+        weights, rounded as they would round them), but those of `keep_in_fp32` (see
+        `_flatten`); returns the bytes sent."""
+        index, flats = _flatten(weights, dtype, keep_in_fp32)
         body = json.dumps(index).encode()
         _broadcast(self.pg, torch.tensor([version, len(body)], dtype=torch.int64))
         _broadcast(self.pg, torch.frombuffer(bytearray(body), dtype=torch.uint8))

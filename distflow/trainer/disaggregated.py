@@ -124,8 +124,9 @@ class TrainSide:
         if version >= self.cfg.trainer.total_steps:  # nobody generates with the last weights
             return
         weights = actor.iter_full_weights()
-        if self.publisher is not None:  # in the rollout engines' dtype (model.dtype)
-            self.publisher.publish(weights, version, getattr(torch, self.cfg.model.dtype))
+        if self.publisher is not None:  # in the rollout engines' dtype (model.dtype), as HF loads them
+            self.publisher.publish(weights, version, getattr(torch, self.cfg.model.dtype),
+                                   getattr(actor.module, "_keep_in_fp32_modules", None) or ())
         elif not actor.holds_full_weights:
             for _ in weights:  # each tensor's gather is a collective
                 pass

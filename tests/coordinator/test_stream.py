@@ -87,7 +87,7 @@ def _weights(rank: int, world: int) -> list:
             sent.append(publisher.publish([("w", torch.full((2, 3), float(version))),
                                            ("ids", torch.arange(4) * version),
                                            ("b", torch.full((3,), -float(version)))], version,
-                                          dtype=torch.bfloat16 if version == 2 else None))
+                                          dtype=torch.bfloat16 if version == 2 else None, keep_in_fp32=("b",)))
             dist.barrier()  # the subscribers look between versions
         publisher.close()
         return sent
@@ -108,15 +108,15 @@ def _weights(rank: int, world: int) -> list:
 
 def test_weights_arrive_versioned_with_names_shapes_and_dtypes_or_a_wait_times_out():
     results = run_gloo(_weights, 3)
-    # float32 2x3 + int64 4 + float32 3, in bytes; then with the floats in bfloat16
-    assert results[0] == [6 * 4 + 4 * 8 + 3 * 4, 6 * 2 + 4 * 8 + 3 * 2]
+    # float32 2x3 + int64 4 + float32 3, in bytes; then with the floats in bfloat16, but b, kept in fp32 as HF does
+    assert results[0] == [6 * 4 + 4 * 8 + 3 * 4, 6 * 2 + 4 * 8 + 3 * 4]
     for rank in (1, 2):
         (v1, w1, d1), (v2, w2, d2) = results[rank]
         assert (v1, v2) == (1, 2)
         assert w1 == {"w": [[1.0] * 3] * 2, "ids": [0, 1, 2, 3], "b": [-1.0] * 3}
         assert w2 == {"w": [[2.0] * 3] * 2, "ids": [0, 2, 4, 6], "b": [-2.0] * 3}
         assert d1 == {"w": "torch.float32", "ids": "torch.int64", "b": "torch.float32"}
-        assert d2 == {"w": "torch.bfloat16", "ids": "torch.int64", "b": "torch.bfloat16"}
+        assert d2 == {"w": "torch.bfloat16", "ids": "torch.int64", "b": "torch.float32"}
 
 
 def _weights_after_a_long_step(rank: int, world: int) -> list:

@@ -129,6 +129,10 @@ def _resume_on_two_ranks(rank: int, world: int, model_dir: str, folder: str, str
     after = checkpoint._full_state(fresh.model, fresh.optimizer, weights=False)[1].get("state", {})  # rank 0 holds it whole
     whole = before.keys() == after.keys() and all(torch.equal(v, after[n][k]) for n, s in before.items()
                                                   for k, v in s.items())
+    if strategy == "ddp":  # each rank's own replica of the state, as rank 1 got it from rank 0
+        whole = whole and all(torch.equal(actor.optimizer.state[old][k], fresh.optimizer.state[new][k])
+                              for old, new in zip(actor.model.parameters(), fresh.model.parameters())
+                              for k in actor.optimizer.state[old])
     return sorted(read), whole, fresh.strategy
 
 
