@@ -70,7 +70,10 @@ def _load_file(path: str, spec: str, what: str):
     sys.modules[name] = module  # while it runs, as an import has it: a dataclass looks its module up there
     try:
         module_spec.loader.exec_module(module)
-    except Exception as e:  # the user's file fails to import: say which and why, in one line
-        del sys.modules[name]
+    except BaseException as e:  # nothing half-run stays registered, whatever stopped it
+        sys.modules.pop(name, None)
+        if not isinstance(e, Exception):  # Ctrl-C, SystemExit: as they are
+            raise
+        # the user's file fails to import: say which and why, in one line
         raise PluginError(f"{what}={spec!r}: importing {path} failed: {type(e).__name__}: {e}") from None
     return module

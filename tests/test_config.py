@@ -249,6 +249,7 @@ def test_an_agent_s_prompts_are_not_truncated():
     """The agent's endpoint renders each row's messages whole and asks the first request to
     match the row's prompt tokens: a truncated prompt failed every such episode (and cut the
     template's head, the tools' schemas with it)."""
+    pytest.importorskip("openai")  # rollout.agent needs it, and says so first
     with pytest.raises(ConfigError, match=r"^data.on_long_prompt=truncate: rollout.agent='json:loads' .* use skip or "
                                           r"error$"):
         load_config(None, ["rollout.agent=json:loads", "data.on_long_prompt=truncate"])

@@ -3,15 +3,16 @@ trajectories from each rollout rank straight to the train ranks, and new weights
 train rank 0 to every rollout rank. Rank to rank over the given gloo groups; nothing
 passes through the launcher.
 
-Trajectories. A rollout rank splits a step's samples into one part per train rank,
-whole prompt groups each, balanced by tokens (Karmarkar-Karp on the groups' token
-counts), and sends each part as a packed buffer (executor.pack) with a small JSON note
+Trajectories. The rollout ranks split a step's samples into one part per train rank, as
+one partition of all their prompt groups (`assign_groups`: whole groups, balanced by
+tokens, Karmarkar-Karp on the groups' token counts, which they all-gather), and each
+sends its share of every part as a packed buffer (executor.pack) with a small JSON note
 (the step, the rollout side's timings and counters). Every train rank receives its part
 from every rollout rank, in rank order, on a thread of its own, so the next step's
 samples arrive while the current step trains.
 
-Weights. Train rank 0 broadcasts the full state dict as one flat buffer per dtype with
-a JSON index, tagged with its version (the number of training steps behind it, each of
+Weights. Train rank 0 broadcasts the full state dict (in the rollout engines' dtype) as
+one flat buffer per dtype with a JSON index, tagged with its version (the number of training steps behind it, each of
 however many optimizer steps its mini-batches make); each
 rollout rank receives on a thread and keeps only the newest version until its
 generation loop swaps it in between batches. Version -1 ends the stream.
