@@ -86,21 +86,17 @@ def test_a_reward_that_raises_or_hangs_scores_zero_and_the_run_goes_on(tmp_path)
     assert scores and set(scores) == {"0.0"}  # each hostile program ran, was contained and scored 0
 
 
-@pytest.mark.parametrize("placement", [[], ["runtime.placement=disaggregated", "runtime.train_workers=2",
-                                              "runtime.rollout_workers=1", "runtime.launcher=ray"]],
-                         ids=["colocated", "disaggregated"])
-def test_a_reward_that_fails_on_every_sample_stops_the_run_after_max_bad_steps(tmp_path, placement):
+def test_a_reward_that_fails_on_every_sample_stops_the_run_after_max_bad_steps(tmp_path):
     """Every sample scoring 0 because every call raised is no training signal: the run went
     on to its end with all-zero rewards and reported success. It now stops after
     trainer.max_bad_steps such steps, in one line; a step where some samples scored is not
-    one of them. Disaggregated, one train worker gets the rollout side's counts: every
-    train worker stops alike."""
+    one of them (the run above). Disaggregated, see the next test."""
     (tmp_path / "broken.py").write_text(
         "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    return extra_info['missing_key']\n")
     out = tmp_path / "run"
     proc = _train(["trainer.total_steps=4", "trainer.max_bad_steps=2", f"reward.custom_fn={tmp_path / 'broken.py'}:score",
-                   "reward.timeout_s=0", f"trainer.output_dir={out}", *placement], tmp_path)
+                   "reward.timeout_s=0", f"trainer.output_dir={out}"], tmp_path)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "stopping at step 2: 2 steps in a row could score no sample (trainer.max_bad_steps=2)" in proc.stderr
     assert "KeyError: 'missing_key'" in proc.stderr  # the first traceback, as before
