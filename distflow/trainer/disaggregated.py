@@ -39,12 +39,12 @@ from pathlib import Path
 
 import torch
 
+from distflow.collectives import all_gather_objects
 from distflow.config import Config
 from distflow.coordinator.double_buffer import DoubleBuffer
 from distflow.coordinator.layout import Layout
 from distflow.coordinator.placement import Placement
 from distflow.coordinator.store import LocalStore
-from distflow.collectives import all_gather_objects
 from distflow.coordinator.stream import (TrajectoryReceiver, TrajectorySender, WeightPublisher, WeightSubscriber,
                                          assign_groups, group_tokens)
 from distflow.dag.scheduler import Scheduler, node_seconds

@@ -266,7 +266,7 @@ def reference_model(cfg: Config, actor: Actor, device: torch.device) -> Referenc
 
 
 def heldout_rows(cfg: Config, tokenizer, images: ImagePrompter | None, rank: int,
-                 world: int) -> tuple[list[tuple[PromptRow, list[int]]], dict[str, int]]:
+                 world: int) -> tuple[list[tuple[PromptRow, list[int]]], dict[str, float]]:
     """This worker's held-out rows and their prompt ids, under the bad-row policy (a bad
     row is dropped, not replaced), and how many rows were chosen of how many in the files
     (`rows_chosen`, `rows_in_files`), and how many of those were dropped as bad or had their
@@ -298,8 +298,6 @@ def scored_nothing(record: dict) -> bool:
     that cannot be reached)."""
     scored = record.get("reward/scored", 0.0)
     return scored > 0 and record.get("reward/failed", 0.0) + record.get("reward/timed_out", 0.0) >= scored
-
-
 
 
 def worker_device(cfg: Config) -> torch.device:
