@@ -106,7 +106,12 @@ def test_a_parameter_the_optimizer_never_stepped_resumes_without_state(tmp_path,
         checkpoint.restore(tmp_path / "step_1", actor=fresh, critic=None)
 
 
-def _resume_on_two_ranks(rank: int, world: int, model_dir: str, folder: str, strategy: str):
+def _resume_on_two_ranks(rank: int, world: int, model_dir: str, folder: str) -> dict:
+    """`_resume_with` under each strategy, in one launch (a launch's start-up costs more than the checks)."""
+    return {strategy: _resume_with(model_dir, folder, strategy) for strategy in ("ddp", "fsdp2")}
+
+
+def _resume_with(model_dir: str, folder: str, strategy: str):
     """One step, a checkpoint, and a fresh actor restored from it, on two ranks: (the files
     this rank read while restoring, whether the optimizer state came back whole)."""
     from unittest import mock
@@ -136,16 +141,14 @@ def _resume_on_two_ranks(rank: int, world: int, model_dir: str, folder: str, str
     return sorted(read), whole, fresh.strategy
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_on_resume_rank_0_alone_reads_the_optimizer_and_every_rank_gets_its_state(tmp_path, random_model_dir,
-                                                                                   strategy):
+def test_on_resume_rank_0_alone_reads_the_optimizer_and_every_rank_gets_its_state(tmp_path, random_model_dir):
     """The optimizer file is twice the weights in fp32; every rank reading it whole would hold
     N copies on a host at once. Rank 0 reads it and torch sends each rank its part."""
-    ranks = run_gloo(_resume_on_two_ranks, 2, random_model_dir, str(tmp_path), strategy, timeout=240.0)
-    assert [used for _, _, used in ranks] == [strategy, strategy]
-    assert all(whole for _, whole, _ in ranks)
-    assert ranks[0][0] == ["optimizer.safetensors", "rng.safetensors"]
-    assert ranks[1][0] == ["rng.safetensors"]
+    ranks = run_gloo(_resume_on_two_ranks, 2, random_model_dir, str(tmp_path), timeout=240.0)
+    for strategy in ("ddp", "fsdp2"):
+        (read_0, whole_0, used_0), (read_1, whole_1, used_1) = (r[strategy] for r in ranks)
+        assert used_0 == used_1 == strategy and whole_0 and whole_1
+        assert read_0 == ["optimizer.safetensors", "rng.safetensors"] and read_1 == ["rng.safetensors"]
 
 
 def test_export_keeps_the_trained_weights_or_casts_them_on_request(tmp_path, random_model_dir):
