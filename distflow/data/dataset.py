@@ -231,7 +231,7 @@ def _blank(line: bytes) -> bool:
     """A line of white space alone, Unicode's too (a no-break space); bytes that are no
     UTF-8 are not blank (the row fails where it is read, naming its line)."""
     stripped = line.strip()
-    if not stripped or stripped.isascii():
+    if not stripped or stripped.startswith(b"{") or stripped.isascii():  # a row: no decoding of it here
         return not stripped
     try:
         return not stripped.decode("utf-8").strip()
