@@ -12,9 +12,9 @@ from every rollout rank, in rank order, on a thread of its own, so the next step
 samples arrive while the current step trains.
 
 Weights. Train rank 0 broadcasts the full state dict (in the rollout engines' dtype) as
-one flat buffer per dtype with a JSON index, tagged with its version (the number of training steps behind it, each of
-however many optimizer steps its mini-batches make); each
-rollout rank receives on a thread and keeps only the newest version until its
+one flat buffer per dtype with a JSON index, tagged with its version (the number of
+training steps behind it, each of however many optimizer steps its mini-batches make);
+each rollout rank receives on a thread and keeps only the newest version until its
 generation loop swaps it in between batches. Version -1 ends the stream.
 """
 

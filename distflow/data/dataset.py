@@ -194,7 +194,7 @@ class _JsonlSource:
         with open(path, "rb") as f:
             offset = 0
             for line_no, line in enumerate(f, 1):
-                if not _blank(line.removeprefix(_BOM) if offset == 0 else line):
+                if not _blank(line, first=offset == 0):
                     self.offsets.append(offset)
                     self.line_numbers.append(line_no)
                 offset += len(line)
@@ -227,10 +227,11 @@ class _ListSource:
 _BOM = b"\xef\xbb\xbf"
 
 
-def _blank(line: bytes) -> bool:
-    """A line of white space alone, Unicode's too (a no-break space); bytes that are no
-    UTF-8 are not blank (the row fails where it is read, naming its line)."""
-    stripped = line.strip()
+def _blank(line: bytes, first: bool) -> bool:
+    """A line of white space alone, Unicode's too (a no-break space), after a byte-order
+    mark on the `first` line; bytes that are no UTF-8 are not blank (the row fails where
+    it is read, naming its line)."""
+    stripped = (line.removeprefix(_BOM) if first else line).strip()
     if not stripped or stripped.startswith(b"{") or stripped.isascii():  # a row: no decoding of it here
         return not stripped
     try:
@@ -252,7 +253,7 @@ def has_a_row(path: str) -> bool:
     if head.startswith(b"["):
         return not head[1:].lstrip().startswith(b"]")
     with open(os.path.expanduser(path), "rb") as f:
-        return any(not _blank(line.removeprefix(_BOM) if i == 0 else line) for i, line in enumerate(f))
+        return any(not _blank(line, first=i == 0) for i, line in enumerate(f))
 
 
 def _json_array(path: str) -> _ListSource | None:
