@@ -459,12 +459,13 @@ def code_score(data_source: str, solution_str: str, ground_truth: str | dict,
         raise ValueError("ground truth needs as many 'inputs' as 'outputs', at least one")
     limits = Limits(time_s=float(cases.get("time_limit", Limits.time_s)),
                     memory_mb=int(cases.get("memory_limit_mb", Limits.memory_mb)))
-    if time_budget_s is not None and limits.time_s + 1.0 > time_budget_s:
+    case_s = limits.time_s + 1.0  # the most one case takes: its limit, and a second to start
+    if time_budget_s is not None and case_s > time_budget_s:
         raise ValueError(f"a test case's time_limit of {limits.time_s:g} s does not fit in the reward call's limit "
                          f"(reward.timeout_s); raise reward.timeout_s above {limits.time_s + 2:g}")
     code, passed, start = extract_code(solution_str), 0, time.monotonic()
     for given, expected in zip(inputs, outputs):
-        if time_budget_s is not None and time.monotonic() - start + limits.time_s + 1.0 > time_budget_s:
+        if time_budget_s is not None and time.monotonic() - start + case_s > time_budget_s:
             break
         if fn_name:
             result = run_python(code + _CALL.format(fn=json.dumps(fn_name)), json.dumps(given), limits)
