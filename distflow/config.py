@@ -475,6 +475,11 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
     setattr(getattr(cfg, section), name, _coerce(dotted, value, _annotation(section, name)))
 
 
+def _value(cfg: Config, dotted: str) -> Any:
+    section, name = dotted.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
 def validate(cfg: Config, training: bool = True) -> Config:
     """Check every field's bounds and choices, then cross-field rules; without `training`
     (`distflow eval`) not those of how a step's batch is split."""
@@ -864,8 +869,7 @@ class Recipe:
 
 
 def _default(dotted: str) -> Any:
-    section, name = dotted.split(".")
-    return getattr(getattr(Config(), section), name)
+    return _value(Config(), dotted)
 
 
 def _beside(key: str, value: Any, folder: Path) -> Any:
@@ -906,17 +910,31 @@ def load_recipe(name: str) -> Recipe:
 
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = (), training: bool = True) -> Config:
     """The config of `path` (YAML) and `overrides` (key=value), the recipe's settings
-    under them, validated (`training`: see validate)."""
+    under them, validated (`training`: see validate). Where an override changes the file's
+    algorithm.name, a file value equal to what the file's own recipe (or the default)
+    gives is that recipe's, not a choice: the new recipe's or the default replaces it
+    (a run's recorded config.json, which holds every value, reused for another algorithm)."""
     cfg, given = Config(), set()
     if path is not None:
         for key, value in _typed_items(_read_yaml(path, f"--config {path}")):
             _set(cfg, key, value)
             given.add(key)
+    file_recipe, file_values = cfg.algorithm.name, {key: _value(cfg, key) for key in given}
     for text in overrides:
         key, value = parse_override(text)
         _set(cfg, key, value)
         given.add(key)
+        file_values.pop(key, None)
     validate_recipe_name(cfg.algorithm.name)
+    if cfg.algorithm.name != file_recipe:  # the file's values that are its own recipe's follow the new one
+        validate_recipe_name(file_recipe)
+        resolved = Config()  # what the file's recipe gives every key
+        for key, value in load_recipe(file_recipe).settings:
+            _set(resolved, key, value)
+        for key, value in file_values.items():
+            if value == _value(resolved, key):
+                _set(cfg, key, _default(key))
+                given.discard(key)
     for key, value in load_recipe(cfg.algorithm.name).settings:
         if key not in given:
             _set(cfg, key, value)

@@ -60,9 +60,13 @@ def _full_state(model, optimizer, weights: bool = True) -> tuple[dict[str, torch
             get_optimizer_state_dict(model, optimizer, options=options))
 
 
+# An optimizer tensor's name in its file: the parameter's name, NUL, the state's key ("exp_avg").
+_NAME_KEY = "\x00"
+
+
 def _flatten_optimizer(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     # written at once, never changed: the tensors as they are (the offload made CPU copies already), not cloned again
-    tensors = {f"{name}\x00{key}": value.detach().contiguous().cpu()
+    tensors = {f"{name}{_NAME_KEY}{key}": value.detach().contiguous().cpu()
                for name, entry in state["state"].items() for key, value in entry.items()}
     return tensors, {"param_groups": state["param_groups"], "format": FORMAT_VERSION}
 
@@ -70,7 +74,7 @@ def _flatten_optimizer(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], 
 def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
     state: dict[str, dict[str, torch.Tensor]] = {}
     for flat, value in tensors.items():
-        name, key = flat.split("\x00")
+        name, key = flat.split(_NAME_KEY)
         state.setdefault(name, {})[key] = value
     return {"state": state, "param_groups": meta["param_groups"]}
 
@@ -275,7 +279,7 @@ def _load_optimizer(engine, path: Path, stem: str) -> None:
 
     meta = json.loads((path / f"{stem}.json").read_text())
     with safe_open(path / f"{stem}.safetensors", "pt") as f:  # the names alone, from the file's header
-        stepped = {flat.split("\x00")[0] for flat in f.keys()}
+        stepped = {flat.split(_NAME_KEY)[0] for flat in f.keys()}
     listed = {name for group in meta["param_groups"] for name in group["params"]}
     # the unwrapped module's names, as torch's optimizer state names them (DDP's `module.` prefix dropped)
     trainable = {name for name, p in engine.module.named_parameters() if p.requires_grad}
