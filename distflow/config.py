@@ -113,9 +113,10 @@ class RolloutConfig:
                                            "a time; 1: one episode after another (environments that share state "
                                            "unsafely)")
     env_timeout_s: float = _spec(300.0, min=0.01, doc="multi-turn: an environment call (making and resetting it, a "
-                                                      "step, closing it) that takes longer fails its episode "
-                                                      "(env/failed), as do the later calls of the episodes on its "
-                                                      "thread (see env_workers), which is left to it")
+                                                      "step, closing it) that takes longer, from its start, fails "
+                                                      "its episode (env/failed), as do the later calls of the episodes "
+                                                      "on its thread (see env_workers), which is left to it and closes "
+                                                      "their environments if the call returns")
     tool_schemas: str | None = _spec(None, doc="multi-turn: a .json file, a list of OpenAI-format tool schemas "
                                                "({\"type\": \"function\", \"function\": {\"name\", ...}}) of "
                                                "the tools rollout.env or rollout.agent provides; the chat template "

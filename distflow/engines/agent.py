@@ -161,12 +161,19 @@ _FAILED = object()  # what an environment call that raised gives
 _TIMED_OUT = object()  # what one that took longer than settings.env_timeout_s gives
 
 
+class _Call:
+    """One environment call on a lane: its future, and when its lane's thread began it."""
+
+    def __init__(self, fn: Callable[[int], Any], i: int):
+        self.fn, self.i, self.future, self.started = fn, i, Future(), None
+
+
 class _Lanes:
     """Where the environments' calls run: episode i's on lane i % k, a thread of its own
     (an environment is made, stepped and closed on one thread: one tied to its thread, a
-    sqlite connection or a browser, keeps working). A call not done within `timeout_s`
-    of its `map` gives _TIMED_OUT, and its lane takes no more calls: its thread (a daemon)
-    is left to the call."""
+    sqlite connection or a browser, keeps working). A call not done within `timeout_s` of
+    its start gives _TIMED_OUT, and its lane takes no more calls: the calls queued behind
+    it are not run, and its thread (a daemon) is left to it."""
 
     def __init__(self, k: int, timeout_s: float):
         self.timeout_s, self.stuck = timeout_s, [False] * k
@@ -176,32 +183,44 @@ class _Lanes:
 
     @staticmethod
     def _serve(jobs: queue.SimpleQueue) -> None:
-        while (job := jobs.get()) is not None:
-            future, fn, i = job
-            if future.set_running_or_notify_cancel():  # not given up on while it waited
+        while (call := jobs.get()) is not None:
+            if call.future.set_running_or_notify_cancel():  # not given up on while it waited
+                call.started = time.monotonic()
                 try:
-                    future.set_result(fn(i))
+                    call.future.set_result(call.fn(call.i))
                 except BaseException as e:
-                    future.set_exception(e)
+                    call.future.set_exception(e)
 
-    def map(self, fn: Callable[[int], Any], episodes: list[int]) -> list:
-        deadline, submitted = time.monotonic() + self.timeout_s, []
+    def map(self, fn: Callable[[int], Any], episodes: list[int], after_stuck: bool = False) -> list:
+        """fn(i) for each episode on its lane; _TIMED_OUT for one whose call took too long
+        or whose lane is stuck. `after_stuck`: on a stuck lane the call is still queued, to
+        run if the call it waits behind ever returns (closing an environment)."""
+        calls = []
         for i in episodes:
-            lane = i % len(self.queues)
-            future: Future = Future()
-            if not self.stuck[lane]:
-                self.queues[lane].put((future, fn, i))
-            submitted.append((lane, future))
+            lane, call = i % len(self.queues), _Call(fn, i)
+            if not self.stuck[lane] or after_stuck:
+                self.queues[lane].put(call)
+            calls.append((lane, call))
         out = []
-        for lane, future in submitted:
-            try:
-                out.append(_TIMED_OUT if self.stuck[lane] else
-                           future.result(timeout=max(0.0, deadline - time.monotonic())))
-            except FutureTimeout:
+        for lane, call in calls:  # a lane's calls in their order: each waited on once the one before it is done
+            out.append(_TIMED_OUT if self.stuck[lane] else self._result(call))
+            if out[-1] is _TIMED_OUT and not self.stuck[lane]:
                 self.stuck[lane] = True
-                future.cancel()  # a call queued behind the one that hangs is not run
-                out.append(_TIMED_OUT)
+                if not after_stuck:
+                    for other, queued in calls:
+                        if other == lane:
+                            queued.future.cancel()  # those queued behind it are not run (the running one goes on)
         return out
+
+    def _result(self, call: _Call) -> Any:
+        while True:
+            started = call.started  # None for a moment: the lane's thread is taking it up
+            wait = self.timeout_s if started is None else started + self.timeout_s - time.monotonic()
+            try:
+                return call.future.result(timeout=max(0.0, wait))
+            except FutureTimeout:
+                if call.started is not None and time.monotonic() >= call.started + self.timeout_s:
+                    return _TIMED_OUT
 
     def close(self) -> None:
         """Every lane's thread ends once its calls are done (a stuck one's, if its call ever returns)."""
@@ -252,13 +271,15 @@ class EpisodeRunner:
                     return _FAILED
             return run
 
+        left_to_lane: set[int] = set()  # episodes whose environment a stuck lane holds: closed there, if ever
+
         def gave_up(results: list, episodes: list[int], failing: bool = True) -> list:
             """`results` of a call on `episodes`; an environment that did not answer within
             env_timeout_s is left to its thread, and (`failing`) its episode has failed."""
             late = f"rollout.env took more than rollout.env_timeout_s={s.env_timeout_s:g} s"
             for i, result in zip(episodes, results):
                 if result is _TIMED_OUT:
-                    envs[i] = None
+                    left_to_lane.add(i)
                     if failing:
                         failed(i, late, TimeoutError("no answer"))
                     else:
@@ -266,7 +287,8 @@ class EpisodeRunner:
             return results
 
         def close(i: int) -> None:
-            """Episode i's environment closed; what close raises is reported, the episode stands."""
+            """Episode i's environment closed (run on its lane: after a call made it late,
+            whatever that call made); what close raises is reported, the episode stands."""
             env, envs[i] = envs[i], None
             try:
                 if callable(getattr(env, "close", None)):
@@ -276,7 +298,7 @@ class EpisodeRunner:
 
         try:
             started = gave_up(lanes.map(guarded(start), list(range(n))), list(range(n)))
-            active = [i for i in range(n) if started[i] is not _FAILED and started[i] is not _TIMED_OUT]
+            active = [i for i in range(n) if started[i] is not _FAILED and i not in left_to_lane]
             for turn in range(s.max_turns):
                 if not active:
                     break
@@ -322,12 +344,14 @@ class EpisodeRunner:
                     if len(tokens[i]) < s.max_total_tokens:
                         running.append(i)
                 going_on = set(running)
-                ended = [i for i in active if i not in going_on and envs[i] is not None]
+                ended = [i for i in active if i not in going_on and envs[i] is not None and i not in left_to_lane]
                 gave_up(lanes.map(close, ended), ended, failing=False)
                 active = running
         finally:
-            left = [i for i in range(n) if envs[i] is not None]
+            left = [i for i in range(n) if envs[i] is not None and i not in left_to_lane]
             gave_up(lanes.map(close, left), left, failing=False)
+            stuck = sorted(left_to_lane)  # queued behind what holds their lane: closed if it ever returns
+            lanes.map(close, stuck, after_stuck=True)
             lanes.close()
         batch = self._batch(tokens, trained, log_probs, turns, counts, rewards)
         if s.keep_messages:
