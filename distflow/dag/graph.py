@@ -91,6 +91,9 @@ class Node:
             setattr(self, key, tuple(value))
         if self.role == "filter" and len(self.outputs) != 1:
             raise GraphError(f"node '{self.name}': a filter produces exactly one boolean field")
+        if self.role == "filter" and (self.stream or self.chunked):  # it drops rows of the whole batch
+            raise GraphError(f"node '{self.name}': a filter cannot be {'stream' if self.stream else 'chunked'} "
+                             "(it drops rows from the whole batch)")
         if self.refill:  # it counts kept groups over all workers
             self.collective = True
         if self.stream and self.collective:

@@ -241,6 +241,10 @@ class Scheduler:
     def run_stream(self, ctx: Any, store: LocalStore, node: Node, order: list[str],
                     futures: dict[str, Future]) -> set[str]:
         consumers = self._stream_consumers(node, order) if self.pool is not None else []
+        for c in consumers:  # their other inputs are there before their first chunk runs
+            for parent in self.graph.parents[c.name]:
+                if parent in futures:
+                    futures[parent].result()
         pieces: list[Batch] = []
         per_consumer: dict[str, list[Future]] = {c.name: [] for c in consumers}
         rows_done = 0
@@ -298,9 +302,15 @@ class Scheduler:
             if failed is not None:
                 joined.set_exception(failed)
                 return
-            out = Batch.concat([p.result() for p in parts]) if parts else Batch()
-            with self._lock:
-                store.put(out)
+            try:  # what a callback raises is only logged: the step would wait for `joined` for ever
+                out = Batch.concat([p.result() for p in parts]) if parts else Batch()
+                with self._lock:
+                    store.put(out)
+            except Exception as e:
+                joined.set_exception(NodeFailed(f"node '{node.name}' failed on worker {self.rank} in step "
+                                                f"{self.step}: its chunks' outputs do not join: "
+                                                f"{type(e).__name__}: {e}"))
+                return
             joined.set_result(None)
 
         if not parts:

@@ -51,6 +51,9 @@ def test_invalid_graphs_name_the_node_and_the_problem(nodes, message):
     ({"role": "actor_train", "stream": True}, "node 'n': a streaming node cannot use collectives"),
     ({"inputs": "prompts"}, "node 'n': inputs must be a list of names"),
     ({"role": "custom", "refill": True}, "node 'n': only a filter can refill"),
+    # chunk by chunk a filter's flags were stored as a field and no row was dropped
+    ({"role": "filter", "chunked": True}, r"node 'n': a filter cannot be chunked \(it drops rows"),
+    ({"role": "filter", "stream": True}, "node 'n': a filter cannot be stream"),
 ])
 def test_bad_nodes(kwargs, message):
     with pytest.raises(GraphError, match=message):

@@ -137,6 +137,58 @@ def test_a_node_must_return_what_it_declares(fn, message):
         run(g, False)
 
 
+def slow_lookup(ctx, batch):
+    threading.Event().wait(0.3)
+    return Batch({"hint": batch["x"] + 100})
+
+
+def score_with_hint(ctx, batch):
+    return Batch({"s": batch["y"] + batch["hint"]})
+
+
+def test_a_chunked_consumer_waits_for_its_other_parents():
+    """A chunked reward that also reads a slow node's field placed before the stream: its
+    first chunk read the field before the node (on the pool) had written it."""
+    g = Graph([
+        Node(name="lookup", role="custom", fn=slow_lookup, inputs=("x",), outputs=("hint",)),
+        Node(name="gen", role="rollout", fn=generate, inputs=("x",), outputs=("y",), stream=True, deps=("lookup",)),
+        Node(name="score", role="reward", fn=score_with_hint, inputs=("y", "hint"), outputs=("s",)),
+    ], ["x", "group", "prompt_mask"])
+    assert g.order == ["lookup", "gen", "score"]
+    _, store, _, _ = run(g, True)
+    assert store.get("s")["s"].tolist() == [11 * i + 100 for i in range(6)]
+
+
+def score_in_two_forms(ctx, batch):
+    s = batch["y"] + 1
+    if float(batch["y"][0]) == 0.0:
+        ctx.events["chunk0_scored"].set()
+        return Batch({"s": s})
+    return Batch(meta={"s": s.tolist()})
+
+
+def test_chunks_that_do_not_join_fail_the_step_not_hang_it():
+    """A chunked consumer whose chunks cannot be joined (a tensor field in one, a list in
+    another): the join raised in a future's callback, which only logs, and the step waited
+    for ever."""
+    g = graph().edited(add=[Node(name="score", role="reward", fn=score_in_two_forms, inputs=("y",), outputs=("s",))])
+    result: list = []
+    runner = threading.Thread(target=lambda: result.append(_raised(lambda: run(g, True))), daemon=True)
+    runner.start()
+    runner.join(WAIT)
+    assert result, "the step hung"
+    assert isinstance(result[0], NodeFailed) and "node 'score' failed on worker 0 in step 3: its chunks' outputs " \
+        "do not join" in str(result[0])
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as e:
+        return e
+    return None
+
+
 def keep_even_groups(ctx, batch):
     return Batch({"keep": batch["group"] % 2 == 0})
 
