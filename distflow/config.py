@@ -203,9 +203,10 @@ class ActorConfig:
     lr: float = _spec(1e-4, min=0.0, doc="peak learning rate (after warm-up)")
     lr_scheduler: str = _spec("cosine", choices=("constant", "cosine", "linear"),
                               doc="the learning rate over trainer.total_steps after the warm-up: constant, "
-                                  "or decaying to lr * min_lr_ratio by the last step")
+                                  "or decaying from lr, the first step after the warm-up's, towards "
+                                  "lr * min_lr_ratio, which the step after the last would reach (as HF's)")
     lr_warmup_steps: int = _spec(3, min=0, doc="steps of linear warm-up from lr / (warm-up + 1) to lr")
-    min_lr_ratio: float = _spec(0.1, min=0.0, max=1.0, doc="the decayed learning rate at the last step, over lr")
+    min_lr_ratio: float = _spec(0.1, min=0.0, max=1.0, doc="where the decay ends, over lr (one decay step after the last step)")
     weight_decay: float = _spec(0.0, min=0.0)
     grad_clip: float = _spec(1.0, min=0.0, doc="the largest gradient norm; 0 = no clipping")
     ppo_epochs: int = _spec(1, min=1)

@@ -43,14 +43,16 @@ class OptimConfig:
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str, min_ratio: float) -> float:
     """The learning rate of training step `step` (1-based) over the peak: a linear warm-up
-    over `warmup_steps` steps, then constant, or a cosine or linear decay that reaches
-    `min_ratio` at `total_steps`. A pure function of the step, so a resumed run (which
-    restores the step) continues the schedule exactly."""
+    over `warmup_steps` steps, then the peak, constant, or decaying from it by a cosine or
+    a line towards `min_ratio`, which the step after `total_steps` would reach (as HF's
+    and verl's schedules: the first step after warm-up trains at the peak, the last not at
+    the minimum, so not at 0 under min_ratio=0). A pure function of the step, so a resumed
+    run (which restores the step) continues the schedule exactly."""
     if step <= warmup_steps:
         return step / (warmup_steps + 1)
     if schedule == "constant":
         return 1.0
-    progress = (step - warmup_steps) / max(total_steps - warmup_steps, 1)  # (0, 1]
+    progress = (step - warmup_steps - 1) / max(total_steps - warmup_steps, 1)  # [0, 1)
     decay = 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
     return min_ratio + (1.0 - min_ratio) * decay
 

@@ -201,11 +201,13 @@ def test_lr_schedule_hand_values():
 
     warm = [lr_factor(s, 10, 3, "cosine", 0.1) for s in (1, 2, 3)]
     assert warm == [0.25, 0.5, 0.75]  # linear warm-up, never 0
-    # after warm-up, progress (s - 3) / 7: cosine from 1 down to min_ratio 0.1 at the last step
-    assert lr_factor(4, 10, 3, "cosine", 0.1) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 7)))
-    assert lr_factor(10, 10, 3, "cosine", 0.1) == pytest.approx(0.1)
-    assert lr_factor(10, 10, 3, "linear", 0.1) == pytest.approx(0.1)
-    assert lr_factor(6, 10, 0, "linear", 0.0) == pytest.approx(0.4)
+    # after warm-up, progress (s - 4) / 7: the peak first (it was never applied), then a cosine towards
+    # min_ratio 0.1, one step short of it at the last step (which trained at lr 0 under min_ratio 0)
+    assert lr_factor(4, 10, 3, "cosine", 0.1) == 1.0
+    assert lr_factor(5, 10, 3, "cosine", 0.1) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 7)))
+    assert lr_factor(10, 10, 3, "cosine", 0.1) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(6 * math.pi / 7)))
+    assert lr_factor(10, 10, 3, "linear", 0.1) == pytest.approx(0.1 + 0.9 / 7)
+    assert [lr_factor(s, 4, 0, "linear", 0.0) for s in (1, 2, 3, 4)] == [1.0, 0.75, 0.5, 0.25]
     assert lr_factor(7, 10, 3, "constant", 0.1) == 1.0
 
 
