@@ -50,13 +50,15 @@ def _beside_data_file(entry: Any, folder: str | None) -> Any:
     """An image entry whose relative path names a file beside its data file, made that
     file's path (LLaMA-Factory's media folder is the data's too); any other entry as it
     is, so a path relative to the working directory (as verl reads it) still works."""
-    path = entry.get("path") if isinstance(entry, dict) and not entry.get("bytes") else entry
-    if folder is None or not isinstance(path, str) or os.path.isabs(os.path.expanduser(path)):
+    key = next((k for k in ("path", "image") if isinstance(entry, dict) and entry.get(k)), None)
+    path = entry[key] if key and not entry.get("bytes") else entry
+    if folder is None or not isinstance(path, str) or os.path.isabs(os.path.expanduser(path)) \
+            or path.startswith(("data:", "file://")):
         return entry
     beside = os.path.join(folder, path)
     if not os.path.isfile(beside):
         return entry
-    return entry | {"path": beside} if isinstance(entry, dict) else beside
+    return entry | {key: beside} if isinstance(entry, dict) else beside
 
 
 def _row(raw: Any, index: int, where: str, folder: str | None = None) -> PromptRow:

@@ -16,8 +16,11 @@ patches back out, in the flat form the model's forward takes.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
 import os
+import urllib.parse
 from typing import Any
 
 import torch
@@ -37,13 +40,21 @@ class PromptIds(list):
 
 
 def decode_image(entry: Any, max_pixels: int | None):
-    """One entry of verl's `images` column (`{"bytes": ...}`, `{"path": ...}`, raw bytes or
-    a path) as an RGB PIL image; a DatasetError saying why if it cannot be used (the
+    """One entry of verl's `images` column (`{"bytes": ...}`, `{"path": ...}`,
+    `{"image": ...}`, raw bytes, a path, a `file://` URL or a base64 `data:` URI) as an RGB
+    PIL image; a DatasetError saying why if it cannot be used (the
     prompt reader adds which row)."""
     from PIL import Image, UnidentifiedImageError
 
     if isinstance(entry, dict):
         entry = entry.get("bytes") or entry.get("path") or entry.get("image")
+    if isinstance(entry, str) and entry.startswith("data:"):  # data:image/png;base64,...
+        entry = _data_uri_bytes(entry)
+    elif isinstance(entry, str) and entry.startswith("file://"):
+        entry = urllib.parse.unquote(urllib.parse.urlparse(entry).path)
+    elif isinstance(entry, str) and entry.startswith(("http://", "https://")):
+        raise DatasetError(f"image {entry[:80]}: a URL is not fetched (nothing is downloaded); store the image's "
+                           "bytes or a local path")
     if isinstance(entry, (bytes, bytearray)):
         source, what = io.BytesIO(entry), f"{len(entry)} bytes"
     elif isinstance(entry, str):
@@ -58,10 +69,35 @@ def decode_image(entry: Any, max_pixels: int | None):
         with Image.open(source) as image:  # reads the header; pixels are decoded by convert
             width, height = image.size
             if not max_pixels or width * height <= max_pixels:
-                return image.convert("RGB")
+                return _rgb(image)
     except (UnidentifiedImageError, OSError, ValueError) as e:  # PIL's errors for truncated or foreign data
         raise DatasetError(f"image ({what}) cannot be decoded ({type(e).__name__})") from None
     raise DatasetError(f"image of {width}x{height} pixels is over data.max_image_pixels={max_pixels}")
+
+
+def _data_uri_bytes(uri: str) -> bytes:
+    header, comma, data = uri.partition(",")
+    if not comma or not header.endswith(";base64"):
+        raise DatasetError(f"image {uri[:40]}...: a data URI must be base64 (data:image/png;base64,...)")
+    try:
+        return base64.b64decode(data, validate=True)
+    except binascii.Error:
+        raise DatasetError(f"image {uri[:40]}...: its base64 data cannot be decoded") from None
+
+
+def _rgb(image):
+    """RGB as the picture is seen: turned upright by its EXIF orientation (a phone's photo),
+    transparency on white (a diagram's transparent background turned black), as
+    transformers' `load_image`, qwen-vl-utils and vLLM read images."""
+    from PIL import Image, ImageOps
+
+    image = ImageOps.exif_transpose(image)
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        white = Image.new("RGB", rgba.size, (255, 255, 255))
+        white.paste(rgba, mask=rgba.getchannel("A"))
+        return white
+    return image.convert("RGB")
 
 
 class ImagePrompter:

@@ -1,3 +1,4 @@
+import base64
 import io
 import json
 
@@ -58,6 +59,9 @@ def _png(width, height):
     ({"path": "/nonexistent/cat.png"}, "image file /nonexistent/cat.png does not exist"),
     (7, "an image must be bytes, a path"),
     ({"bytes": _png(40, 30)}, "image of 40x30 pixels is over data.max_image_pixels=1000"),
+    ("data:image/png,abc", "image data:image/png,abc...: a data URI must be base64"),
+    ("data:image/png;base64,@@", "its base64 data cannot be decoded"),
+    ({"image": "https://example.com/a.png"}, "a URL is not fetched (nothing is downloaded)"),
 ])
 def test_bad_images_are_one_line_errors(entry, fragment):
     with pytest.raises(DatasetError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
@@ -72,6 +76,31 @@ def test_images_decode_from_bytes_paths_and_verl_dicts(tmp_path):
         assert image.size == (8, 6) and image.mode == "RGB"
 
 
+def test_images_decode_from_qwen_vl_utils_entries_data_uris_and_file_urls(tmp_path):
+    """qwen-vl-utils' and verl's `{"image": ...}` holds a data: URI or a file:// URL; each
+    was read as a path that does not exist."""
+    path = tmp_path / "a b.png"
+    path.write_bytes(_png(8, 6))
+    uri = "data:image/png;base64," + base64.b64encode(_png(8, 6)).decode()
+    for entry in (uri, {"image": uri}, f"file://{tmp_path}/a%20b.png", {"image": f"file://{path}"}):
+        assert decode_image(entry, max_pixels=None).size == (8, 6)
+
+
+def test_transparency_is_on_white_and_exif_orientation_is_applied():
+    """A transparent PNG's background came out black (alpha dropped, not composited); a
+    phone photo came out as stored, not as taken (EXIF orientation ignored)."""
+    clear = Image.new("RGBA", (4, 4), (0, 0, 0, 0))
+    clear.putpixel((0, 0), (0, 0, 0, 255))
+    out = io.BytesIO()
+    clear.save(out, format="PNG")
+    image = decode_image(out.getvalue(), None)
+    assert image.getpixel((0, 0)) == (0, 0, 0) and image.getpixel((3, 3)) == (255, 255, 255)
+    photo, exif = io.BytesIO(), Image.Exif()
+    exif[0x0112] = 6  # Orientation: rotate 90 degrees to view
+    Image.new("RGB", (4, 2), "red").save(photo, format="JPEG", exif=exif)
+    assert decode_image(photo.getvalue(), None).size == (2, 4)
+
+
 def test_a_relative_image_path_names_a_file_beside_the_data_file_else_in_the_working_directory(tmp_path,
                                                                                                   monkeypatch):
     data, elsewhere = tmp_path / "data", tmp_path / "run"
@@ -81,12 +110,13 @@ def test_a_relative_image_path_names_a_file_beside_the_data_file_else_in_the_wor
     (elsewhere / "cwd.png").write_bytes(_png(4, 4))
     row = {"prompt": "<image> count", "reward_model": {"ground_truth": "1"}}
     rows = [row | {"images": ["img/a.png"]}, row | {"images": [{"path": "img/a.png", "bytes": None}]},
-            row | {"images": ["cwd.png"]}, row | {"images": ["missing.png"]}]
+            row | {"images": ["cwd.png"]}, row | {"images": ["missing.png"]}, row | {"images": [{"image": "img/a.png"}]}]
     (data / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     monkeypatch.chdir(elsewhere)  # the run starts in another folder than the data's
     got = load_rows(str(data / "rows.jsonl"))
     assert got[0].images == [str(data / "img" / "a.png")]
     assert got[1].images == [{"path": str(data / "img" / "a.png"), "bytes": None}]
+    assert got[4].images == [{"image": str(data / "img" / "a.png")}]
     assert [decode_image(r.images[0], None).size for r in got[:3]] == [(8, 6), (8, 6), (4, 4)]
     with pytest.raises(DatasetError, match=r"image file missing.png does not exist \(a relative path is looked "
                                            r"for beside the data file, then in the working directory"):
