@@ -48,6 +48,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Awaitable, Callable
 
 import torch
+from jinja2 import TemplateError
 
 from distflow.data.batch import Batch
 from distflow.engines.agent import observation_ids, trajectory_batch
@@ -401,8 +402,8 @@ def _handler(endpoint: ChatEndpoint):
                 self._send(e.status, e.body())
 
         def do_POST(self) -> None:
-            try:
-                key, route = self._route()
+            try:  # the body is read before anything is answered: on a kept-alive connection an unread
+                # body would be taken for the next request (an agent trying another route first)
                 length = self.headers.get("Content-Length") or "0"
                 if not length.isdigit():  # a negative length would read until the client hangs up
                     self.close_connection = True
@@ -413,6 +414,7 @@ def _handler(endpoint: ChatEndpoint):
                     raise RequestError(413, f"the request has {size} bytes; at most {endpoint.max_request_bytes} "
                                             "are accepted", "request_too_large")
                 body = self.rfile.read(size)
+                key, route = self._route()
                 if route != "chat/completions":
                     raise RequestError(405, "models takes GET", "method_not_allowed")
                 try:
@@ -421,8 +423,8 @@ def _handler(endpoint: ChatEndpoint):
                     raise RequestError(400, "the body is not JSON", "invalid_json") from None
                 try:
                     answer = endpoint.answer(key, request)
-                except (ValueError, TypeError, KeyError, AttributeError) as e:  # a request the chat template
-                    raise RequestError(400, f"{type(e).__name__}: {e}", "invalid_request") from None  # cannot take
+                except (ValueError, TypeError, KeyError, AttributeError, TemplateError) as e:  # a request the
+                    raise RequestError(400, f"{type(e).__name__}: {e}", "invalid_request") from None  # template refuses
                 except RequestError:
                     raise
                 except Exception as e:

@@ -4,6 +4,7 @@ agent runner that turns an agent's calls into samples."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import http.client
 import json
@@ -99,6 +100,9 @@ def test_errors_come_in_openai_shapes(tiny):
         with pytest.raises(openai.NotFoundError) as e:
             _client(endpoint, "nosuchsample").chat.completions.create(model="policy", messages=QUESTION)
         assert e.value.code == "not_found"
+        with pytest.raises(openai.NotFoundError) as e:  # a route an agent may try first: its unread body was
+            client.completions.create(model="policy", prompt="x")  # taken for the next request on the connection
+        assert e.value.code == "not_found"
         assert [m.id for m in client.models.list()] == ["policy"]
         reply = client.chat.completions.create(model="policy", messages=QUESTION)
         with pytest.raises(openai.BadRequestError) as e:  # rollout.max_turns=1: one call per sample
@@ -106,6 +110,24 @@ def test_errors_come_in_openai_shapes(tiny):
                 {"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "?"}])
         assert e.value.code == "too_many_calls"
         assert endpoint.collect(key).calls == 1  # the refused requests left no trace
+    finally:
+        endpoint.close()
+
+
+def test_a_request_the_chat_template_refuses_is_a_400(tiny):
+    """A template's raise_exception (Gemma's "roles must alternate") is jinja2's
+    TemplateError: it was answered 500, which an agent retries."""
+    engine, tok = tiny
+    refusing = copy.deepcopy(tok)
+    refusing.chat_template = ("{% for m in messages %}{% if 'FORBIDDEN' in m['content'] %}"
+                              "{{ raise_exception('roles must alternate') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    endpoint = ChatEndpoint(engine, refusing, PARAMS, max_total_tokens=40, max_calls=1)
+    try:
+        (key,) = endpoint.open([_prompt(refusing)], [1])
+        with pytest.raises(openai.BadRequestError) as e:
+            _client(endpoint, key).chat.completions.create(model="policy",
+                                                           messages=[{"role": "user", "content": "FORBIDDEN"}])
+        assert e.value.code == "invalid_request" and "roles must alternate" in e.value.message
     finally:
         endpoint.close()
 
