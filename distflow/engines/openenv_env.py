@@ -91,11 +91,15 @@ class OpenEnvEnvironment:
     @staticmethod
     def concurrent(env_class: type) -> bool:
         """Whether the class says its instances may run at once (OpenEnv's
-        SUPPORTS_CONCURRENT_SESSIONS, False unless set); if not, episodes step one after another."""
-        return bool(getattr(env_class, "SUPPORTS_CONCURRENT_SESSIONS", False))
+        SUPPORTS_CONCURRENT_SESSIONS, False unless set, and not REQUIRES_SINGLE_THREAD_EXECUTOR,
+        which OpenEnv's server honours with one thread for every session); if not, episodes
+        step one after another, on one thread."""
+        return (bool(getattr(env_class, "SUPPORTS_CONCURRENT_SESSIONS", False))
+                and not getattr(env_class, "REQUIRES_SINGLE_THREAD_EXECUTOR", False))
 
     def reset(self, task: dict) -> None:
-        self.env.reset(seed=task.get("seed"))
+        seed = task.get("seed")  # the episode's 63-bit seed, in the 32 bits np.random.seed takes
+        self.env.reset(seed=None if seed is None else seed % 2 ** 32)
 
     def close(self) -> None:
         self.env.close()

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.openenv
 
 from distflow.engines.agent import EpisodeRunner, EpisodeSettings  # noqa: E402
 from distflow.engines.openenv_env import OpenEnvEnvironment, OpenEnvError, action_text_field  # noqa: E402
-from distflow.engines.rollout import SamplingParams  # noqa: E402
+from distflow.engines.rollout import SamplingParams, sample_seed  # noqa: E402
 from distflow.engines.tiny_model import build_tokenizer  # noqa: E402
 from helpers import ScriptedEngine, distflow_sweep, run_metrics  # noqa: E402
 
@@ -74,6 +74,20 @@ class Steps(Environment[GuessAction, GuessObservation, State]):
     @property
     def state(self) -> State:
         return State()
+
+
+class OneThread(Steps):
+    """Says its sessions share nothing, but each must run on OpenEnv's one thread."""
+
+    REQUIRES_SINGLE_THREAD_EXECUTOR = True
+
+
+class NumpySeeded(Steps):
+    def reset(self, seed=None, episode_id=None, **kwargs) -> GuessObservation:
+        import numpy as np
+
+        self.draw = np.random.RandomState(seed).randint(10)  # refuses a seed of 2**32 or more
+        return GuessObservation()
 '''
 
 
@@ -120,10 +134,19 @@ def test_episodes_run_at_once_only_where_the_class_says_its_sessions_may(game, t
     _, path = game
     tok = build_tokenizer()
     workers = {}
-    for name in ("GuessDigit", "Steps"):  # unmarked, and marked as sharing nothing between sessions
+    for name in ("GuessDigit", "Steps", "OneThread"):  # unmarked; sharing nothing; sharing nothing on one thread
         cfg = load_config(None, [f"rollout.env=openenv:{path}:{name}", "rollout.max_turns=2", "rollout.env_workers=4"])
         workers[name] = make_episode_runner(cfg, ScriptedEngine(tok, {}), tok).settings.env_workers
-    assert workers == {"GuessDigit": 1, "Steps": 4}
+    assert workers == {"GuessDigit": 1, "Steps": 4, "OneThread": 1}
+
+
+def test_an_episode_s_seed_is_one_numpy_takes(game):
+    """Episode seeds are 63-bit; an environment seeding numpy's legacy generator with one
+    failed every episode."""
+    module, _ = game
+    env = OpenEnvEnvironment.episodes_of(module.NumpySeeded)()
+    env.reset({"seed": sample_seed(4558017691475869577, 1)})
+    env.reset({"seed": None})
 
 
 def test_a_class_the_adapter_cannot_drive_is_refused_in_one_line():
