@@ -102,16 +102,20 @@ def tool_messages(results: list[str], form: ToolResultForm = ToolResultForm()) -
 
 
 _TURN = "(an assistant turn)"  # the assistant's message of _BEFORE, found by its text where it ends
+_RESULT = "(a tool's result)"  # a tool message's text, looked for in a template's rendering of it
 _BEFORE = [{"role": "user", "content": "1"}, {"role": "assistant", "content": _TURN}]
 
 
 def tool_result_form(tokenizer) -> ToolResultForm:
     """How this chat template takes tool results: in tool messages, in <tool_response> tags
     unless it adds them itself (Qwen2.5's, Qwen3's and other Hermes-style templates do);
-    in a user message, in our tags, where it refuses the tool role (Gemma's, for one)."""
+    in a user message, in our tags, where it refuses the tool role (Gemma's, for one) or
+    renders nothing of a tool message (Phi-3's and Phi-4's know no such role)."""
     try:
-        text = tokenizer.apply_chat_template(_BEFORE + [{"role": "tool", "content": "7"}], tokenize=False)
+        text = tokenizer.apply_chat_template(_BEFORE + [{"role": "tool", "content": _RESULT}], tokenize=False)
     except Exception:
+        return ToolResultForm(role="user")
+    if _RESULT not in text:
         return ToolResultForm(role="user")
     return ToolResultForm(framed="<tool_response>" not in text)
 
@@ -129,6 +133,12 @@ def observation_ids(tokenizer, messages: Messages, turn: list[int], stop_ids: tu
     conversation, not by rendering it alone: Qwen3's template renders a last assistant
     message with an empty think block and an earlier one without."""
     full = tokenizer.apply_chat_template(_BEFORE + messages, add_generation_prompt=True, tokenize=False)
+    for k, message in enumerate(messages):  # a template may skip a role it does not know, without a word
+        content = message.get("content")
+        if isinstance(content, str) and content.strip() and content.strip() not in full:  # or escaped it (tojson)
+            blank = messages[:k] + [message | {"content": ""}] + messages[k + 1:]
+            if tokenizer.apply_chat_template(_BEFORE + blank, add_generation_prompt=True, tokenize=False) == full:
+                raise ValueError(f"the chat template renders nothing of a {message.get('role')!r} message's text")
     for stop in stop_ids or (tokenizer.eos_token_id,):
         closing = tokenizer.convert_ids_to_tokens(stop) if stop is not None else None
         end = full.find(_TURN + closing) if closing else -1

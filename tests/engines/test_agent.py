@@ -342,6 +342,29 @@ def test_a_template_that_refuses_the_tool_role_gets_the_results_in_one_user_mess
     assert "<start_of_turn>user\n<tool_response>\n4\n</tool_response>\n<tool_response>\n9\n</tool_response>" in shown
 
 
+SKIPS_UNKNOWN_ROLES = ("{%- for m in messages -%}{%- if m.role in ('system', 'user', 'assistant') -%}"
+                      "<|{{ m.role }}|>\n{{ m.content }}<|end|>\n{%- endif -%}{%- endfor -%}"
+                      "{%- if add_generation_prompt %}<|assistant|>\n{% endif -%}")  # Phi-3's shape
+
+
+def test_a_template_that_skips_the_tool_role_gets_the_results_in_a_user_message():
+    """Phi-3's and Phi-4's templates render nothing of a tool message, without an error:
+    the model was shown no tool result at all. The results go in a user message; an
+    environment's message the template drops fails its episode in one line."""
+    tok = build_tokenizer()
+    tok.chat_template = SKIPS_UNKNOWN_ROLES
+    assert tool_result_form(tok) == ToolResultForm(role="user", framed=True)
+    a = _ids(tok, "A?")
+    engine = ScriptedEngine(tok, {a[0]: [CALL % "2+2", "#### 4"]})
+    runner = EpisodeRunner(engine, tok, lambda: ToolEnvironment(Toolbox(["calculator"]), tool_result_form(tok)),
+                           EpisodeSettings(max_turns=3, max_total_tokens=1000))
+    out = runner.generate([a], [1], SamplingParams(max_new_tokens=400), [{}])
+    assert out["num_turns"].tolist() == [2.0] and out["env_failed"].tolist() == [0.0]
+    assert "<|user|>\n<tool_response>\n4\n</tool_response>" in tok.decode(engine.calls[1][0][len(a):])
+    with pytest.raises(ValueError, match="the chat template renders nothing of a 'tool' message's text"):
+        observation_ids(tok, [{"role": "tool", "content": "4"}], [5])
+
+
 def test_an_answer_the_template_cannot_render_or_a_reward_that_is_no_number_fails_only_its_episode():
     """An environment answering in a role the template refuses, and one whose reward is NaN
     or infinite: each fails its own episode (env/failed, reward 0); the others go on."""
