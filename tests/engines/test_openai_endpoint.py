@@ -130,6 +130,21 @@ def test_a_request_the_chat_template_refuses_is_a_400(tiny):
         assert e.value.code == "invalid_request" and "roles must alternate" in e.value.message
     finally:
         endpoint.close()
+    skipping = copy.deepcopy(tok)  # Phi-3's shape: a tool message renders as nothing
+    skipping.chat_template = ("{%- for m in messages -%}{%- if m.role in ('user', 'assistant') -%}<|{{ m.role }}|>"
+                              "{{ m.content }}<|end|>{%- endif -%}{%- endfor -%}"
+                              "{%- if add_generation_prompt %}<|assistant|>{% endif -%}")
+    endpoint = ChatEndpoint(engine, skipping, PARAMS, max_total_tokens=40, max_calls=2)
+    try:
+        (key,) = endpoint.open([_prompt(skipping)], [1])
+        client = _client(endpoint, key)
+        reply = client.chat.completions.create(model="policy", messages=QUESTION).choices[0].message.content
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="policy", messages=QUESTION + [
+                {"role": "assistant", "content": reply}, {"role": "tool", "tool_call_id": "c1", "content": "(the tool says 7)"}])
+        assert "renders nothing of a 'tool' message's text" in e.value.message
+    finally:
+        endpoint.close()
 
 
 def test_tool_calls_come_back_in_openai_shape_and_a_rewritten_history_is_refused():
