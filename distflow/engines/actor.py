@@ -130,8 +130,9 @@ def resolve_strategy(strategy: str, model, device: torch.device) -> str:
     `ddp` (a full replica per rank, gradients all-reduced once per mini-batch) or `fsdp2`
     (parameters, gradients and optimizer state sharded per decoder layer). `auto` takes
     DDP when weights, gradients and AdamW's two moments (16 bytes a parameter in fp32) fit
-    in a quarter of the device's memory (a GPU's, or a CPU worker's share of the host's),
-    FSDP2 otherwise. A LoRA model (frozen base, a small adapter) is always DDP: its
+    in a quarter of the smallest device's memory over the ranks (a GPU's, or a CPU worker's
+    share of its host's: every rank takes the same strategy, or their collectives would not
+    match), FSDP2 otherwise. A LoRA model (frozen base, a small adapter) is always DDP: its
     weight pushes, checkpoints and adapter-off reference need replicas."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return "none"
@@ -142,9 +143,12 @@ def resolve_strategy(strategy: str, model, device: torch.device) -> str:
     need = 16 * sum(p.numel() for p in model.parameters())
     if device.type == "cuda":
         memory = torch.cuda.get_device_properties(device).total_memory
-    else:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / dist.get_world_size()
-    return "ddp" if need <= memory / 4 else "fsdp2"
+    else:  # this host's workers share its memory
+        workers_here = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / workers_here
+    smallest = torch.tensor([float(memory)], dtype=torch.float64, device=device)
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+    return "ddp" if need <= float(smallest) / 4 else "fsdp2"
 
 
 class DataParallelTrainable:

@@ -329,6 +329,26 @@ def _auto_strategy_on_a_small_host(rank, world, model_dir):
     return whole, adapted
 
 
+def _auto_strategy_where_one_host_is_small(rank, world, model_dir):
+    from distflow.engines.actor import resolve_strategy
+
+    real = os.sysconf
+    if rank == 1:  # rank 1's host has few pages
+        os.sysconf = lambda name: 64 if name == "SC_PHYS_PAGES" else real(name)
+    try:
+        return resolve_strategy("auto", load_causal_lm(model_dir), torch.device("cpu"))
+    finally:
+        os.sysconf = real
+
+
+def test_auto_takes_one_strategy_for_every_rank_by_the_smallest_memory(random_model_dir):
+    """Each rank chose by its own memory: ranks on hosts of different sizes wrapped DDP and
+    FSDP2, whose collectives do not match (a hang until the collective timeout)."""
+    from helpers import run_gloo
+
+    assert run_gloo(_auto_strategy_where_one_host_is_small, 2, random_model_dir) == ["fsdp2", "fsdp2"]
+
+
 def test_lora_under_auto_is_ddp_where_a_whole_model_would_be_sharded(random_model_dir):
     """auto chose FSDP2 by the frozen base's size too, and LoRA under FSDP2 failed at the
     first weight push (sharded base tensors merged and copied as if whole)."""
