@@ -9,6 +9,7 @@ import functools
 import inspect
 import json
 import os
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -324,13 +325,19 @@ def _head_inputs(model, hidden: bool) -> Iterator[list[torch.Tensor] | None]:
     inside appends its output head's input (the final hidden states of the positions the
     forward keeps), while the head itself is handed none of them and computes no logits.
     Unlike `output_hidden_states`, which keeps every layer's states until the forward
-    returns, only the final ones are kept. Without `hidden`: None (the logits are used)."""
+    returns, only the final ones are kept. Without `hidden`: None (the logits are used).
+    Only this thread's forwards: the hook is the module's, and a generate on the same
+    model in another thread (one worker's HF engine, ReMax's greedy baseline beside the
+    scoring) needs its logits."""
     if not hidden:
         yield None
         return
     taken: list[torch.Tensor] = []
+    owner = threading.get_ident()
 
     def take(head, args):
+        if threading.get_ident() != owner:
+            return None
         states = args[0]
         taken.append(states)
         # a new empty tensor, not a view: what the head saves for its backward must not hold the states

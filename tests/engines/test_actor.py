@@ -2,6 +2,7 @@
 process (the loss normalisation and the gradient averaging cancel exactly)."""
 
 import math
+import threading
 import weakref
 
 import pytest
@@ -443,6 +444,33 @@ def test_scoring_with_a_chunked_output_head_keeps_no_earlier_layer_s_hidden_stat
             forward_response(model, batch["prompts"], batch["prompt_mask"], batch["responses"],
                              batch["response_mask"], with_entropy=True, prompt_once=once, head_chunk_tokens=7)
             assert alive == [0] * (2 if once else 1), once
+
+
+def test_a_chunked_output_head_leaves_another_thread_s_forward_its_logits(random_model_dir):
+    """The chunked head's hook is the module's: a forward of the same model in another
+    thread meanwhile (one worker's HF engine generating ReMax's greedy baseline beside the
+    scoring) got an empty head input and no logits."""
+    from distflow.engines.common import forward_response
+
+    batch = _grouped_batch(random_model_dir)
+    model = load_causal_lm(random_model_dir)
+    seen = []
+
+    def other_thread_forward():
+        with torch.no_grad():
+            seen.append(tuple(model(input_ids=batch["prompts"][:1]).logits.shape))
+
+    def beside(module, args):  # while this thread's forward holds the hook, another thread runs one
+        if threading.current_thread() is threading.main_thread() and not seen:
+            thread = threading.Thread(target=other_thread_forward)
+            thread.start()
+            thread.join(60)
+
+    model.model.norm.register_forward_pre_hook(beside)
+    with torch.no_grad():
+        forward_response(model, batch["prompts"], batch["prompt_mask"], batch["responses"], batch["response_mask"],
+                         head_chunk_tokens=7)
+    assert seen == [(1, batch["prompts"].shape[1], model.config.vocab_size)]
 
 
 def test_scoring_with_shared_prompt_forwards_keeps_no_earlier_layer_s_keys_and_values(random_model_dir):
