@@ -38,6 +38,8 @@ BUILTIN_MODELS = (BUILTIN_MODEL, "builtin:tiny-arith-tools", "builtin:tiny-dots-
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # distflow.trainer.tracking
 TOOLS = ("calculator", "python")  # distflow.engines.tools
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs", "k1+", "k3+", "low_var_kl+")  # distflow.algos.kl
+VLLM_MIN_TEMPERATURE = 0.01  # vLLM raises a lower sampling temperature to this (SamplingParams, _MAX_TEMP)
+
 # The built-in recipes: one YAML file each (distflow/recipes/NAME.yaml).
 RECIPES_DIR = Path(__file__).parent / "recipes"
 ALGORITHMS = tuple(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
@@ -503,6 +505,10 @@ def _validate_engine(cfg: Config) -> None:
             raise ConfigError(f"rollout.replica_size={r.replica_size}: a vLLM engine of rollout.tensor_parallel_size="
                               f"{r.tensor_parallel_size} ranks is one replica; leave replica_size unset")
         r.replica_size = r.tensor_parallel_size
+    if r.engine == "vllm" and r.temperature < VLLM_MIN_TEMPERATURE:
+        raise ConfigError(f"rollout.temperature={r.temperature:g} on vLLM: it samples at {VLLM_MIN_TEMPERATURE:g} at "
+                          "least, and the trainer's log-probs would divide by another temperature than the "
+                          f"sampler's; use a temperature of {VLLM_MIN_TEMPERATURE:g} or more, or rollout.engine=hf")
     if r.engine == "vllm" and r.temperature != 1.0 and r.top_p < 1.0:
         raise ConfigError(f"rollout.top_p={r.top_p} with rollout.temperature={r.temperature} on vLLM: its log-probs "
                           "after temperature are renormalised over the top-p nucleus, not the trainer's softmax; use "

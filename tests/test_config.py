@@ -87,6 +87,8 @@ def test_yaml_file_then_overrides(tmp_path):
     ("reward_model.enable=true", "'reward_model.enable': verl's name; here it is reward.model_path=FOLDER"),
     ("rollout.engine=vllm rollout.top_p=0.9 rollout.temperature=0.7", "rollout.top_p=0.9 with rollout.temperature=0.7 "
                                                                       "on vLLM: its log-probs after temperature"),
+    # vLLM sampled at 0.01 while the trainer divided by 0.001
+    ("rollout.engine=vllm rollout.temperature=0.001", "rollout.temperature=0.001 on vLLM: it samples at 0.01 at least"),
     ("+trainer.total_steps=5", "'+trainer.total_steps': drop the '+'"),
     ("runtime.num_workers=8 rollout.replica_size=4 data.train_batch_size=2 actor.ppo_mini_batch_size=2 "
      "algorithm.group_size=1", "rollout.replica_size=4: a replica's 1 sequences a step"),

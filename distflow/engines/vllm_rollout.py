@@ -229,13 +229,14 @@ def _is_mixture_of_experts(model_path: str) -> bool:
 
 
 def _generation_config(model_path: str):
-    """The model folder's generation config (its stop ids), or None where it has none."""
-    from transformers import GenerationConfig
+    """The model folder's generation config (its stop ids); where it has none, the one
+    config.json implies (its eos_token_id), as HF's model and vLLM's own defaults take."""
+    from transformers import AutoConfig, GenerationConfig
 
     try:
         return GenerationConfig.from_pretrained(model_path)
     except OSError:  # no generation_config.json
-        return None
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_path))
 
 
 def _free_port() -> int:

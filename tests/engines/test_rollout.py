@@ -108,6 +108,27 @@ def test_the_models_own_generation_config_does_not_change_what_is_sampled(random
     assert engine.model.generation_config is own and own.min_length == 64  # the model's own config is kept
 
 
+def test_without_generation_config_json_both_engines_stop_where_config_json_says(random_model_dir, tmp_path):
+    """A folder with no generation_config.json whose config.json lists two EOS ids: the HF
+    engine stopped at both, the vLLM engine at the tokenizer's alone."""
+    import json
+    import shutil
+
+    from distflow.engines.rollout import stop_token_ids
+    from distflow.engines.vllm_rollout import _generation_config
+
+    folder = tmp_path / "model"
+    shutil.copytree(random_model_dir, folder)
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    tok = load_tokenizer(str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    config["eos_token_id"] = [tok.eos_token_id, 5]
+    (folder / "config.json").write_text(json.dumps(config))
+    hf = HFRolloutEngine(load_causal_lm(str(folder)), tok)
+    assert hf.stop_token_ids == (tok.eos_token_id, 5)
+    assert stop_token_ids(tok, _generation_config(str(folder))) == hf.stop_token_ids
+
+
 def test_an_end_of_turn_the_generation_config_names_ends_a_response(random_model_dir):
     """An instruct model whose end of turn is not its tokenizer's EOS (Gemma's
     <end_of_turn>, Llama-3's <|eot_id|>) lists it in generation_config.eos_token_id: the
