@@ -65,33 +65,42 @@ def _run(args, configs: list, rank: int, folder: list[str]) -> int:
     run's folder as it starts."""
     cfg = configs[0]
     with process_group_closed_on_exit():
-        from distflow.cli import new_run_dir
         from distflow.trainer.loop import run_eval_worker, run_worker
 
         if args.eval_k is not None:
-            return _refused_inputs(cfg, rank, training=False) or _evaluate(cfg, args.eval_k, rank, run_eval_worker)
+            if code := _refused_inputs(cfg, rank, training=False) or _take_folder(cfg, rank, folder, "eval"):
+                return code
+            return _evaluate(cfg, args.eval_k, rank, run_eval_worker)
 
         for cfg in configs:
-            if code := _refused_inputs(cfg, rank):  # checked when its turn comes: it may resume an earlier run's
-                return code
-            holder = [_run_folder(cfg, new_run_dir) if rank == 0 else None]
-            dist.broadcast_object_list(holder, src=0)  # one folder for all ranks
-            if isinstance(holder[0], ConfigError):  # another launch holds it: every rank stops
-                return _refused(holder[0], rank)
-            cfg.trainer.output_dir = holder[0]
-            folder[:] = [holder[0]]
-            summary = run_worker(cfg.to_dict(), holder[0], progress=cfg.trainer.progress)
+            if code := _refused_inputs(cfg, rank) or _take_folder(cfg, rank, folder):  # checked when its turn
+                return code  # comes: it may resume an earlier run's
+            summary = run_worker(cfg.to_dict(), cfg.trainer.output_dir, progress=cfg.trainer.progress)
             if rank == 0:
                 print(f"heldout_accuracy_initial={summary['heldout_accuracy_initial']:.3f} "
-                      f"heldout_accuracy_final={summary['heldout_accuracy_final']:.3f} run folder: {holder[0]}")
+                      f"heldout_accuracy_final={summary['heldout_accuracy_final']:.3f} "
+                      f"run folder: {cfg.trainer.output_dir}")
     return 0
 
 
-def _run_folder(cfg, new_run_dir) -> str | ConfigError:
-    try:
-        return str(new_run_dir(cfg))
-    except ConfigError as e:
-        return e
+def _take_folder(cfg, rank: int, folder: list[str], kind: str | None = None) -> int:
+    """One run folder for all ranks (trainer.output_dir, or a new one rank 0 makes: see
+    `new_run_dir`), set as cfg.trainer.output_dir and in `folder`: 0; 2 and one line
+    where another launch holds it."""
+    from distflow.cli import new_run_dir
+
+    holder: list = [None]
+    if rank == 0:
+        try:
+            holder[0] = str(new_run_dir(cfg, kind))
+        except ConfigError as e:
+            holder[0] = e
+    dist.broadcast_object_list(holder, src=0)
+    if isinstance(holder[0], ConfigError):  # another launch holds it: every rank stops
+        return _refused(holder[0], rank)
+    cfg.trainer.output_dir = holder[0]
+    folder[:] = [holder[0]]
+    return 0
 
 
 def _refused(error: Exception, rank: int) -> int:

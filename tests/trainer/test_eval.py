@@ -259,6 +259,19 @@ def test_eval_refuses_a_negative_k_in_one_line(tmp_path):
     assert proc.returncode == 2 and proc.stderr == "distflow: error: --k=-1: must be >= 0 (0 = greedy only)\n"
 
 
+def test_the_torchrun_entry_s_eval_without_an_output_dir_makes_an_eval_folder(tmp_path):
+    """`python -m distflow.train --eval-k K` (a documented entry) with no trainer.output_dir
+    failed on every rank with Path(None)'s TypeError."""
+    from distflow.runtime.process_group import free_port
+
+    proc = subprocess.run([sys.executable, "-m", "distflow.train", "--eval-k", "0", "data.val_max_samples=4",
+                           "rollout.max_new_tokens=8"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1", MASTER_PORT=str(free_port())))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (report,) = (tmp_path / "runs").glob("*-eval/eval.json")
+    assert json.loads(report.read_text())["metrics"]["rows"] == 4 and f"report: {report.resolve()}" in proc.stdout
+
+
 @pytest.mark.slow
 def test_eval_on_one_and_three_workers_agrees(tmp_path):
     """3 workers do not divide the training batch (16 prompts), which evaluation does not split."""
