@@ -229,39 +229,56 @@ class LauncherProgress:
 
     def __init__(self, run_dir: Path, total: int, enabled: bool, meter):
         self.path, self.offset, self.bar, self.last_val = run_dir / "metrics.jsonl", 0, None, None
-        self.meter, self.file_id = meter, None
-        if enabled:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+        self.total, self.enabled, self.meter, self.file_id = total, enabled, meter, None
+        self.earlier = self._identity()  # an earlier launch's file: the workers move or replace it
 
     def poll(self) -> None:
-        """Reads only what was appended since the last poll, whole lines only. A resumed
-        run replaces the file with its checkpoint's copy: then it reads from the start, and
-        the bar goes back to the checkpoint's step."""
-        if self.bar is None:
+        """Reads only what was appended since the last poll, whole lines only. The steps
+        a file holds when first read are the ones a resumed run restored (its checkpoint's
+        copy replaces the file) or were done before the first poll: the bar starts there,
+        and its rate and ETA count only the steps after. The file an earlier launch left,
+        until this one's workers move it aside or replace it, is not shown."""
+        if not self.enabled:
             return
         from distflow.trainer.metrics import progress_postfix
 
+        identity = self._identity()
+        if identity is None or identity == self.earlier:
+            return
+        first_read = identity[:2] != self.file_id or identity[2] < self.offset
+        if first_read:
+            self.file_id, self.offset = identity[:2], 0
+        text = self.meter.read_text(self.path, self.offset)
+        complete = text[:text.rfind("\n") + 1]
+        try:
+            records = [json.loads(line) for line in complete.splitlines()]
+        except ValueError:  # replaced between the stat and the read: the next poll reads it from the start
+            self.file_id = None
+            return
+        self.offset += len(complete.encode())
+        steps = [r for r in records if r.get("step", 0) > 0]
+        for record in records:
+            self.last_val = record.get("val/accuracy", self.last_val)
+        if first_read:
+            self._start_bar(steps[-1]["step"] if steps else 0)
+            steps = steps[-1:]
+        for record in steps:
+            self.bar.update(record["step"] - self.bar.n)
+            self.bar.set_postfix(progress_postfix(record, self.last_val))
+
+    def _identity(self) -> tuple[int, int, int] | None:
         try:
             stat = self.path.stat()
         except FileNotFoundError:
-            return
-        if (stat.st_dev, stat.st_ino) != self.file_id or stat.st_size < self.offset:
-            self.file_id, self.offset = (stat.st_dev, stat.st_ino), 0
-        text = self.meter.read_text(self.path, self.offset)
-        complete = text[:text.rfind("\n") + 1]
-        self.offset += len(complete.encode())
-        for line in complete.splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:  # replaced between the stat and the read: the next poll reads it from the start
-                self.file_id = None
-                return
-            self.last_val = record.get("val/accuracy", self.last_val)
-            if record.get("step", 0) > 0:
-                self.bar.update(record["step"] - self.bar.n)
-                self.bar.set_postfix(progress_postfix(record, self.last_val))
+            return None
+        return stat.st_dev, stat.st_ino, stat.st_size
+
+    def _start_bar(self, done: int) -> None:
+        from tqdm import tqdm
+
+        if self.bar is not None:
+            self.bar.close()
+        self.bar = tqdm(total=self.total, initial=done, desc="train", unit="step", dynamic_ncols=True)
 
     def close(self) -> None:  # the launcher polled once more when the workers finished
         if self.bar is not None:

@@ -38,7 +38,7 @@ def test_files_read_are_metered_line_by_line(tmp_path):
 
 def test_the_launchers_bar_follows_a_resumed_run_that_replaces_its_metrics_file(tmp_path):
     """A run killed at step 6 and resumed from step 3: the workers replace metrics.jsonl
-    with the checkpoint's copy, then append; the bar goes back to 3 and on from there."""
+    with the checkpoint's copy, then append; the bar starts at 3 and goes on from there."""
     from distflow.cli import LauncherProgress
 
     path = tmp_path / "metrics.jsonl"
@@ -46,14 +46,16 @@ def test_the_launchers_bar_follows_a_resumed_run_that_replaces_its_metrics_file(
     def lines(steps):
         return "".join(json.dumps({"step": s, "reward/mean": 0.5, "val/accuracy": 0.25}) + "\n" for s in steps)
 
+    path.write_text(lines(range(7)))  # the killed launch's
     progress = LauncherProgress(tmp_path, total=10, enabled=True, meter=LauncherMeter())
-    path.write_text(lines(range(7)))
     progress.poll()
-    assert progress.bar.n == 6
+    assert progress.bar is None  # not this launch's steps: no bar at 6 of 10 before the workers start
     (tmp_path / "copy").write_text(lines(range(4)))
     os.replace(tmp_path / "copy", path)
     progress.poll()
-    assert progress.bar.n == 3
+    # the restored steps are where the bar starts, not steps done now: the rate and ETA leave them out
+    # (the bar counted 3 steps in the poll's instant, an ETA of seconds for an hour's run)
+    assert progress.bar.n == 3 and progress.bar.format_dict["initial"] == 3
     with open(path, "a") as f:
         f.write(lines(range(4, 10)))
     progress.poll()
