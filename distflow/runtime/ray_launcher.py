@@ -14,6 +14,7 @@ import re
 import shutil
 import signal
 import socket
+import sys
 import threading
 import tempfile
 import traceback
@@ -188,6 +189,7 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
     meter = meter if meter is not None else LauncherMeter()
     actors: list[Any] = []
     relay = driver = None
+    finished = False  # the workers returned: the launch's Ray logs are not kept
     # A local Ray instance and its workers inherit this process's environment, so the
     # workers' variables are set here for the launch (a runtime_env would keep Ray from
     # using the workers it prestarts: a slower start); a cluster's workers get them, and
@@ -252,6 +254,7 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
                     raise WorkerFailed(_root_cause(rank, e, pending, run_dir, meter)) from None
         if on_poll is not None:  # what the workers wrote last
             on_poll()
+        finished = True
         return [results[r] for r in range(num_workers)]
     except KeyboardInterrupt:  # Ctrl-C before `_record` took it over (while Ray started)
         raise Stopped(signal.SIGINT) from None
@@ -265,6 +268,8 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
                 | ({"centralized_wire": centralized_wire} if centralized is not None else {})
                 | (relay.stats() if relay else {})))
             if cleanup:
+                if not finished:  # the logs a worker's death points to outlive the short temp dir
+                    _keep_ray_logs(Path(cleanup), run_dir)
                 shutil.rmtree(cleanup, ignore_errors=True)
         finally:  # even where the clean-up failed: this process does not go on ignoring Ctrl-C
             for s, handler in before_ray.items():
@@ -275,6 +280,21 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+
+
+def _keep_ray_logs(temp_dir: Path, run_dir: Path) -> None:
+    """A failed launch's Ray logs (the workers' output, the raylet's, a native crash's
+    stack) copied into run_dir/ray-logs before its temp dir outside the run folder goes."""
+    logs, kept = temp_dir / "session_latest" / "logs", run_dir / "ray-logs"
+    if not logs.is_dir():
+        return
+    shutil.rmtree(kept, ignore_errors=True)  # an earlier failed launch's
+    try:
+        shutil.copytree(logs, kept, symlinks=False, ignore_dangling_symlinks=True)
+    except (OSError, shutil.Error) as e:
+        print(f"distflow: Ray's logs of this launch were not all kept in {kept}: {e}", file=sys.stderr)
+        return
+    print(f"distflow: Ray's logs of this launch are kept in {kept}", file=sys.stderr)
 
 
 def _clean_up(ray, driver, relay, actors: list, group) -> None:

@@ -67,6 +67,9 @@ def test_sigkilled_worker_is_named_with_its_stage_and_the_run_stops(tmp_path):
     # where it ran and Ray's exit detail, Ray's whole account in the run folder
     assert f"(pid {_status(run_dir, 1)['pid']} on 127.0.0.1, " in error[0], error[0]
     assert "The actor is dead" in (run_dir / "worker-1-death.txt").read_text()
+    # Ray's temp dir is outside the run folder here (the path is long for its sockets): the logs its account
+    # points to were deleted with it
+    assert len(str(run_dir / "ray")) > 40 and (run_dir / "ray-logs" / "raylet.out").is_file(), stderr[-2000:]
     # the other worker was stopped too: no process of this run is left
     survivor = _status(run_dir, 0)["pid"]
     _wait_for(lambda: not os.path.exists(f"/proc/{survivor}") or
