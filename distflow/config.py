@@ -37,7 +37,6 @@ BUILTIN_MODEL = "builtin:tiny-arith"
 BUILTIN_MODELS = (BUILTIN_MODEL, "builtin:tiny-arith-tools", "builtin:tiny-dots-vl")
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # distflow.trainer.tracking
 TOOLS = ("calculator", "python")  # distflow.engines.tools
-KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs", "k1+", "k3+", "low_var_kl+")  # distflow.algos.kl
 VLLM_MIN_TEMPERATURE = 0.01  # vLLM raises a lower sampling temperature to this (SamplingParams, _MAX_TEMP)
 
 # The built-in recipes: one YAML file each (distflow/recipes/NAME.yaml).
@@ -158,11 +157,14 @@ class AlgorithmConfig:
         "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
     use_kl_loss: bool = _spec(True, doc="add kl_coef * KL(policy || reference) to the actor's loss")
     kl_coef: float = _spec(0.001, min=0.0)
-    kl_type: str = _spec("low_var_kl", choices=KL_KINDS)
+    kl_type: str = _spec("low_var_kl", doc="KL estimator of the KL loss: k1, k2, k3, low_var_kl (k3), abs, a "
+                                           "name registered with distflow.algos.kl.register_kl, or "
+                                           "module:function / file.py:function; name+: straight-through (its value, "
+                                           "k2's gradient)")
     use_kl_in_reward: bool = _spec(False, doc="subtract beta * KL(sampler || reference) from each token's reward "
                                               "before the advantage estimator (verl's use_kl_in_reward)")
     reward_kl_coef: float = _spec(0.001, min=0.0, doc="beta, the initial KL-in-reward coefficient")
-    reward_kl_type: str = _spec("k1", choices=KL_KINDS, doc="KL estimator of the reward penalty")
+    reward_kl_type: str = _spec("k1", doc="KL estimator of the reward penalty (the names of kl_type)")
     reward_kl_ctrl: str = _spec("fixed", choices=("fixed", "adaptive"),
                                 doc="adaptive: beta follows reward_kl_target (Ziegler et al.'s controller)")
     reward_kl_target: float = _spec(0.1, min=1e-12, doc="the adaptive controller's target KL per token")

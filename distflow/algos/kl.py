@@ -56,24 +56,28 @@ def kl_k3(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
 
 register_kl("low_var_kl")(kl_k3)  # verl's name for k3
 
-# "k1+", "k3+": straight-through variants (as verl's "+" suffix): the value of k1 / k3
-# (unbiased for KL) with the gradient of k2, whose expected gradient is KL's; k1's and
-# k3's own gradients are not.
-KL_PENALTY_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs", "k1+", "k3+", "low_var_kl+")
+def straight_through(estimator: Callable) -> Callable:
+    """`estimator`'s value with the gradient of k2, whose expected gradient is KL's (verl's
+    "+" suffix: "k1+", "k3+"; k1's and k3's own gradients are not KL's)."""
+    def value_of_it_gradient_of_k2(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+        grad = kl_k2(log_probs, ref_log_probs)
+        return grad - grad.detach() + estimator(log_probs, ref_log_probs).detach()
+    return value_of_it_gradient_of_k2
 
 
-def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL estimate between the policy and the reference ``(B, T)``,
-    by the registered estimator ``kind`` or its straight-through ``kind+``."""
-    straight_through = kind.endswith("+") and kind[:-1] in ("k1", "k3", "low_var_kl")
-    base = kind[:-1] if straight_through else kind
+def get_kl(kind: str) -> Callable:
+    """The registered estimator `kind`, or for `name+` its straight-through variant."""
+    base = kind[:-1] if kind.endswith("+") else kind
     if base not in KL_ESTIMATORS:
-        raise ValueError(f"Unknown kl penalty kind {kind!r}; allowed: {list(KL_PENALTY_KINDS)}")
-    value = KL_ESTIMATORS[base](log_probs, ref_log_probs)
-    if not straight_through:
-        return value
-    grad = kl_k2(log_probs, ref_log_probs)
-    return grad - grad.detach() + value.detach()
+        raise ValueError(f"unknown KL estimator {kind!r}; registered: {', '.join(KL_ESTIMATORS)} (each also as "
+                         "name+, straight-through)")
+    return straight_through(KL_ESTIMATORS[base]) if kind.endswith("+") else KL_ESTIMATORS[base]
+
+
+def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str | Callable) -> torch.Tensor:
+    """Per-token KL estimate between the policy and the reference ``(B, T)``, by the
+    registered estimator ``kind`` (``name+``: straight-through) or an estimator function."""
+    return (get_kl(kind) if isinstance(kind, str) else kind)(log_probs, ref_log_probs)
 
 
 # --------------------------------------------------------------------------
@@ -122,7 +126,7 @@ def kl_penalized_rewards(
     ref_log_probs: torch.Tensor,
     mask: torch.Tensor,
     beta: float,
-    kind: str = "k1",
+    kind: str | Callable = "k1",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token rewards with the KL penalty: ``scores - beta * kl`` on valid tokens.
 

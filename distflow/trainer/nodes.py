@@ -25,7 +25,7 @@ Fields (one row per response, n rows per prompt):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
@@ -344,7 +344,7 @@ def kl_in_reward(ctx: WorkerContext, batch: Batch) -> Batch:
     scores = core.token_level_rewards(batch[ctx.params["reward_field"]], mask)  # (B, R)
     beta = ctx.reward_kl.value
     rewards, per_token = kl.kl_penalized_rewards(scores, batch["rollout_log_probs"], batch["ref_log_probs"], mask,
-                                                 beta, a.reward_kl_type)
+                                                 beta, resolve_kl(a.reward_kl_type))
     seq_kl = kl.sequence_mean_kl(per_token, mask)  # (B,); 0 for a row with no tokens (a filter's masked rows)
     rows = float((mask.sum(-1) > 0).sum())  # the responses that have a KL
     total, count = _summed_over_workers(ctx)(float(seq_kl.sum()), rows)
@@ -353,6 +353,17 @@ def kl_in_reward(ctx: WorkerContext, batch: Batch) -> Batch:
     ctx.acc.add("reward_kl/penalty", float(seq_kl.sum()), rows)
     ctx.acc.add("reward_kl/coef", beta, 1.0)
     return Batch({"token_rewards": rewards})
+
+
+@lru_cache(maxsize=None)  # once per run, not per micro-batch (a file.py is executed to load it)
+def resolve_kl(spec: str) -> Callable:
+    """algorithm.kl_type / reward_kl_type: a registered KL estimator's name, or
+    `module:function` / `file.py:function`; `+` after either: its straight-through variant."""
+    if ":" not in spec:
+        return kl.get_kl(spec)
+    plus = spec.endswith("+")
+    fn = load_callable(spec[:-1] if plus else spec, "KL estimator")
+    return kl.straight_through(fn) if plus else fn
 
 
 def resolve_estimator(spec: str) -> tuple[Estimator, EstimatorInfo]:
@@ -416,7 +427,7 @@ def make_policy_loss(cfg: Config, num_tokens: float, num_seqs: float, policy_los
                     "clip_frac_lower": token_sum(pg.clip_frac_lower), "approx_kl": token_sum(pg.approx_kl),
                     "entropy": float((entropy.detach() * mask).sum()), "tokens": tokens}
         if a.use_kl_loss:
-            kl_loss = kl.kl_penalty(log_probs, micro["ref_log_probs"], a.kl_type)
+            kl_loss = kl.kl_penalty(log_probs, micro["ref_log_probs"], resolve_kl(a.kl_type))
             loss = loss + a.kl_coef * core.agg_loss(kl_loss, mask, a.loss_agg_mode, **counts)
             metrics["kl"] = float((kl_loss.detach() * mask).sum())
         if a.entropy_coef:

@@ -67,7 +67,8 @@ def _node(name: str, role: str, inputs, outputs, **kw) -> Node:
 
 
 def _checked(cfg: Config):
-    """The estimator (and what it needs) and the policy loss, or one line naming the key."""
+    """The estimator (and what it needs), the policy loss and the KL estimators, or one
+    line naming the key."""
     a = cfg.algorithm
     try:
         _, info = nodes.resolve_estimator(a.estimator)
@@ -77,6 +78,11 @@ def _checked(cfg: Config):
         get_policy_loss(a.policy_loss)
     except ValueError as e:
         raise GraphError(f"algorithm.policy_loss={a.policy_loss!r}: {e}") from None
+    for key in ("kl_type", "reward_kl_type"):
+        try:
+            nodes.resolve_kl(getattr(a, key))
+        except ValueError as e:  # PluginError too
+            raise GraphError(f"algorithm.{key}={getattr(a, key)!r}: {e}") from None
     if a.group_size < info.min_group_size:
         raise GraphError(f"algorithm.group_size={a.group_size}: the {a.estimator!r} estimator needs at least "
                          f"{info.min_group_size} responses per prompt; with fewer every advantage is 0")

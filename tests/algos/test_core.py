@@ -597,8 +597,19 @@ def test_kl_penalty_hand_values():
 
 
 def test_kl_penalty_unknown_kind():
-    with pytest.raises(ValueError, match=r"'k4'.*'k1'.*'low_var_kl'"):
+    with pytest.raises(ValueError, match=r"unknown KL estimator 'k4'; registered: k1, .*low_var_kl"):
         kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), "k4")
+
+
+@pytest.mark.parametrize("kind", ["k1+", "k3+", "low_var_kl+", "abs+"])
+def test_a_straight_through_kl_has_its_estimator_s_value_and_k2_s_gradient(kind):
+    gen = make_gen(5)
+    logp = (torch.randn(3, 4, generator=gen, dtype=F64)).requires_grad_()
+    ref = torch.randn(3, 4, generator=gen, dtype=F64)
+    value = kl_penalty(logp, ref, kind)
+    close(value.detach(), kl_penalty(logp.detach(), ref, kind[:-1]))
+    value.sum().backward()
+    close(logp.grad, logp.detach() - ref)
 
 
 @pytest.mark.parametrize("kind", ["k1", "k2", "k3", "abs"])

@@ -193,6 +193,30 @@ def test_an_unknown_estimator_or_policy_loss_is_one_line():
         build_graph(load_config(None, ["algorithm.estimator=nope"]))
     with pytest.raises(GraphError, match=r"^algorithm.policy_loss='cispo': Unknown policy loss"):
         build_graph(load_config(None, ["algorithm.policy_loss=cispo"]))
+    with pytest.raises(GraphError, match=r"^algorithm.reward_kl_type='k4': unknown KL estimator 'k4'; registered: "
+                                         r"k1, k2, abs, k3, low_var_kl \(each also as name\+"):
+        build_graph(load_config(None, ["algorithm.reward_kl_type=k4"]))
+
+
+def test_a_kl_estimator_of_one_s_own_is_chosen_by_its_file_or_module(tmp_path):
+    """docs/ALGORITHMS.md names the KL estimators a registry chosen by algorithm.kl_type:
+    the config allowed only the eight built-in names, and `+` only for three of them."""
+    import torch
+
+    from distflow.trainer.nodes import resolve_kl
+
+    (tmp_path / "my_kl.py").write_text("def quartic(log_probs, ref_log_probs):\n"
+                                       "    return (log_probs - ref_log_probs) ** 4\n")
+    spec = f"{tmp_path / 'my_kl.py'}:quartic"
+    build_graph(load_config(None, [f"algorithm.kl_type={spec}+", f"algorithm.reward_kl_type={spec}"]))
+    logp, ref = torch.tensor([[0.5, -1.0]], requires_grad=True), torch.tensor([[0.0, 0.0]])
+    torch.testing.assert_close(resolve_kl(spec)(logp, ref), torch.tensor([[0.0625, 1.0]]), check_dtype=False)
+    value = resolve_kl(spec + "+")(logp, ref)
+    value.sum().backward()
+    torch.testing.assert_close(value.detach(), torch.tensor([[0.0625, 1.0]]))
+    torch.testing.assert_close(logp.grad, logp.detach() - ref)  # k2's gradient
+    with pytest.raises(GraphError, match=r"^algorithm.kl_type='.*my_kl.py:nothing': "):
+        build_graph(load_config(None, [f"algorithm.kl_type={tmp_path / 'my_kl.py'}:nothing"]))
 
 
 def test_a_group_of_one_is_refused_only_where_it_gives_no_signal():
