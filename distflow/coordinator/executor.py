@@ -69,6 +69,7 @@ class GlobalView:
     ran in between)."""
 
     samples: SampleTable | None = None
+    labels: np.ndarray | None = None  # the rows' balancing labels (see `reshard`), where a reshard gathered them
 
     def known(self, rank: int, sample_ids: Sequence[int], lengths: Sequence[int]) -> bool:
         """True when filled; raises when this rank's rows are not the ones it records."""
@@ -120,8 +121,22 @@ def _world(group) -> tuple[int, int]:
 def gather_metadata(sample_ids: Sequence[int], lengths: Sequence[int], group=None,
                     stats: TransferStats | None = None) -> SampleTable:
     """All ranks' (sample id, length) lists, as the planner reads them."""
-    local = _int64([int(v) for pair in zip(sample_ids, lengths) for v in pair])
-    return SampleTable.gathered([rows.numpy() for rows in all_gather_rows(local.reshape(-1, 2), group, stats)])
+    return _gathered(sample_ids, lengths, None, group, stats)[0]
+
+
+def _gathered(sample_ids: Sequence[int], lengths: Sequence[int], labels: Sequence[int] | None, group,
+              stats: TransferStats | None) -> tuple[SampleTable, np.ndarray | None]:
+    """`gather_metadata`, and with `labels` every sample's label, by the table's rows."""
+    columns = [sample_ids, lengths] if labels is None else [sample_ids, lengths, labels]
+    local = _int64([int(v) for row in zip(*columns) for v in row]).reshape(-1, len(columns))
+    rows = [r.numpy() for r in all_gather_rows(local, group, stats)]
+    table = SampleTable.gathered([r[:, :2] for r in rows])
+    if labels is None:
+        return table, None
+    every = np.concatenate(rows)
+    by_row = np.empty(len(table.ids), dtype=np.int64)
+    by_row[np.searchsorted(table.ids, every[:, 0])] = every[:, 2]
+    return table, by_row
 
 
 def all_gather_rows(local: torch.Tensor, group=None, stats: TransferStats | None = None) -> list[torch.Tensor]:
@@ -551,20 +566,23 @@ def _pack_sends(plan: ReshardPlan, batch: Batch, row_of: dict[int, int], rank: i
 def plan_collectively(sample_ids: Sequence[int], lengths: Sequence[int], src: Layout, dst: Layout, *,
                       balance: str = "kk", equal_count: bool = False, tolerance: float = 0.0, group=None,
                       stats: TransferStats | None = None, times: PhaseTimes | None = None,
-                      view: GlobalView | None = None) -> ReshardPlan:
-    """The metadata all-gather (unless `view` already knows every rank's rows), then the
-    same pure plan on every rank (`plan_samples`); fills or updates `view`."""
+                      view: GlobalView | None = None, labels: Sequence[int] | None = None) -> ReshardPlan:
+    """The metadata all-gather (unless `view` already knows every rank's rows, and their
+    labels where `labels` are given), then the same pure plan on every rank
+    (`plan_samples`); fills or updates `view`."""
     timed = times if times is not None else _untimed
     rank, _ = _world(group)
-    if view is not None and view.known(rank, sample_ids, lengths):
-        samples = view.samples
+    if view is not None and view.known(rank, sample_ids, lengths) and (labels is None or view.labels is not None):
+        samples, gathered_labels = view.samples, view.labels if labels is not None else None
     else:
         with gc_paused(), timed("metadata"):
-            samples = gather_metadata(sample_ids, lengths, group, stats)
+            samples, gathered_labels = _gathered(sample_ids, lengths, labels, group, stats)
     with timed("plan"):  # the same pure plan on every rank: no message
-        plan = plan_samples(src, dst, samples, balance=balance, equal_count=equal_count, tolerance=tolerance)
+        plan = plan_samples(src, dst, samples, balance=balance, equal_count=equal_count, tolerance=tolerance,
+                            labels=gathered_labels)
     if view is not None:
         view.update(plan)
+        view.labels = gathered_labels  # the plan keeps the rows' order: the labels stay theirs
     return plan
 
 
@@ -578,12 +596,14 @@ def _int64(values: Sequence[int]) -> torch.Tensor:
 def reshard(batch: Batch, sample_ids: Sequence[int], lengths: Sequence[int], src: Layout, dst: Layout,
             *, balance: str = "kk", equal_count: bool = False, tolerance: float = 0.0, group=None,
             stats: TransferStats | None = None, transport: str = "auto", times: PhaseTimes | None = None,
-            view: GlobalView | None = None) -> tuple[Batch, list[int], ReshardPlan]:
+            view: GlobalView | None = None, labels: Sequence[int] | None = None) -> tuple[Batch, list[int], ReshardPlan]:
     """Metadata all-gather (none when `view` knows the rows: see GlobalView), the same
     plan on every rank, then the payload exchange. transport: "auto" (shared memory
     between ranks on one host, the collective backend across hosts) or "gloo" (the
-    collective backend for everything). `times` collects seconds per phase."""
+    collective backend for everything). `times` collects seconds per phase. `labels`
+    (an int per row): each label's rows are balanced over the replicas on their own too
+    (`plan_samples`); they travel with the metadata."""
     plan = plan_collectively(sample_ids, lengths, src, dst, balance=balance, equal_count=equal_count,
-                             tolerance=tolerance, group=group, stats=stats, times=times, view=view)
+                             tolerance=tolerance, group=group, stats=stats, times=times, view=view, labels=labels)
     new_batch, new_ids = execute(plan, batch, sample_ids, group, stats, transport, times)
     return new_batch, new_ids, plan

@@ -26,6 +26,9 @@ class Placement:
     balance: str = "kk"
     tolerance: float = 0.02
     view: GlobalView = field(default_factory=GlobalView)  # who holds which rows since the last move
+    # a field of int labels whose rows are balanced on their own too (the trainer's PPO mini-batches:
+    # each is an update every rank waits for); it travels with the metadata of every move
+    balance_within: str | None = None
 
     def moves(self, src: str, dst: str) -> bool:
         if src == dst:
@@ -47,6 +50,9 @@ class Placement:
         source, target, balance = self.layouts(src, dst)
         if not same_rows:
             self.view = GlobalView()
+        within = self.balance_within is not None and self.balance_within in batch
+        labels = batch[self.balance_within].tolist() if within else None
         new, _, _ = reshard(batch, batch["sample_id"], sequence_lengths(batch), source, target,
-                            balance=balance, tolerance=self.tolerance, stats=self.stats, view=self.view)
+                            balance=balance, tolerance=self.tolerance, stats=self.stats, view=self.view,
+                            labels=labels)
         store.replace(new)

@@ -157,15 +157,20 @@ def plan_reshard(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]]
 
 
 def plan_samples(src: Layout, dst: Layout, samples: SampleTable, *, balance: str = "kk",
-                 equal_count: bool = False, tolerance: float = 0.0) -> ReshardPlan:
+                 equal_count: bool = False, tolerance: float = 0.0,
+                 labels: np.ndarray | None = None) -> ReshardPlan:
     """`plan_reshard` of the rows ``samples`` records (every rank's, as arrays: from the
     metadata all-gather, `SampleTable.gathered`, or an earlier plan's ``after``), as
     every rank runs it before a reshard: the stay-put plan where it applies (`_stay_put`,
-    O(samples)), else the planner's."""
+    O(samples)), else the planner's. ``labels`` (one int per row of ``samples``): the
+    samples of each label are balanced over the replicas on their own, as well as the
+    whole (the trainer's PPO mini-batches, each an update every rank waits for)."""
     with gc_paused():
         _check(src, dst, samples, balance)
-        plan = _stay_put(dst, samples, balance, equal_count, tolerance)
-        return plan if plan is not None else _plan(src, dst, samples, balance, equal_count, tolerance)
+        if labels is not None and (balance == "none" or len(np.unique(labels)) < 2):
+            labels = None
+        plan = _stay_put(dst, samples, balance, equal_count, tolerance, labels)
+        return plan if plan is not None else _plan(src, dst, samples, balance, equal_count, tolerance, labels)
 
 
 @contextmanager
@@ -194,11 +199,11 @@ def stay_put_plan(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]
 
 
 def _stay_put(dst: Layout, samples: SampleTable, balance: str, equal_count: bool,
-              tolerance: float) -> ReshardPlan | None:
+              tolerance: float, labels: np.ndarray | None = None) -> ReshardPlan | None:
     """The plan when nothing moves, in O(samples): each sample is held by every member
     of one destination group and by no other rank, and (unless ``balance="none"``) that
-    placement is within the tolerance of the balancer's bound. None where that does not
-    hold (plan it in full)."""
+    placement is within the tolerance of the balancer's bound, each label's too. None
+    where that does not hold (plan it in full)."""
     if equal_count:
         return None
     group = _group_index(dst)[samples.holder_rank]
@@ -211,6 +216,10 @@ def _stay_put(dst: Layout, samples: SampleTable, balance: str, equal_count: bool
     if balance != "none" and (_largest_bin(group_of, samples.lens, dst.dp_size) >
                               _bound(dst, samples.lens) * (1.0 + tolerance) or not _fills(group_of, dst.dp_size)):
         return None
+    for rows in _label_rows(labels):
+        if _largest_bin(group_of[rows], samples.lens[rows], dst.dp_size) > \
+                _bound(dst, samples.lens[rows]) * (1.0 + tolerance):
+            return None
     bins = [samples.ids[rows].tolist() for rows in _rows_by_label(group_of, dst.dp_size)]
     return ReshardPlan(bins, _NO_MOVES, samples)
 
@@ -263,6 +272,13 @@ class SampleTable(NamedTuple):
         """The rows ``rank`` holds, ascending."""
         return self.holder_row[self.holder_rank == rank]
 
+    def subset(self, rows: np.ndarray) -> SampleTable:
+        """The table of the samples at ``rows`` (ascending), with their holders."""
+        new_row = np.full(len(self.ids), -1, dtype=np.int64)
+        new_row[rows] = np.arange(len(rows))
+        kept = new_row[self.holder_row] >= 0
+        return SampleTable(self.ids[rows], self.lens[rows], new_row[self.holder_row[kept]], self.holder_rank[kept])
+
 
 class _Votes(NamedTuple):
     """[sample, group] counts of the destination group's members holding the sample,
@@ -275,17 +291,31 @@ class _Votes(NamedTuple):
 
 
 def _plan(src: Layout, dst: Layout, samples: SampleTable, balance: str, equal_count: bool,
-          tolerance: float) -> ReshardPlan:
+          tolerance: float, labels: np.ndarray | None = None) -> ReshardPlan:
+    if labels is not None:  # each label's samples placed on their own; the labels together fill every replica
+        group_of = np.empty(len(samples.ids), dtype=np.int64)
+        for rows in _label_rows(labels):
+            group_of[rows] = _groups(dst, samples.subset(rows), balance, equal_count, tolerance, fill=False)
+        if _fills(group_of, dst.dp_size):
+            return _route(group_of, dst, samples)
+    return _route(_groups(dst, samples, balance, equal_count, tolerance), dst, samples)
+
+
+def _groups(dst: Layout, samples: SampleTable, balance: str, equal_count: bool, tolerance: float,
+            fill: bool = True) -> np.ndarray:
+    """Each sample's destination group: staying put, repaired or balanced afresh (see the
+    module's docstring), bins matched to the groups that hold most of them. `fill`: no
+    bin may be empty (a training rank needs a sample); not asked of one label's samples."""
     votes = _votes(samples, dst)
     lens = samples.lens.tolist()
     bound = _bound(dst, samples.lens)
     stay = _locality_bins(votes, samples.lens, equal_count, limit=bound * (1.0 + tolerance))
     group_of, stay_largest = stay, _largest_bin(stay, samples.lens, dst.dp_size)
-    filled = _fills(stay, dst.dp_size)
+    filled = not fill or _fills(stay, dst.dp_size)
     if balance != "none" and (stay_largest > bound * (1.0 + tolerance) or not filled):
         repaired = None if equal_count else _repaired(stay, lens, dst.dp_size, bound * (1.0 + tolerance))
-        if repaired is not None and _fills(repaired, dst.dp_size):  # a few samples moved, the rest stays
-            return _route(_match_bins(repaired, votes, samples.lens), dst, samples)
+        if repaired is not None and (not fill or _fills(repaired, dst.dp_size)):  # a few samples moved, the rest stays
+            return _match_bins(repaired, votes, samples.lens)
         split = karmarkar_karp if balance == "kk" else greedy_lpt
         balanced = np.empty(len(lens), dtype=np.int64)
         for b, rows in enumerate(split(lens, dst.dp_size, equal_count)):
@@ -293,7 +323,15 @@ def _plan(src: Layout, dst: Layout, samples: SampleTable, balance: str, equal_co
         # Staying put costs no bytes, so the balancer must be strictly better to win (or fill a bin).
         if not filled or _largest_bin(balanced, samples.lens, dst.dp_size) * (1.0 + tolerance) < stay_largest:
             group_of = balanced
-    return _route(_match_bins(group_of, votes, samples.lens), dst, samples)
+    return _match_bins(group_of, votes, samples.lens)
+
+
+def _label_rows(labels: np.ndarray | None) -> list[np.ndarray]:
+    """The rows of each label, ascending; none without labels."""
+    if labels is None:
+        return []
+    order = np.argsort(labels, kind="stable")
+    return np.split(order, np.flatnonzero(np.diff(labels[order])) + 1)
 
 
 def _repaired(bin_of: np.ndarray, lens: list[int], k: int, target: float) -> np.ndarray | None:

@@ -167,6 +167,14 @@ class RefillPrompts:
         return batch
 
 
+def make_placement(cfg: Config, rollout: Layout, train: Layout) -> Placement:
+    """The step's moves between the layouts; with several PPO mini-batches each one is
+    balanced over the training ranks on its own (each is an update that waits for its
+    slowest rank), not only the step's rows as a whole."""
+    several = cfg.data.train_batch_size > cfg.actor.ppo_mini_batch_size
+    return Placement(rollout, train, balance_within="mini_batch" if several else None)
+
+
 def make_rollout_engine(cfg: Config, policy_path: str, tokenizer, device: torch.device,
                         actor: Actor | None) -> RolloutEngine:
     """rollout.engine: HF generate on the policy (the actor's own weights when every worker
@@ -372,7 +380,7 @@ class Trainer:
         if self.ctx.episodes is not None:
             self._parts.callback(self.ctx.episodes.close)
         self.rollout, self.actor, self.relay = rollout, actor, relay
-        self.placement = Placement(self.rollout_layout, self.train_layout)
+        self.placement = make_placement(cfg, self.rollout_layout, self.train_layout)
         self._status = StatusFile(run_dir, self.rank)
         self.scheduler = Scheduler(self.graph, placement=self.placement, overlap=overlap,
                                    threads=cfg.scheduler.threads,

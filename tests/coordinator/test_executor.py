@@ -132,6 +132,42 @@ def test_a_global_view_replaces_the_metadata_all_gather_of_later_reshards():
         assert "the rows passed to reshard are not those its GlobalView records" in r["stale"]
 
 
+def _labelled(rank, world):
+    """DP -> TP -> DP with each sample's label (id mod 3) balanced on its own, with a
+    GlobalView and without."""
+    dp, tp = Layout.data_parallel(world), Layout(world, tp_size=2)
+    length = lambda ids: [3 + (s * 7) % 11 for s in ids]  # noqa: E731
+    out = {}
+    for name, view in (("plain", None), ("view", GlobalView())):
+        batch, ids, _ = _sample_batch(rank)
+        meta, plans = [], []
+        for src, dst in ((dp, tp), (tp, dp)):
+            stats = TransferStats()
+            batch, ids, plan = reshard(batch, ids, length(ids), src, dst, stats=stats, view=view,
+                                       labels=[s % 3 for s in ids])
+            meta.append(stats.meta_sent)
+            plans.append(plan.assignment)
+        _check_rows(batch, ids)
+        out[name] = {"meta": meta, "plans": plans}
+    return out
+
+
+def test_labels_travel_with_the_metadata_and_the_view_keeps_them():
+    from distflow.coordinator.planner import _validate, plan_samples
+
+    dp, tp = Layout.data_parallel(WORLD), Layout(WORLD, tp_size=2)
+    lengths = {s: 3 + (s * 7) % 11 for s in range(24)}
+    table = _validate(dp, tp, {r: list(range(r, 24, WORLD)) for r in range(WORLD)}, lengths, "kk")
+    first = plan_samples(dp, tp, table, labels=table.ids % 3)
+    second = plan_samples(tp, dp, first.after, labels=table.ids % 3)
+    assert first != plan_samples(dp, tp, table)  # the labels change the plan here
+    for rank, r in enumerate(run_gloo(_labelled, WORLD)):
+        assert r["plain"]["plans"] == r["view"]["plans"] == [first.assignment, second.assignment]
+        # the second reshard's all-gather of this rank's (id, length, label) rows to 3 peers: the view has them
+        triples = 8 * (1 + 3 * len(first.samples_for(rank))) * (WORLD - 1)
+        assert r["view"]["meta"][0] == r["plain"]["meta"][0] and r["plain"]["meta"][1] - r["view"]["meta"][1] == triples
+
+
 def test_pack_roundtrip_keeps_dtypes_shapes_and_strings():
     batch, ids, _ = _sample_batch(1)
     out, out_ids, head = unpack(pack(batch, [0, 2], [ids[0], ids[2]]))

@@ -575,3 +575,40 @@ def test_no_training_rank_is_left_without_a_sample(balance):
     lay = Layout(8)
     plan = plan_reshard(lay, lay, holdings, lengths, balance=balance, tolerance=0.02)
     assert all(plan.holdings(8)[r] for r in range(8))
+
+
+def _per_label_tokens(plan: ReshardPlan, lengths, label_of, labels: int) -> np.ndarray:
+    """[replica, label] tokens of a plan."""
+    out = np.zeros((len(plan.assignment), labels), dtype=np.int64)
+    for g, samples in enumerate(plan.assignment):
+        for s in samples:
+            out[g, label_of[s]] += lengths[s]
+    return out
+
+
+@pytest.mark.parametrize("src_tp", [1, 2])
+def test_labels_are_balanced_each_on_its_own(src_tp):
+    """PPO mini-batches: each is an update every rank waits for. Balanced by the whole
+    step alone, one rank held 2,160 of a mini-batch's tokens against 200-360 on the
+    others (the review's case); with the mini-batch as a label each one is within the
+    bound, and the step as a whole still is."""
+    rng = random.Random(4)
+    world, labels = 4, 4
+    lengths = {s: rng.choice([2000, 2200]) if rng.random() < 0.06 else rng.randint(40, 90) for s in range(256)}
+    label_of = {s: (s // 4) % labels for s in lengths}  # groups of 4 responses, mini-batches of whole groups
+    src, dst = Layout(world, tp_size=src_tp), Layout(world)
+    holdings = {r: [s for s in lengths if (s // 4) % (world // src_tp) == src.dp_rank(r)] for r in range(world)}
+    table = _validate(src, dst, holdings, lengths, "kk")
+    label_rows = np.array([label_of[int(s)] for s in table.ids])
+    plain = plan_samples(src, dst, table, balance="kk", tolerance=0.02)
+    within = plan_samples(src, dst, table, balance="kk", tolerance=0.02, labels=label_rows)
+    check_plan(within, src, dst, holdings, lengths)
+    per_plain, per_within = (_per_label_tokens(p, lengths, label_of, labels) for p in (plain, within))
+    # each label's largest share is within the tolerance of what the balancer makes of that label alone
+    weights = [[lengths[s] for s in lengths if label_of[s] == b] for b in range(labels)]
+    alone = [max(totals(w, karmarkar_karp(w, world))) for w in weights]
+    assert (per_within.max(axis=0) <= np.array(alone) * 1.02).all()
+    assert (per_plain.max(axis=0) / per_plain.mean(axis=0)).max() > 1.5  # the straggler without labels
+    assert per_within.sum(axis=1).max() <= 1.1 * per_within.sum() / world  # the whole step stays even
+    # one label, or none: the plan without labels
+    assert plan_samples(src, dst, table, balance="kk", tolerance=0.02, labels=np.zeros(len(table.ids), int)) == plain

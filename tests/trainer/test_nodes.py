@@ -336,3 +336,34 @@ def test_failed_rewards_are_counted_where_they_are_scored_and_episode_lengths_ho
     two.tensors[FILTERED_OUT] = torch.tensor([False, True])
     nodes.record_rollout_metrics(two, acc, episodes=True)
     assert acc.reduce()["reward/mean"] == 1.0
+
+
+def _move_to_train(rank: int, world: int, mini_batch_size: int):
+    """Rank 0 holds mini-batch 0's long responses, rank 1 mini-batch 1's; both the same
+    tokens in all. The trainer's placement moves the rows to the training layout."""
+    from distflow.coordinator.layout import Layout
+    from distflow.coordinator.store import LocalStore
+    from distflow.trainer.loop import make_placement
+
+    cfg = load_config(None, ["data.train_batch_size=4", f"actor.ppo_mini_batch_size={mini_batch_size}",
+                             "runtime.num_workers=2"])
+    lengths = [40, 40, 4, 4, 4, 4, 4, 4] if rank == 0 else [4, 4, 4, 4, 4, 4, 40, 40]  # rows 0-3: mini-batch 0
+    store = LocalStore()
+    store.put(Batch({"prompt_mask": torch.ones(8, 1, dtype=torch.long),
+                     "response_mask": (torch.arange(40) < torch.tensor(lengths)[:, None]).long(),
+                     "mini_batch": torch.tensor([0] * 4 + [1] * 4)},
+                    {"sample_id": [rank * 8 + i for i in range(8)]}))
+    make_placement(cfg, Layout(world), Layout(world)).move(store, "local", "train")
+    batch = store.all()
+    tokens = batch["response_mask"].sum(-1)
+    return [int(tokens[batch["mini_batch"] == m].sum()) for m in (0, 1)]
+
+
+def test_the_trainer_s_placement_balances_each_mini_batch_over_the_ranks():
+    """Two mini-batches, each with its long responses on one rank: the step's rows were
+    balanced already (nothing moved) while each update ran 88 response tokens on one rank
+    against 16 on the other. With one mini-batch the step's balance is all there is."""
+    from helpers import run_gloo
+
+    assert run_gloo(_move_to_train, 2, 2) == [[52, 52], [52, 52]]
+    assert run_gloo(_move_to_train, 2, 4) == [[88, 16], [16, 88]]  # one mini-batch: nothing moves
