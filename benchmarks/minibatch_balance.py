@@ -7,8 +7,8 @@ move to the training layout (`plan_samples`, Karmarkar-Karp, 2% tolerance) for a
 around 256, clipped to [128, 2048]), prompt p on rank p mod N as the loader deals them,
 in `--mini-batches` mini-batches of whole prompts, without and with the mini-batch as a
 label (`Placement.balance_within`), and prints, averaged over `--seeds` draws, the
-largest rank's tokens of a mini-batch over the mean (1.0: no straggler) and the share
-of tokens the move sends:
+largest rank's tokens of a mini-batch over the mean (1.0: no straggler), the same for
+the whole step (its scoring forwards) and the share of tokens the move sends:
 
     python benchmarks/minibatch_balance.py --workers 4 8 --seeds 20
 """
@@ -36,8 +36,9 @@ def measure(workers: int, prompts: int, group_size: int, mini_batches: int, seed
         tokens = np.zeros((workers, mini_batches))
         for rank, samples in enumerate(plan.assignment):
             np.add.at(tokens[rank], label[samples], lens[samples])
+        step = tokens.sum(1)
         out[name] = {"straggler": float((tokens.max(0) / tokens.mean(0)).mean()),
-                     "moved": plan.moved_tokens(lengths) / float(lens.sum())}
+                     "step": float(step.max() / step.mean()), "moved": plan.moved_tokens(lengths) / float(lens.sum())}
     return out
 
 
@@ -49,15 +50,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mini-batches", type=int, default=4)
     parser.add_argument("--seeds", type=int, default=20)
     args = parser.parse_args(argv)
-    print("| N | balanced over | largest rank / mean, per mini-batch | tokens moved |")
-    print("|---|---|---|---|")
+    print("| N | balanced over | largest rank / mean, per mini-batch | largest rank / mean, the step | tokens moved |")
+    print("|---|---|---|---|---|")
     for workers in args.workers:
         runs = [measure(workers, args.prompts, args.group_size, args.mini_batches, s) for s in range(args.seeds)]
         for name in ("step", "mini_batch"):
             straggler = sum(r[name]["straggler"] for r in runs) / len(runs)
+            step = sum(r[name]["step"] for r in runs) / len(runs)
             moved = sum(r[name]["moved"] for r in runs) / len(runs)
             print(f"| {workers} | {'the step' if name == 'step' else 'each mini-batch'} | {straggler:.3f} | "
-                  f"{moved:.1%} |")
+                  f"{step:.3f} | {moved:.1%} |")
     return 0
 
 

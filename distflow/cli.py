@@ -413,13 +413,15 @@ def with_absolute_paths(cfg: Config) -> None:
 def _launch(cfg: Config, run_dir: Path, entry: str, entry_args: tuple, on_poll, meter, centralized=None):
     """Every worker runs `entry(*entry_args)` under Ray; their results, or the exit code of a failure."""
     from distflow.runtime.ray_launcher import ClusterTooSmall, Stopped, WorkerFailed, launch_ray
+    from distflow.trainer.loop import balanced_within
 
     try:
         return launch_ray(entry, entry_args, run_dir=run_dir, num_workers=cfg.runtime.num_workers,
                           device=cfg.runtime.device, collective_timeout_s=cfg.runtime.collective_timeout_s,
                           threads=cfg.runtime.threads_per_worker, on_poll=on_poll,
                           ray_address=cfg.runtime.ray_address, centralized=centralized,
-                          centralized_wire=cfg.runtime.centralized_wire, meter=meter)
+                          centralized_wire=cfg.runtime.centralized_wire, balance_within=balanced_within(cfg),
+                          meter=meter)
     except WorkerFailed as e:
         return _fail(str(e), EXIT_FAILED)
     except ClusterTooSmall as e:

@@ -139,7 +139,8 @@ _NO_MOVES.flags.writeable = False
 
 def plan_reshard(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]],
                  lengths: Mapping[int, int], *, balance: str = "kk",
-                 equal_count: bool = False, tolerance: float = 0.0) -> ReshardPlan:
+                 equal_count: bool = False, tolerance: float = 0.0,
+                 labels: Mapping[int, int] | None = None) -> ReshardPlan:
     """Plan moving samples from layout ``src`` to layout ``dst``.
 
     ``holdings[rank]`` are the sample ids ``rank`` holds now (a sample may be held by
@@ -149,11 +150,13 @@ def plan_reshard(src: Layout, dst: Layout, holdings: Mapping[int, Sequence[int]]
     equal). ``equal_count`` also keeps the replicas' sample counts within 1.
     ``tolerance``: keep the stay-put placement unless the balancer's largest bin is
     smaller by more than this fraction (e.g. 0.02: a 2% straggler is cheaper than
-    moving most of the batch to remove it).
+    moving most of the batch to remove it). ``labels[sample]``: see `plan_samples`.
     Raises ``ValueError`` on inconsistent inputs, before anything moves.
     """
     with gc_paused():
-        return _plan(src, dst, _validate(src, dst, holdings, lengths, balance), balance, equal_count, tolerance)
+        samples = _validate(src, dst, holdings, lengths, balance)
+        by_row = None if labels is None else np.array([labels[int(i)] for i in samples.ids], dtype=np.int64)
+        return _plan(src, dst, samples, balance, equal_count, tolerance, _several(by_row, balance, equal_count))
 
 
 def plan_samples(src: Layout, dst: Layout, samples: SampleTable, *, balance: str = "kk",
@@ -167,8 +170,7 @@ def plan_samples(src: Layout, dst: Layout, samples: SampleTable, *, balance: str
     whole (the trainer's PPO mini-batches, each an update every rank waits for)."""
     with gc_paused():
         _check(src, dst, samples, balance)
-        if labels is not None and (balance == "none" or len(np.unique(labels)) < 2):
-            labels = None
+        labels = _several(labels, balance, equal_count)
         plan = _stay_put(dst, samples, balance, equal_count, tolerance, labels)
         return plan if plan is not None else _plan(src, dst, samples, balance, equal_count, tolerance, labels)
 
@@ -292,13 +294,41 @@ class _Votes(NamedTuple):
 
 def _plan(src: Layout, dst: Layout, samples: SampleTable, balance: str, equal_count: bool,
           tolerance: float, labels: np.ndarray | None = None) -> ReshardPlan:
-    if labels is not None:  # each label's samples placed on their own; the labels together fill every replica
+    if labels is not None:  # each label's samples placed on their own, the whole still within the tolerance
         group_of = np.empty(len(samples.ids), dtype=np.int64)
         for rows in _label_rows(labels):
             group_of[rows] = _groups(dst, samples.subset(rows), balance, equal_count, tolerance, fill=False)
-        if _fills(group_of, dst.dp_size):
-            return _route(group_of, dst, samples)
+        if _fills(group_of, dst.dp_size) and \
+                _largest_bin(group_of, samples.lens, dst.dp_size) <= _bound(dst, samples.lens) * (1.0 + tolerance):
+            return _route(group_of, dst, samples)  # the whole is even too, and most stays in place
+        # else the placement whose updates and whole-step pass wait least for their slowest replica
+        candidates = [p for p in (group_of, _stacked_lightest_first(group_of, samples.lens, labels, dst.dp_size),
+                                  _groups(dst, samples, balance, equal_count, tolerance)) if _fills(p, dst.dp_size)]
+        costs = [_waits(p, samples.lens, labels, dst.dp_size) for p in candidates]
+        best = next(p for p, cost in zip(candidates, costs) if cost <= min(costs) * (1.0 + tolerance))
+        return _route(best, dst, samples)
     return _route(_groups(dst, samples, balance, equal_count, tolerance), dst, samples)
+
+
+def _waits(group_of: np.ndarray, lens: np.ndarray, labels: np.ndarray, k: int) -> float:
+    """Tokens of the slowest replica in each label's pass (an update) and in one pass over
+    the whole (a scoring forward), added up: what a step spends waiting on stragglers."""
+    return float(sum(_largest_bin(group_of[rows], lens[rows], k) for rows in _label_rows(labels))
+                 + _largest_bin(group_of, lens, k))
+
+
+def _stacked_lightest_first(group_of: np.ndarray, lens: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
+    """Each label's bins (as `group_of` places them) given to the groups again, so that
+    the whole stays even: the heaviest label first, each bin of it, heaviest first, to
+    the group with the fewest tokens so far."""
+    out, totals = np.empty_like(group_of), np.zeros(k)
+    for rows in sorted(_label_rows(labels), key=lambda r: -int(lens[r].sum())):
+        weights = np.bincount(group_of[rows], weights=lens[rows], minlength=k)
+        to = np.empty(k, dtype=np.int64)
+        to[np.argsort(-weights, kind="stable")] = np.argsort(totals, kind="stable")
+        out[rows] = to[group_of[rows]]
+        totals += np.bincount(out[rows], weights=lens[rows], minlength=k)
+    return out
 
 
 def _groups(dst: Layout, samples: SampleTable, balance: str, equal_count: bool, tolerance: float,
@@ -324,6 +354,13 @@ def _groups(dst: Layout, samples: SampleTable, balance: str, equal_count: bool, 
         if not filled or _largest_bin(balanced, samples.lens, dst.dp_size) * (1.0 + tolerance) < stay_largest:
             group_of = balanced
     return _match_bins(group_of, votes, samples.lens)
+
+
+def _several(labels: np.ndarray | None, balance: str, equal_count: bool) -> np.ndarray | None:
+    """The labels where they change a balanced plan: two or more of them (not with
+    `equal_count`, whose count cap holds for the whole, not per label)."""
+    return labels if (labels is not None and balance != "none" and not equal_count
+                      and len(np.unique(labels)) > 1) else None
 
 
 def _label_rows(labels: np.ndarray | None) -> list[np.ndarray]:

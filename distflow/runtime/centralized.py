@@ -277,7 +277,11 @@ class DriverRelay:
         src, dst, balance = self.placement.layouts(state, layout)
         length_of_row = sequence_lengths(self.batch)
         lengths = {i: length_of_row[self.row[i]] for r in range(self.num_workers) for i in self.rows_of[r]}
-        plan = plan_reshard(src, dst, self.rows_of, lengths, balance=balance, tolerance=self.placement.tolerance)
+        within = self.placement.balance_within
+        labels = None if within is None or within not in self.batch else \
+            {i: int(self.batch[within][self.row[i]]) for r in range(self.num_workers) for i in self.rows_of[r]}
+        plan = plan_reshard(src, dst, self.rows_of, lengths, balance=balance, tolerance=self.placement.tolerance,
+                            labels=labels)
         self.rows_of = plan.holdings(self.num_workers)
         for r in range(self.num_workers):
             self._send(r, "move", self.batch.select(self._rows(self.rows_of[r])), layout)

@@ -159,7 +159,8 @@ def check_ray_address(address: str, timeout_s: float = 10.0) -> str:
 def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, device: str,
                collective_timeout_s: int, threads: int, on_poll: Callable[[], None] | None = None,
                poll_s: float = 0.5, ray_address: str | None = None, centralized: list | None = None,
-               centralized_wire: str = "numpy", meter: LauncherMeter | None = None) -> list[Any]:
+               centralized_wire: str = "numpy", balance_within: str | None = None,
+               meter: LauncherMeter | None = None) -> list[Any]:
     """Run `entry(*args)` on `num_workers` Ray actors in one process group; return their
     results in rank order. A worker that fails fails the launch, naming its rank.
 
@@ -169,7 +170,8 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
     `centralized` (runtime.mode=centralized, a list of `centralized.NodeSpec`): the driver
     runs that graph every step and every stage's data goes through it
     (`runtime/centralized.py`), as `centralized_wire`; each worker's end of it is passed to
-    `entry` as its last argument. `meter` counts everything received (the caller's
+    `entry` as its last argument; its moves balance `balance_within`'s labels as the
+    workers' do (`Placement.balance_within`). `meter` counts everything received (the caller's
     `on_poll` may read files through the same meter)."""
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     import ray
@@ -233,7 +235,8 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
 
             # the workers' placement: rollout rows, then data-parallel training (no TP groups here)
             relay = DriverRelay(num_workers, collective_timeout_s, centralized,
-                                Placement(Layout(num_workers), Layout(num_workers)), wire)
+                                Placement(Layout(num_workers), Layout(num_workers), balance_within=balance_within),
+                                wire)
             driver = relay.start()
         pending = {actors[r].run.remote(entry, args + ((relay.endpoint(r),) if relay else ()), r, num_workers,
                                         master, port, device, collective_timeout_s, threads): r

@@ -168,11 +168,15 @@ class RefillPrompts:
 
 
 def make_placement(cfg: Config, rollout: Layout, train: Layout) -> Placement:
-    """The step's moves between the layouts; with several PPO mini-batches each one is
-    balanced over the training ranks on its own (each is an update that waits for its
-    slowest rank), not only the step's rows as a whole."""
-    several = cfg.data.train_batch_size > cfg.actor.ppo_mini_batch_size
-    return Placement(rollout, train, balance_within="mini_batch" if several else None)
+    """The step's moves between the layouts (`balanced_within`)."""
+    return Placement(rollout, train, balance_within=balanced_within(cfg))
+
+
+def balanced_within(cfg: Config) -> str | None:
+    """With several PPO mini-batches each one is balanced over the training ranks on its
+    own (each is an update that waits for its slowest rank), not only the step's rows as
+    a whole: the field of their labels."""
+    return "mini_batch" if cfg.data.train_batch_size > cfg.actor.ppo_mini_batch_size else None
 
 
 def make_rollout_engine(cfg: Config, policy_path: str, tokenizer, device: torch.device,

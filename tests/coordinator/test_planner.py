@@ -612,3 +612,30 @@ def test_labels_are_balanced_each_on_its_own(src_tp):
     assert per_within.sum(axis=1).max() <= 1.1 * per_within.sum() / world  # the whole step stays even
     # one label, or none: the plan without labels
     assert plan_samples(src, dst, table, balance="kk", tolerance=0.02, labels=np.zeros(len(table.ids), int)) == plain
+
+
+def test_labels_balanced_on_their_own_keep_the_whole_step_even():
+    """One long sample in each of four mini-batches, all made on rank 0: each label's
+    bins matched by locality alone stacked the four long samples on one rank (the step's
+    scoring forwards 3.1x the mean); the whole stays within the tolerance of the plain plan."""
+    world = 4
+    lengths = {s: (2000 if s % 16 == 0 else 50) for s in range(64)}
+    label_of = {s: s // 16 for s in lengths}
+    holdings = {r: [s for s in lengths if s % world == r] for r in range(world)}
+    lay = Layout(world)
+    table = _validate(lay, lay, holdings, lengths, "kk")
+    plain = plan_samples(lay, lay, table, balance="kk", tolerance=0.02)
+    within = plan_samples(lay, lay, table, balance="kk", tolerance=0.02,
+                          labels=np.array([label_of[int(s)] for s in table.ids]))
+    check_plan(within, lay, lay, holdings, lengths)
+    assert max(totals(lengths, within.assignment)) <= 1.02 * max(totals(lengths, plain.assignment))
+    per = _per_label_tokens(within, lengths, label_of, 4)
+    assert (per.max(axis=0) <= 2000 + 50).all()  # each update: its long sample alone on a rank, or with one short
+
+
+def test_equal_count_ignores_labels():
+    lay = Layout(2)
+    holdings, lengths = {0: [0, 1, 2, 3, 4, 5], 1: []}, {s: 10 for s in range(6)}
+    table = _validate(lay, lay, holdings, lengths, "kk")
+    plan = plan_samples(lay, lay, table, balance="kk", equal_count=True, labels=np.array([0, 0, 0, 0, 1, 1]))
+    assert sorted(len(b) for b in plan.assignment) == [3, 3]
