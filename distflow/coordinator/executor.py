@@ -23,7 +23,9 @@ ranks computed the same plan: zero bytes move.
 from __future__ import annotations
 
 import array
+import atexit
 import contextlib
+import glob
 import itertools
 import json
 import os
@@ -401,8 +403,9 @@ _KEEP_SLOT_BYTES = 64 << 20  # a larger message gets a file of its own that neit
 
 
 def _host_key() -> int:
-    """Who shares this rank's /dev/shm: DISTFLOW_HOST_ID when set, else hostname, boot id
-    and network namespace."""
+    """Who shares this rank's /dev/shm: DISTFLOW_HOST_ID when set, else hostname, boot id,
+    network namespace and the /dev/shm mount (a container with the host's network but its
+    own /dev/shm is another host here)."""
     import hashlib
     import socket
 
@@ -417,7 +420,11 @@ def _host_key() -> int:
             netns = os.stat("/proc/self/ns/net").st_ino
         except OSError:
             netns = 0
-        key = f"{socket.gethostname()}-{boot}-{netns}"
+        try:
+            shm = os.stat(_SHM_DIR).st_dev
+        except OSError:
+            shm = 0
+        key = f"{socket.gethostname()}-{boot}-{netns}-{shm}"
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=7).digest(), "little")
 
 
@@ -426,8 +433,8 @@ class _GroupState:
     exchanges on different groups, such as a background transfer, interleave differently
     per rank), this rank's shared-memory slots and the metadata messages' row capacity."""
 
-    def __init__(self, hosts: list[int], token: int) -> None:
-        self.hosts, self.token = hosts, token
+    def __init__(self, hosts: list[int], token: int, pids: list[int]) -> None:
+        self.hosts, self.token, self.pids = hosts, token, pids
         self.rounds = itertools.count()
         self.row_capacity: dict[int, int] = {}  # all_gather_rows: columns -> rows per message
         self.generations = itertools.count(1)
@@ -435,7 +442,9 @@ class _GroupState:
         self.recv: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
 
     def path(self, src: int, dst: int, slot: int, generation: int) -> str:
-        return f"{_SHM_DIR}/distflow-{self.token}-{src}-{dst}-{slot}-{generation}"
+        """A slot's file: named by its writer's pid, so that a later run removes it where
+        that process died before its reader took it (`_sweep_dead_writers`)."""
+        return f"{_SHM_DIR}/distflow-{self.token}-{self.pids[src]}-{src}-{dst}-{slot}-{generation}"
 
     def send_slot(self, rank: int, peer: int, slot: int, size: int) -> tuple[int, torch.Tensor] | None:
         """(generation, a `size`-byte view of the slot for `peer`); None where /dev/shm
@@ -462,6 +471,7 @@ class _GroupState:
             return None
         if keep:
             self.send[(peer, slot)] = (generation, mapping)
+        _WRITTEN.add(path)
         return generation, mapping[:size]
 
     def recv_slot(self, rank: int, peer: int, slot: int, generation: int, size: int) -> torch.Tensor:
@@ -477,15 +487,45 @@ class _GroupState:
 
 
 def _group_state(group, world: int) -> _GroupState:
-    """This group's state; one all-gather of host keys (and rank 0's token naming the
-    group's files) on first use."""
+    """This group's state; one all-gather of host keys and pids (and rank 0's token naming
+    the group's files) on first use, when the files of dead writers are swept too."""
     gid = id(group)
     if gid not in _GROUPS:
-        mine = torch.tensor([_host_key(), int.from_bytes(os.urandom(6), "little")], dtype=torch.int64)
-        every = [torch.empty(2, dtype=torch.int64) for _ in range(world)]
+        _sweep_dead_writers()
+        mine = torch.tensor([_host_key(), int.from_bytes(os.urandom(6), "little"), os.getpid()], dtype=torch.int64)
+        every = [torch.empty(3, dtype=torch.int64) for _ in range(world)]
         dist.all_gather(every, mine, group=group)
-        _GROUPS[gid] = _GroupState([int(t[0]) for t in every], int(every[0][1]))
+        _GROUPS[gid] = _GroupState([int(t[0]) for t in every], int(every[0][1]), [int(t[2]) for t in every])
     return _GROUPS[gid]
+
+
+# Slot files this process wrote; a reader unlinks each once it maps it. What a reader that
+# died (or failed) never took is unlinked at this process's exit, and a process killed
+# outright leaves its files to the next run's sweep.
+_WRITTEN: set[str] = set()
+
+
+@atexit.register
+def _unlink_untaken() -> None:
+    for path in _WRITTEN:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _sweep_dead_writers() -> None:
+    """Remove the slot files in /dev/shm whose writer (the pid in the name) has died:
+    /dev/shm is memory, held until reboot otherwise."""
+    for path in glob.glob(f"{_SHM_DIR}/distflow-*-*-*-*-*-*"):
+        fields = os.path.basename(path).split("-")  # distflow, token, pid, src, dst, slot, generation
+        if len(fields) != 7 or not all(f.isdigit() for f in fields[1:]) or not 0 < int(fields[2]) < 1 << 22:
+            continue
+        try:
+            os.kill(int(fields[2]), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        except PermissionError:  # alive, another user's
+            pass
 
 
 def _exchange(plan: ReshardPlan, batch: Batch, row_of: dict[int, int], rank: int, world: int, group,

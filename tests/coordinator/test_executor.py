@@ -401,3 +401,27 @@ def test_phase_times_count_a_wait_in_seconds_and_work_in_cpu():
                 pass
     assert times["sizes"] >= 0.05 and times.cpu["sizes"] < 0.01
     assert times.cpu["plan"] >= 0.04 and times["plan"] >= 0.04 * 0.99  # two clocks: allow their granularity
+
+
+def test_slot_files_of_dead_writers_are_swept_and_untaken_ones_unlinked_at_exit(tmp_path, monkeypatch):
+    """A reshard whose reader died left its writer's slot file in /dev/shm (memory) until
+    reboot: a process unlinks the ones no reader took when it exits, and a new group
+    removes those whose writer was killed outright."""
+    import subprocess
+    import sys
+
+    from distflow.coordinator import executor
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    names = {"dead": f"distflow-123-{dead}-0-1-0-1", "alive": f"distflow-123-{os.getpid()}-0-1-0-1",
+             "floor": "distflow-floor-123-prepared-0-0-1"}
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"x")
+    monkeypatch.setattr(executor, "_SHM_DIR", str(tmp_path))
+    executor._sweep_dead_writers()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names["alive"], names["floor"]])
+    untaken = tmp_path / "untaken"
+    subprocess.run([sys.executable, "-c", f"from distflow.coordinator import executor; open({str(untaken)!r}, 'w'); "
+                    f"executor._WRITTEN.add({str(untaken)!r})"], check=True, timeout=120)
+    assert not untaken.exists()
