@@ -920,23 +920,26 @@ def load_recipe(name: str) -> Recipe:
 
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = (), training: bool = True) -> Config:
     """The config of `path` (YAML) and `overrides` (key=value), the recipe's settings
-    under them, validated (`training`: see validate). Where an override changes the file's
-    algorithm.name, a file value equal to what the file's own recipe (or the default)
-    gives is that recipe's, not a choice: the new recipe's or the default replaces it
-    (a run's recorded config.json, which holds every value, reused for another algorithm)."""
+    under them, validated (`training`: see validate). Where an override changes the
+    algorithm.name the file names, a file value equal to what the file's recipe (or the
+    default) gives is that recipe's, not a choice: the new recipe's or the default replaces
+    it (a run's recorded config.json, which holds every value, reused for another algorithm)."""
     cfg, given = Config(), set()
     if path is not None:
         for key, value in _typed_items(_read_yaml(path, f"--config {path}")):
             _set(cfg, key, value)
             given.add(key)
-    file_recipe, file_values = cfg.algorithm.name, {key: _value(cfg, key) for key in given}
+    # a file that names its algorithm (a run's config.json does): its values that are that recipe's follow
+    # an algorithm.name override; a file that names none holds the user's own choices
+    file_recipe = cfg.algorithm.name if "algorithm.name" in given else None
+    file_values = {key: _value(cfg, key) for key in given}
     for text in overrides:
         key, value = parse_override(text)
         _set(cfg, key, value)
         given.add(key)
         file_values.pop(key, None)
     validate_recipe_name(cfg.algorithm.name)
-    if cfg.algorithm.name != file_recipe:  # the file's values that are its own recipe's follow the new one
+    if file_recipe is not None and cfg.algorithm.name != file_recipe:
         validate_recipe_name(file_recipe)
         resolved = Config()  # what the file's recipe gives every key
         for key, value in load_recipe(file_recipe).settings:

@@ -287,6 +287,9 @@ def test_a_recorded_config_reused_for_another_algorithm_takes_that_algorithm_s_s
     assert load_config(str(tmp_path / "config.json")).to_dict() == json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "mine.yaml").write_text("algorithm:\n  name: grpo\n  use_kl_loss: false\n")
     assert not load_config(str(tmp_path / "mine.yaml"), ["algorithm.name=ppo"]).algorithm.use_kl_loss
+    # a file that names no algorithm holds the user's choices, whatever algorithm.name says
+    (tmp_path / "kl.yaml").write_text("algorithm:\n  use_kl_loss: true\n")
+    assert load_config(str(tmp_path / "kl.yaml"), ["algorithm.name=dapo"]).algorithm.use_kl_loss
 
 
 def test_make_data_refuses_a_count_below_one_and_makes_the_output_folder(tmp_path):

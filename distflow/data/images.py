@@ -80,19 +80,19 @@ def _data_uri_bytes(uri: str) -> bytes:
     if not comma or not header.endswith(";base64"):
         raise DatasetError(f"image {uri[:40]}...: a data URI must be base64 (data:image/png;base64,...)")
     try:
-        return base64.b64decode(data, validate=True)
+        return base64.b64decode("".join(data.split()), validate=True)  # line-wrapped (76 columns) too
     except binascii.Error:
         raise DatasetError(f"image {uri[:40]}...: its base64 data cannot be decoded") from None
 
 
 def _rgb(image):
-    """RGB as the picture is seen: turned upright by its EXIF orientation (a phone's photo),
-    transparency on white (a diagram's transparent background turned black), as
-    transformers' `load_image`, qwen-vl-utils and vLLM read images."""
+    """RGB as the picture is seen: turned upright by its EXIF orientation (a phone's photo;
+    as transformers' `load_image`), transparency on white (a diagram's transparent
+    background turned black; as qwen-vl-utils and vLLM read images)."""
     from PIL import Image, ImageOps
 
     image = ImageOps.exif_transpose(image)
-    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:  # an alpha channel, or a colour key
         rgba = image.convert("RGBA")
         white = Image.new("RGB", rgba.size, (255, 255, 255))
         white.paste(rgba, mask=rgba.getchannel("A"))

@@ -143,6 +143,7 @@ def slow_lookup(ctx, batch):
 
 
 def score_with_hint(ctx, batch):
+    ctx.events["chunk0_scored"].set()
     return Batch({"s": batch["y"] + batch["hint"]})
 
 
@@ -151,7 +152,7 @@ def test_a_chunked_consumer_waits_for_its_other_parents():
     first chunk read the field before the node (on the pool) had written it."""
     g = Graph([
         Node(name="lookup", role="custom", fn=slow_lookup, inputs=("x",), outputs=("hint",)),
-        Node(name="gen", role="rollout", fn=generate, inputs=("x",), outputs=("y",), stream=True, deps=("lookup",)),
+        Node(name="gen", role="rollout", fn=generate, inputs=("x",), outputs=("y",), stream=True),
         Node(name="score", role="reward", fn=score_with_hint, inputs=("y", "hint"), outputs=("s",)),
     ], ["x", "group", "prompt_mask"])
     assert g.order == ["lookup", "gen", "score"]

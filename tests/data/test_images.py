@@ -82,7 +82,8 @@ def test_images_decode_from_qwen_vl_utils_entries_data_uris_and_file_urls(tmp_pa
     path = tmp_path / "a b.png"
     path.write_bytes(_png(8, 6))
     uri = "data:image/png;base64," + base64.b64encode(_png(8, 6)).decode()
-    for entry in (uri, {"image": uri}, f"file://{tmp_path}/a%20b.png", {"image": f"file://{path}"}):
+    wrapped = "data:image/png;base64," + base64.encodebytes(_png(8, 6)).decode()  # MIME's 76-column lines
+    for entry in (uri, wrapped, {"image": uri}, f"file://{tmp_path}/a%20b.png", {"image": f"file://{path}"}):
         assert decode_image(entry, max_pixels=None).size == (8, 6)
 
 
@@ -95,6 +96,9 @@ def test_transparency_is_on_white_and_exif_orientation_is_applied():
     clear.save(out, format="PNG")
     image = decode_image(out.getvalue(), None)
     assert image.getpixel((0, 0)) == (0, 0, 0) and image.getpixel((3, 3)) == (255, 255, 255)
+    keyed = io.BytesIO()  # an RGB picture whose black is its transparent colour key
+    Image.new("RGB", (2, 2), (0, 0, 0)).save(keyed, format="PNG", transparency=(0, 0, 0))
+    assert decode_image(keyed.getvalue(), None).getpixel((0, 0)) == (255, 255, 255)
     photo, exif = io.BytesIO(), Image.Exif()
     exif[0x0112] = 6  # Orientation: rotate 90 degrees to view
     Image.new("RGB", (4, 2), "red").save(photo, format="JPEG", exif=exif)

@@ -440,15 +440,15 @@ def test_an_environment_that_does_not_answer_fails_its_episode_and_the_rollout_g
 
 
 def test_env_timeout_s_limits_each_call_not_a_thread_s_queue_of_calls():
-    """Six resets of 0.15 s on one thread against a 0.5 s limit: every call is in time.
-    The limit counted from the batch's submission failed the episodes queued fourth and
+    """Six resets of 0.4 s on one thread against a 1 s limit: every call is in time.
+    The limit counted from the batch's submission failed the episodes queued third and
     later (and then every episode on the thread, and closed none)."""
     tok = build_tokenizer()
     closed = []
 
     class Slow:
         def reset(self, task):
-            time.sleep(0.15)
+            time.sleep(0.4)
 
         def step(self, text):
             return EnvStep([], True)
@@ -459,6 +459,6 @@ def test_env_timeout_s_limits_each_call_not_a_thread_s_queue_of_calls():
     prompts = [_ids(tok, f"{c}?") for c in "ABCDEF"]
     engine = ScriptedEngine(tok, {p[0]: ["x", "y"] for p in prompts})
     runner = EpisodeRunner(engine, tok, Slow, EpisodeSettings(max_turns=2, max_total_tokens=100, env_workers=1,
-                                                              env_timeout_s=0.5))
+                                                              env_timeout_s=1.0))
     out = runner.generate(prompts, list(range(6)), SamplingParams(max_new_tokens=8), [{}] * 6)
     assert out["env_failed"].tolist() == [0.0] * 6 and len(closed) == 6 and runner.first_error is None

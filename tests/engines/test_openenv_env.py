@@ -145,8 +145,11 @@ def test_an_episode_s_seed_is_one_numpy_takes(game):
     failed every episode."""
     module, _ = game
     env = OpenEnvEnvironment.episodes_of(module.NumpySeeded)()
-    env.reset({"seed": sample_seed(4558017691475869577, 1)})
-    env.reset({"seed": None})
+    draws = []
+    for seed in (sample_seed(4558017691475869577, 1), None):
+        env.reset({"seed": seed})
+        draws.append(env.env.draw)
+    assert all(0 <= d < 10 for d in draws)
 
 
 def test_a_class_the_adapter_cannot_drive_is_refused_in_one_line():
