@@ -50,7 +50,9 @@ CONFIGS = {
     "async-k1-partial": ["runtime.placement=disaggregated", "algorithm.max_staleness=1", "rollout.partial=true"],
 }
 COMMON = ["runtime.launcher=torchrun", "trainer.progress=false", "trainer.save_final=false", "trainer.resume=off"]
-COLLECTIVE_NODES = ("old_log_prob", "actor_update")  # the first one a colocated step's workers meet in
+# where a colocated step's workers first meet: the move to the training layout (its metadata all-gather),
+# or a collective node where that move is not traced
+COLLECTIVE_NODES = ("reshard_train", "old_log_prob", "actor_update")
 
 
 def _run(args: list[str], run_dir: Path) -> list[dict]:
@@ -123,7 +125,7 @@ def markdown(records: list[dict], command: str) -> str:
     for r in (r for r in records if r["kind"] == "throughput"):
         idle = ", ".join(f"{k} {v:.2f}" for k, v in r["idle_fraction"].items())
         lines.append(f"| {r['setting']} | {r['config']} | {r['tokens_per_second']:.0f} "
-                     f"| {r.get('vs_colocated', 0):.2f} | {format(r['vs_disaggregated_sync'], '.2f') if 'vs_disaggregated_sync' in r else '-'} "
+                     f"| {format(r['vs_colocated'], '.2f') if 'vs_colocated' in r else '-'} | {format(r['vs_disaggregated_sync'], '.2f') if 'vs_disaggregated_sync' in r else '-'} "
                      f"| {r['step_seconds']:.2f} | {idle} | {r['version_lag_mean']:.2f} "
                      f"| {r.get('partial_samples', 0.0):.2f} | {r['response_length_mean']:.1f} |")
     acc = [r for r in records if r["kind"] == "accuracy"]

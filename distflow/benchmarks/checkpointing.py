@@ -14,17 +14,17 @@ groups of `--group-size` rows that share a prompt (random token ids), `--prompt-
 Each mode runs in a fresh process: one untimed update first (it allocates AdamW's moments
 and warms the allocator), then `--repeats` timed updates, then one more for the peak
 memory. Per mode:
-- `kept MB`: the activations autograd keeps from the forward for the backward, counted
+- `kept MiB`: the activations autograd keeps from the forward for the backward, counted
   by a saved-tensors hook on the first update (distinct storages, the weights excluded;
   not the checkpointed layers' inputs, which the recompute holds outside that hook: the
   peak below includes them);
-- `peak step MB`: the most memory tensors held at once during the last update, above
+- `peak step MiB`: the most memory tensors held at once during the last update, above
   what they held just before it: on CPU the running total of torch's allocator as the
   profiler records each allocation and free, on a GPU torch.cuda.max_memory_allocated;
   the same bytes in every run (not the process's resident memory, which moves by tens of
-  MB from run to run with the C heap and the thread pools' buffers);
+  MiB from run to run with the C heap and the thread pools' buffers);
 - `seconds`: the median timed update;
-- `peak score MB`: the same for scoring the batch without gradients
+- `peak score MiB`: the same for scoring the batch without gradients
   (`compute_log_probs`: the old and reference log-probs' pass), after the updates.
 Modes: `kept`, the default (activations kept, actor.forward_prompt_once on: a group's
 prompt runs once); `kept-per-row`, with forward_prompt_once off (every row runs its
@@ -145,7 +145,7 @@ def markdown(records: list[dict], command: str, seconds: float) -> str:
              f"groups of "
              f"{r0['group_size']}, {r0['prompt_len']} + {r0['response_len']} tokens, one micro-batch, "
              f"median of {r0['repeats']} updates; head-chunked: {r0['head_chunk_tokens']} tokens a chunk.", "",
-             "| mode | kept MB | peak step MB | seconds | peak score MB | kept / kept's | peak / kept's "
+             "| mode | kept MiB | peak step MiB | seconds | peak score MiB | kept / kept's | peak / kept's "
              "| seconds / kept's | peak score / kept's |",
              "|---|---|---|---|---|---|---|---|---|"]
     base = next(r for r in records if r["mode"] == "kept")
@@ -204,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                       "head_chunk_tokens": args.head_chunk_tokens, "device": args.device,
                       **json.loads(proc.stdout.strip().splitlines()[-1])}
             records.append(record)
-            print(f"{mode:>25}: kept {record['kept_mb']:,.1f} MB, peak step {record['peak_step_mb']:,.1f} MB, "
-                  f"{record['seconds']:.2f} s per update, peak score {record['peak_score_mb']:,.1f} MB", flush=True)
+            print(f"{mode:>25}: kept {record['kept_mb']:,.1f} MiB, peak step {record['peak_step_mb']:,.1f} MiB, "
+                  f"{record['seconds']:.2f} s per update, peak score {record['peak_score_mb']:,.1f} MiB", flush=True)
     command = command_line("distflow bench checkpointing", argv)
     save_results(args, records, markdown(records, command, time.time() - start))
     return 0

@@ -18,7 +18,7 @@ Modes
     is in the data path. It calls ``reshard`` for each transition: ``balance="none"`` for
     1 (local cache: zero payload bytes), ``"kk"`` with the trainer's 2% tolerance for 2
     and 3; one ``GlobalView`` for the three, as the trainer's placement keeps between the
-    moves of a step, so only the first gathers the metadata. Time: the three calls after a barrier, max over ranks. Bytes: the busiest
+    moves of a step, so only the first gathers the metadata. Time: the three calls after a barrier, the slowest rank's, median over rounds (every reference alike). Bytes: the busiest
     rank's payload plus metadata, sent plus received (``TransferStats``).
 
     ``centralized-pickle`` / ``centralized-zerocopy``: N Ray actors hold the rows. For

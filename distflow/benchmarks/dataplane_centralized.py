@@ -136,13 +136,16 @@ def _chunks(merged: dict[str, Any], k: int, as_numpy: bool) -> list[dict[str, An
 
 def _transition(ray: Any, sources: list[Any], dests: list[list[Any]], as_numpy: bool) -> int:
     """Gather every source shard into the driver, concatenate, cut one chunk per
-    destination group, send it to each member, wait. Returns driver bytes in + out."""
+    destination group, put it in the object store once and send its reference to each
+    member (as verl's dispatch does: a group's members read one copy), wait. Returns
+    driver bytes in + out."""
     parts = ray.get([a.shard.remote() for a in sources], timeout=TIMEOUT_S)
     received = sum(_shard_bytes(p) for p in parts)
     chunks = _chunks(_concat(parts, as_numpy), len(dests), as_numpy)
     del parts  # release the object-store copies before the next stage
-    acks = [a.receive.remote(chunk) for group, chunk in zip(dests, chunks) for a in group]
-    sent = sum(_shard_bytes(chunk) * len(group) for group, chunk in zip(dests, chunks))
+    refs = [ray.put(chunk) for chunk in chunks]
+    acks = [a.receive.remote(ref) for group, ref in zip(dests, refs) for a in group]
+    sent = sum(_shard_bytes(chunk) for chunk in chunks)  # one put per chunk, however many members read it
     ray.get(acks, timeout=TIMEOUT_S)
     return received + sent
 

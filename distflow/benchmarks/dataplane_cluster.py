@@ -57,7 +57,7 @@ def _child(mode: str, spec: Spec, address: str, out: str) -> int:
             if reports[0]["rows"] != spec.batch:
                 raise RuntimeError(f"coordinator ended with {reports[0]['rows']} rows, expected {spec.batch}")
             record = _record("coordinator", spec, reports[0]["laps"], reports[0]["busiest"], None,
-                             **reports[0]["raw"])
+                             round_seconds=reports[0]["rounds"], **reports[0]["raw"])
         else:
             record = _centralized_rounds(ray, mode, spec)
         Path(out).write_text(json.dumps(record))

@@ -115,10 +115,13 @@ def make_shard(rank: int, spec: Spec) -> tuple[dict[str, torch.Tensor], list[str
 
 
 def _record(mode: str, spec: Spec, laps: list[list[float]], busiest: int,
-            peak_rss: int | None, **extra: Any) -> dict[str, Any]:
-    """One JSON record; `laps` holds each timed round's per-transition seconds."""
+            peak_rss: int | None, round_seconds: list[float] | None = None, **extra: Any) -> dict[str, Any]:
+    """One JSON record; `laps` holds each timed round's per-transition seconds, and
+    `round_seconds` each round's where it is not their sum (the coordinator's: the slowest
+    rank's round, while each transition's slowest rank may be another)."""
+    rounds = round_seconds if round_seconds is not None else [sum(lap) for lap in laps]
     return {"mode": mode, "num_workers": spec.num_workers, "batch": spec.batch,
-            "seq_len": spec.seq_len, "seconds": statistics.median(sum(lap) for lap in laps),
+            "seq_len": spec.seq_len, "seconds": statistics.median(rounds),
             "busiest_process_bytes": busiest, "driver_peak_rss_bytes": peak_rss,
             "batch_bytes": spec.batch_bytes, "where": "host", "repeats": spec.repeats,
             "image_patches": spec.image_patches,

@@ -57,17 +57,20 @@ def _coordinator_rounds(rank: int, spec: Spec, one_host: bool = True) -> dict[st
             _shm_copy_times(sizes, spec)
         narrow = Batch({k: v[:, :1].contiguous() for k, v in tensors.items()}, {"ground_truth": ground_truth})
         fixed_laps, fixed_cpu = _reshard_rounds(narrow, ids, length_of, spec)[:2]
-        raw["one_column_seconds"], raw["one_column_cpu_seconds"] = _across_ranks(
-            statistics.median(map(sum, fixed_laps)), statistics.median(fixed_cpu))
-        raw["barrier_seconds"] = _across_ranks(*_median_round_seconds(spec, dist.barrier))[0]
+        raw["one_column_seconds"] = _slowest_rank_median([sum(lap) for lap in fixed_laps])
+        raw["one_column_cpu_seconds"] = _mean_over_ranks(statistics.median(fixed_cpu))
+        raw["barrier_seconds"] = _median_round_seconds(spec, dist.barrier)[0]
     names = sorted({k for t in phases for k in t})
     phase_s = torch.tensor([statistics.median(t.get(k, 0.0) for t in phases) for k in names], dtype=torch.float64)
     dist.all_reduce(phase_s, op=dist.ReduceOp.MAX)  # per phase, the slowest rank's median
     phase_cpu = torch.tensor([statistics.median(t.cpu.get(k, 0.0) for t in phases) for k in names],
                              dtype=torch.float64)
     dist.all_reduce(phase_cpu)  # per phase, the mean over ranks of each rank's median
-    # Max over ranks: the slowest rank sets the stage time, the busiest sets the bytes.
-    totals = torch.tensor([[sum(lap)] + lap for lap in laps], dtype=torch.float64)
+    # Max over ranks: the slowest rank sets the stage time, the busiest sets the bytes. A round's time is
+    # its slowest rank's (the three reshards from the barrier until the last rank is done), as for the
+    # references; each transition's the slowest rank's of that transition (a breakdown: they need not add up)
+    round_seconds = _slowest_rank_median([sum(lap) for lap in laps], median=False)
+    totals = torch.tensor(laps, dtype=torch.float64)
     dist.all_reduce(totals, op=dist.ReduceOp.MAX)
     busiest = torch.tensor([moved], dtype=torch.int64)
     dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
@@ -76,7 +79,7 @@ def _coordinator_rounds(rank: int, spec: Spec, one_host: bool = True) -> dict[st
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     cpu_s = torch.tensor([statistics.median(cpu)], dtype=torch.float64)
     dist.all_reduce(cpu_s)
-    return {"laps": totals[:, 1:].tolist(), "busiest": int(busiest), "rows": int(held), "raw": raw,
+    return {"laps": totals.tolist(), "rounds": round_seconds, "busiest": int(busiest), "rows": int(held), "raw": raw,
             "phases": dict(zip(names, phase_s.tolist())),
             "phase_cpu": dict(zip(names, (phase_cpu / spec.num_workers).tolist())), "peak_rss": int(peak),
             "cpu": float(cpu_s) / spec.num_workers}
@@ -115,14 +118,23 @@ def _reshard_rounds(start_batch, ids: list[int], length_of: list[int], spec: Spe
     return laps, cpu, phases, moved, len(batch_ids), plans
 
 
-def _across_ranks(seconds: float, cpu: float) -> tuple[float, float]:
-    """`seconds`, the slowest rank's, and `cpu`, the mean over ranks (a collective)."""
+def _slowest_rank_median(rounds: list[float], median: bool = True) -> float | list[float]:
+    """Each timed round's slowest rank (a collective; every rank timed the same rounds
+    from the same barrier), then the median over the rounds (`median=False`: the rounds).
+    The coordinator and every reference are measured so."""
     import torch.distributed as dist
 
-    took, used = torch.tensor([seconds], dtype=torch.float64), torch.tensor([cpu], dtype=torch.float64)
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    dist.all_reduce(used)
-    return float(took), float(used) / dist.get_world_size()
+    slowest = torch.tensor(rounds, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return statistics.median(slowest.tolist()) if median else slowest.tolist()
+
+
+def _mean_over_ranks(value: float) -> float:
+    import torch.distributed as dist
+
+    total = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(total)
+    return float(total) / dist.get_world_size()
 
 
 def _raw_transport_seconds(sizes: list[list[int]], spec: Spec) -> dict[str, float]:
@@ -155,10 +167,8 @@ def _raw_transport_seconds(sizes: list[list[int]], spec: Spec) -> dict[str, floa
         for t in active:
             exchange(sizes[t], recv_sizes[t], send[t], recv[t])
 
-    took = torch.tensor([_median_round_seconds(spec, lambda: exchanges(exchange))[0] for exchange in (alltoall, p2p)],
-                        dtype=torch.float64)
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return {"raw_alltoall_seconds": float(took[0]), "raw_p2p_seconds": float(took[1])}
+    took = [_median_round_seconds(spec, lambda: exchanges(exchange))[0] for exchange in (alltoall, p2p)]
+    return {"raw_alltoall_seconds": took[0], "raw_p2p_seconds": took[1]}
 
 
 def _shm_copy_times(sizes: list[list[int]], spec: Spec) -> tuple[float, float, float]:
@@ -233,7 +243,7 @@ def _shm_copy_times(sizes: list[list[int]], spec: Spec) -> tuple[float, float, f
                     os.unlink(name)
                     torch.empty_like(slot).copy_(mapped)
 
-    floor = _across_ranks(*_median_round_seconds(spec, copies))
+    floor = _median_round_seconds(spec, copies)
     try:
         fresh = _median_round_seconds(spec, copies_through_fresh_files)
     except BaseException:  # a failed round's files: this rank's own, which their reader did not unlink
@@ -241,7 +251,7 @@ def _shm_copy_times(sizes: list[list[int]], spec: Spec) -> tuple[float, float, f
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name)
         raise
-    return (*floor, _across_ranks(*fresh)[0])
+    return (*floor, fresh[0])
 
 
 def _active_transitions(sizes: list[list[int]]) -> list[int]:
@@ -256,7 +266,8 @@ def _active_transitions(sizes: list[list[int]]) -> list[int]:
 
 def _median_round_seconds(spec: Spec, one_round) -> tuple[float, float]:
     """`one_round()` after a barrier, warm-up rounds untimed, then `spec.repeats` timed
-    rounds: their median seconds and median CPU seconds (this rank's)."""
+    rounds: the median over rounds of each round's slowest rank (`_slowest_rank_median`),
+    and the mean over ranks of each rank's median CPU seconds (a collective)."""
     import torch.distributed as dist
 
     rounds, cpu = [], []
@@ -267,7 +278,7 @@ def _median_round_seconds(spec: Spec, one_round) -> tuple[float, float]:
         if rnd >= WARMUP_ROUNDS:
             rounds.append(time.perf_counter() - start)
             cpu.append(time.process_time() - start_cpu)
-    return statistics.median(rounds), statistics.median(cpu)
+    return _slowest_rank_median(rounds), _mean_over_ranks(statistics.median(cpu))
 
 
 def _coordinator_entry(rank: int, spec: Spec, port: int, results: Any) -> None:
@@ -340,7 +351,8 @@ def run_coordinator(spec: Spec) -> dict[str, Any]:
         results.close()
     if report["rows"] != spec.batch:
         raise RuntimeError(f"coordinator ended with {report['rows']} rows in all, expected {spec.batch}")
-    return _record("coordinator", spec, report["laps"], report["busiest"], None, **report["raw"],
+    return _record("coordinator", spec, report["laps"], report["busiest"], None, round_seconds=report["rounds"],
+                   **report["raw"],
                    phase_seconds=report["phases"], phase_cpu_seconds=report["phase_cpu"],
                    busiest_process_peak_rss_bytes=report["peak_rss"],
                    cpu_seconds_per_rank=report["cpu"], cores=len(os.sched_getaffinity(0)))

@@ -103,3 +103,25 @@ def test_images_make_the_drivers_peak_grow_with_the_batch_and_the_budget_stops_i
     assert [(r["batch"], r["within_budget"]) for r in low] == [(4, False)]
     (line,) = dataplane_vlm.summary_lines(low)
     assert line.endswith("none measured; over it at 4")
+
+
+def _slowest(rank, world):
+    from distflow.benchmarks.dataplane_coordinator import _slowest_rank_median
+
+    return _slowest_rank_median([[1.0, 3.0, 5.0], [2.0, 1.0, 9.0]][rank])
+
+
+def test_a_round_is_its_slowest_rank_s_for_the_coordinator_and_every_reference():
+    """Each round's slowest rank, then the median over rounds: rounds (2, 3, 9) give 3.
+    The floors took each rank's median, then the slowest (max(3, 2) = 3 here, but lower
+    whenever the slow rank changes from round to round), and the coordinator the sum of
+    each transition's slowest rank, which a late rank's shorter wait in the next
+    transition does not offset."""
+    from distflow.benchmarks.dataplane_common import Spec, _record
+    from helpers import run_gloo
+
+    assert run_gloo(_slowest, 2) == [3.0, 3.0]
+    spec = Spec(num_workers=2, batch=8, seq_len=4, repeats=2)
+    laps = [[0.1, 0.2, 0.3], [0.3, 0.2, 0.1]]  # each transition's slowest rank
+    assert _record("coordinator", spec, laps, 0, None)["seconds"] == pytest.approx(0.6)
+    assert _record("coordinator", spec, laps, 0, None, round_seconds=[0.4, 0.5])["seconds"] == pytest.approx(0.45)

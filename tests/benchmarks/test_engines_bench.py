@@ -39,4 +39,11 @@ def test_quick_benchmark_measures_both_engines_on_the_same_prompts(tmp_path):
     assert record["hf_tokens_per_s"] > 0 and record["vllm_tokens_per_s"] > 0
     assert record["speedup"] == pytest.approx(record["vllm_tokens_per_s"] / record["hf_tokens_per_s"])
     assert 0 < record["vllm_sync_s_per_100mb"] < 60 and record["vllm_startup_s"] > 0
+    # per 100 MB of the weights pushed, each once: the tied head is the embedding
+    from distflow.config import BUILTIN_MODEL
+    from distflow.engines.common import load_causal_lm
+
+    model = load_causal_lm(BUILTIN_MODEL)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert record["vllm_sync_s_per_100mb"] == pytest.approx(record["vllm_sync_s"] / (size / 100e6))
     assert "| embedded | 0.87M | 8 |" in (tmp_path / "E.md").read_text()
