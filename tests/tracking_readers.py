@@ -8,6 +8,7 @@ import glob
 import json
 import math
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -66,11 +67,18 @@ def read_wandb(run_dir: Path) -> tuple[dict[str, dict[int, float]], dict]:
     return history, config
 
 
-def wandb_exit_code(run_dir: Path) -> int:
-    """The exit code the offline run was finished with."""
+def wandb_exit_code(run_dir: Path, wait_s: float = 30.0) -> int:
+    """The exit code the offline run was finished with. W&B's service process may write the
+    exit record a moment after `finish` returns (seen on a loaded machine): read again
+    until it is there, for up to `wait_s`."""
     (path,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
-    (code,) = [r.exit.exit_code for r in _wandb_records(path) if r.WhichOneof("record_type") == "exit"]
-    return code
+    deadline = time.monotonic() + wait_s
+    while True:
+        codes = [r.exit.exit_code for r in _wandb_records(path) if r.WhichOneof("record_type") == "exit"]
+        if codes or time.monotonic() > deadline:
+            (code,) = codes
+            return code
+        time.sleep(0.2)
 
 
 def mlflow_status(run_dir: Path) -> str:
