@@ -38,8 +38,10 @@ def test_verls_own_dispatch_delivers_the_same_rows_as_our_imitation(tmp_path, ca
     for mode in ("centralized-verl-numpy", "centralized-verl"):
         r = by_mode[mode]
         assert r["shard_digests"] == ours, mode
-        # verl puts each chunk once, however many members of a TP pair read it
-        assert 2 * r["batch_bytes"] <= r["busiest_process_bytes"] < by_mode["centralized-zerocopy"]["busiest_process_bytes"]
+        # verl puts each chunk once, however many members of a TP pair read it, and so does our imitation
+        # (it put it once per member: more bytes through the driver than verl)
+        zerocopy = by_mode["centralized-zerocopy"]["busiest_process_bytes"]
+        assert 2 * r["batch_bytes"] <= r["busiest_process_bytes"] == zerocopy
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("N=2: ") and "verl" in l)
     assert "faster than verl's numpy path" in line and "every actor's rows equal to the imitation's" in line
     assert "## Against verl's own dispatch" in md.read_text()
