@@ -69,7 +69,7 @@ def _coordinator_rounds(rank: int, spec: Spec, one_host: bool = True) -> dict[st
     # Max over ranks: the slowest rank sets the stage time, the busiest sets the bytes. A round's time is
     # its slowest rank's (the three reshards from the barrier until the last rank is done), as for the
     # references; each transition's the slowest rank's of that transition (a breakdown: they need not add up)
-    round_seconds = _slowest_rank_median([sum(lap) for lap in laps], median=False)
+    round_seconds = _slowest_per_round([sum(lap) for lap in laps])
     totals = torch.tensor(laps, dtype=torch.float64)
     dist.all_reduce(totals, op=dist.ReduceOp.MAX)
     busiest = torch.tensor([moved], dtype=torch.int64)
@@ -118,15 +118,20 @@ def _reshard_rounds(start_batch, ids: list[int], length_of: list[int], spec: Spe
     return laps, cpu, phases, moved, len(batch_ids), plans
 
 
-def _slowest_rank_median(rounds: list[float], median: bool = True) -> float | list[float]:
+def _slowest_per_round(rounds: list[float]) -> list[float]:
     """Each timed round's slowest rank (a collective; every rank timed the same rounds
-    from the same barrier), then the median over the rounds (`median=False`: the rounds).
-    The coordinator and every reference are measured so."""
+    from the same barrier)."""
     import torch.distributed as dist
 
     slowest = torch.tensor(rounds, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return statistics.median(slowest.tolist()) if median else slowest.tolist()
+    return slowest.tolist()
+
+
+def _slowest_rank_median(rounds: list[float]) -> float:
+    """The median over rounds of each round's slowest rank: how the coordinator and every
+    reference are measured."""
+    return statistics.median(_slowest_per_round(rounds))
 
 
 def _mean_over_ranks(value: float) -> float:
