@@ -40,6 +40,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from distflow.config import BUILTIN_MODEL, Config, ConfigError, load_config, tool_names
 from distflow.data.dataset import BUILTIN_TASKS, write_builtin_parquet
@@ -116,11 +117,34 @@ def hold_run_folder(path: Path) -> None:
 def record_config(run_dir: Path, cfg: Config) -> None:
     """The launch's config as config.json. Where the folder holds an earlier launch's that
     differs (a run resumed with other settings), that one is kept as config-<n>.json,
-    n = 1 for the oldest."""
+    n = 1 for the oldest, and the settings that changed are named on stderr."""
     path, text = run_dir / "config.json", json.dumps(cfg.to_dict(), indent=1)
     if path.is_file() and path.read_text() != text:
-        path.rename(run_dir / f"config-{1 + len(list(run_dir.glob('config-*.json')))}.json")
+        kept = run_dir / f"config-{1 + len(list(run_dir.glob('config-*.json')))}.json"
+        path.rename(kept)
+        try:
+            changed = changed_settings(json.loads(kept.read_text()), cfg.to_dict())
+        except ValueError:  # not JSON: an edited file
+            changed = ["(the earlier file is not JSON)"]
+        print(f"distflow: this folder's earlier launch had other settings (kept as {kept.name}): "
+              f"{'; '.join(changed)}", file=sys.stderr)
     path.write_text(text)
+
+
+def changed_settings(before: dict, now: dict, shown: int = 8) -> list[str]:
+    """`section.key before -> now` for every setting of two configs' dicts that differs
+    (one missing from either is shown as -), at most `shown` of them and a count of the rest."""
+    def flat(config: dict) -> dict[str, Any]:
+        return {f"{section}.{key}": value for section, values in config.items() if isinstance(values, dict)
+                for key, value in values.items()}
+
+    def shown_value(config: dict[str, Any], key: str) -> str:
+        return json.dumps(config[key]) if key in config else "-"
+
+    old, new = flat(before), flat(now)
+    changes = [f"{key} {shown_value(old, key)} -> {shown_value(new, key)}"
+               for key in sorted(old.keys() | new.keys()) if shown_value(old, key) != shown_value(new, key)]
+    return changes[:shown] + ([f"and {len(changes) - shown} more"] if len(changes) > shown else [])
 
 
 def check_inputs(cfg: Config, training: bool = True) -> None:

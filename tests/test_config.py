@@ -258,15 +258,21 @@ def test_an_agent_s_prompts_are_not_truncated():
     load_config(None, ["rollout.agent=json:loads", "data.on_long_prompt=skip"])
 
 
-def test_a_relaunch_with_other_settings_keeps_the_earlier_config(tmp_path):
-    from distflow.cli import record_config
+def test_a_relaunch_with_other_settings_keeps_the_earlier_config_and_names_what_changed(tmp_path, capsys):
+    from distflow.cli import changed_settings, record_config
 
-    first, second = load_config(None, ["trainer.total_steps=5"]), load_config(None, ["trainer.total_steps=9"])
+    first = load_config(None, ["trainer.total_steps=5", "algorithm.group_size=8"])
+    second = load_config(None, ["trainer.total_steps=9", "algorithm.group_size=4", "actor.lr=3e-6"])
     record_config(tmp_path, first)
     record_config(tmp_path, first)  # the same settings again (a resume): nothing to keep
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"] and capsys.readouterr().err == ""
     record_config(tmp_path, second)
+    assert capsys.readouterr().err == (
+        "distflow: this folder's earlier launch had other settings (kept as config-1.json): "
+        f"actor.lr {first.actor.lr} -> 3e-06; algorithm.group_size 8 -> 4; trainer.total_steps 5 -> 9\n")
     record_config(tmp_path, first)
+    assert changed_settings({"a": {str(k): k for k in range(10)}}, {"a": {}}, shown=2) == ["a.0 0 -> -", "a.1 1 -> -",
+                                                                                         "and 8 more"]
     steps = {p.name: json.loads(p.read_text())["trainer"]["total_steps"] for p in tmp_path.iterdir()}
     assert steps == {"config-1.json": 5, "config-2.json": 9, "config.json": 5}
 
