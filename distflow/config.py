@@ -193,8 +193,10 @@ class AlgorithmConfig:
     max_refill_rounds: int = _spec(3, min=0, doc="dynamic sampling: extra generation rounds per step; after them a "
                                                   "batch short of passing groups is topped up with dropped ones "
                                                   "(no signal; dynamic_sampling/passed_groups counts the others)")
-    overlong_buffer_len: int = _spec(0, min=0, doc="overlong shaping (DAPO): tokens before the limit where the penalty "
-                                                   "ramps (set, it wins over overlong_buffer_fraction); 0 = off")
+    overlong_buffer_len: int | None = _spec(None, min=0, doc="overlong shaping (DAPO): tokens before the limit where "
+                                                              "the penalty ramps; set, it wins over "
+                                                              "overlong_buffer_fraction, 0 = off (verl's "
+                                                              "overlong_buffer.len)")
     overlong_buffer_fraction: float = _spec(0.0, min=0.0, max=1.0,
                                             doc="overlong shaping (DAPO) with the buffer as a share of the response "
                                                 "budget (the paper: 4096 of 20480 tokens, 0.2), so it scales with "
@@ -715,10 +717,11 @@ def _validate_cross(cfg: Config, training: bool) -> None:
     validate_recipe_name(cfg.algorithm.name)
     if cfg.algorithm.graph is not None and not os.path.isfile(os.path.expanduser(cfg.algorithm.graph)):
         raise ConfigError(f"algorithm.graph={cfg.algorithm.graph!r}: no such file")
-    buffer = cfg.algorithm.overlong_buffer_len
-    if buffer > cfg.rollout.max_new_tokens:
-        raise ConfigError(f"algorithm.overlong_buffer_len={buffer}: must be <= rollout.max_new_tokens="
-                          f"{cfg.rollout.max_new_tokens}")
+    buffer, budget = cfg.algorithm.overlong_buffer_len, response_token_budget(cfg)
+    if buffer is not None and buffer > budget:
+        limit = ("rollout.max_new_tokens" if budget == cfg.rollout.max_new_tokens and cfg.rollout.max_turns == 1
+                 else "the episode's token budget (rollout.max_total_tokens, else max_new_tokens x max_turns)")
+        raise ConfigError(f"algorithm.overlong_buffer_len={buffer}: must be <= {limit}={budget}")
     if cfg.reward.custom_fn is not None and ":" not in cfg.reward.custom_fn:
         raise ConfigError(f"reward.custom_fn={cfg.reward.custom_fn!r}: expected module:function or path.py:function")
     traced_steps(cfg)
@@ -757,10 +760,13 @@ def response_token_budget(cfg: Config) -> int:
 
 def overlong_buffer_tokens(cfg: Config) -> int:
     """DAPO's overlong buffer in tokens (0: no shaping): algorithm.overlong_buffer_len where
-    set, else algorithm.overlong_buffer_fraction of the response budget (at least one token)."""
+    set (0 too), else algorithm.overlong_buffer_fraction of the response budget (at least one
+    token where the fraction is above 0)."""
     a = cfg.algorithm
-    if a.overlong_buffer_len or not a.overlong_buffer_fraction:
+    if a.overlong_buffer_len is not None:
         return a.overlong_buffer_len
+    if not a.overlong_buffer_fraction:
+        return 0
     return max(1, round(a.overlong_buffer_fraction * response_token_budget(cfg)))
 
 
@@ -918,12 +924,17 @@ def load_recipe(name: str) -> Recipe:
     return Recipe(path.stem, str(tree.get("description", "")), str(tree.get("paper", "")), tuple(settings))
 
 
+_RUN_OWN_KEYS = ("trainer.output_dir", "trainer.resume")
+
+
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = (), training: bool = True) -> Config:
     """The config of `path` (YAML) and `overrides` (key=value), the recipe's settings
     under them, validated (`training`: see validate). Where an override changes the
     algorithm.name the file names, a file value equal to what the file's recipe (or the
     default) gives is that recipe's, not a choice: the new recipe's or the default replaces
-    it (a run's recorded config.json, which holds every value, reused for another algorithm)."""
+    it (a run's recorded config.json, which holds every value, reused for another algorithm),
+    and the file's trainer.output_dir and trainer.resume are not taken (that run's folder:
+    the other algorithm's run is a new one)."""
     cfg, given = Config(), set()
     if path is not None:
         for key, value in _typed_items(_read_yaml(path, f"--config {path}")):
@@ -945,7 +956,8 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         for key, value in load_recipe(file_recipe).settings:
             _set(resolved, key, value)
         for key, value in file_values.items():
-            if value == _value(resolved, key):
+            # the file's run folder and resume setting are that run's: the other algorithm's is a new run
+            if value == _value(resolved, key) or key in _RUN_OWN_KEYS:
                 _set(cfg, key, _default(key))
                 given.discard(key)
     for key, value in load_recipe(cfg.algorithm.name).settings:

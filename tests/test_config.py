@@ -280,16 +280,22 @@ def test_a_relaunch_with_other_settings_keeps_the_earlier_config_and_names_what_
 def test_a_recorded_config_reused_for_another_algorithm_takes_that_algorithm_s_settings(tmp_path):
     """A run's config.json holds every value, its recipe's among them: reused with
     algorithm.name=dapo it trained GRPO's settings (KL loss on, no dynamic sampling, no
-    clip-higher) under DAPO's name. The file's own choices stay."""
+    clip-higher) under DAPO's name. The file's own choices stay. Its run folder (the launch
+    records it) and resume setting are that run's: the DAPO run went on in the GRPO run's
+    folder, resuming its final checkpoint."""
     from distflow.cli import record_config
 
-    record_config(tmp_path, load_config(None, ["trainer.total_steps=7", "actor.lr=3e-6", "algorithm.kl_coef=0.01"]))
+    recorded = load_config(None, ["trainer.total_steps=7", "actor.lr=3e-6", "algorithm.kl_coef=0.01",
+                                  "trainer.resume=auto"])
+    recorded.trainer.output_dir = str(tmp_path / "runs" / "grpo")  # as `distflow train` records it
+    record_config(tmp_path, recorded)
     reused = load_config(str(tmp_path / "config.json"), ["algorithm.name=dapo", "algorithm.clip_ratio_high=0.3"])
     fresh = load_config(None, ["algorithm.name=dapo", "algorithm.clip_ratio_high=0.3", "trainer.total_steps=7",
                                "actor.lr=3e-6", "algorithm.kl_coef=0.01"])
     assert reused.to_dict() == fresh.to_dict()
     assert reused.algorithm.dynamic_sampling and not reused.algorithm.use_kl_loss
-    # the same algorithm again: the file as it is; and a choice that is another recipe's value stays a choice
+    assert reused.trainer.output_dir is None
+    # the same algorithm again: the file as it is (the same run, relaunched); and a choice that is another recipe's value stays a choice
     assert load_config(str(tmp_path / "config.json")).to_dict() == json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "mine.yaml").write_text("algorithm:\n  name: grpo\n  use_kl_loss: false\n")
     assert not load_config(str(tmp_path / "mine.yaml"), ["algorithm.name=ppo"]).algorithm.use_kl_loss

@@ -163,7 +163,6 @@ def math_verify_score(solution_str: str, ground_truth: str) -> float:
     return 1.0 if gold and pred and verify(gold, pred, timeout_seconds=None) else 0.0
 
 
-_GSM8K_ANSWER = re.compile(r"####\s*[-+$]?\s*\d")  # "#### 72", "#### -3", "#### $5"; not a "#### Step 1" heading
 
 
 def _is_code(data_source: str) -> bool:
@@ -179,6 +178,15 @@ def rule_reads(data_source: str, ground_truth: Any) -> bool:
     return isinstance(ground_truth, (str, int, float)) or _is_code(data_source)
 
 
+def _answers_after_hashes(solution_str: str, ground_truth: Any) -> bool:
+    """A response to score by the GSM8K rule whatever its data source: its last `####` is
+    followed by a number ("#### 72", "#### -3", "#### $5"; not a "#### Step 1" or
+    "#### Final answer" heading), it boxes no answer (a "#### 2. Add" heading's step number
+    is not its answer), and the ground truth is one number (not MATH's 2\\sqrt{3})."""
+    return ("\\boxed" not in solution_str and extract_hash_answer(solution_str) is not None
+            and is_one_number(str(ground_truth)))
+
+
 def default_compute_score(data_source: str, solution_str: str, ground_truth: str,
                           extra_info: dict[str, Any] | None = None, *, gsm8k_mode: str = "strict",
                           code_time_budget_s: float | None = None) -> float:
@@ -190,8 +198,7 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth: str
         raise ValueError(f"the default reward reads a ground truth of text or a number, not a "
                          f"{type(ground_truth).__name__}; set reward.custom_fn to score this data_source "
                          f"({data_source!r})")
-    if "gsm8k" in data_source or data_source.startswith("distflow/") or (  # the built-in tasks are GSM8K-style
-            _GSM8K_ANSWER.search(solution_str) and is_one_number(str(ground_truth))):  # not MATH's 2\sqrt{3}
+    if "gsm8k" in data_source or data_source.startswith("distflow/") or _answers_after_hashes(solution_str, ground_truth):
         return gsm8k_score(solution_str, ground_truth, gsm8k_mode)
     return math_verify_score(solution_str, ground_truth)
 

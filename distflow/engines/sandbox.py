@@ -14,7 +14,7 @@ CAP_SYS_ADMIN), isolation is full:
         nodes bound read-only; /sandbox (the program's folder) and /tmp are tmpfs
         fork --> init (PID 1 of the new PID namespace)
             chroot, resource limits, drop to an unused uid, no new privileges
-            fork+exec --> python main.py
+            fork+exec --> python -S: main.py (the standard library only)
 
 The program sees no network interface but a loopback that is down, none of the run's
 files (its filesystem is the new root), and cannot write anywhere but its tmpfs folders.
@@ -201,8 +201,7 @@ if own_uid:  # an unused uid: no access to anyone's private files, and a process
 check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl")
 limit(spec["cpu_s"], spec["memory_mb"], spec["processes"], spec["file_mb"], own_uid)
 env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": "/tmp" if isolate else workdir, "LANG": "C.UTF-8"}
-argv = [spec["python"], "-I", "-S", "-B"]
-argv += ["-c", spec["guard"], workdir] if not isolate else ["main.py"]
+argv = [spec["python"], "-I", "-S", "-B", "-c", spec["guard"] if not isolate else spec["run_main"], workdir]
 os.set_inheritable(status.fileno(), False)
 child = os.fork()
 if child == 0:
@@ -245,9 +244,14 @@ def guard(event, args):
     if event in ("os.listdir", "os.scandir") and not inside(args[0] if args[0] is not None else ".", readable):
         raise PermissionError(f"the sandbox may not list {args[0]}")
 sys.addaudithook(guard)
+"""
+# main.py as `python main.py` would run it, with exit() and quit(), which the site module
+# gives and `-S` (no site-packages: the standard library only) leaves out.
+_RUN_MAIN = r"""
+import builtins, sys
+builtins.exit = builtins.quit = sys.exit
 sys.argv = ["main.py"]
-code = open("main.py").read()
-exec(compile(code, "main.py", "exec"), {"__name__": "__main__"})
+exec(compile(open("main.py").read(), "main.py", "exec"), {"__name__": "__main__"})
 """
 
 
@@ -317,7 +321,7 @@ def _run(code: str, stdin: str, limits: Limits, mode: str) -> Result:
             spec = {"program": os.path.join(tmp, "main.py"), "root": os.path.join(tmp, "root"), "python": python,
                     "mode": mode, "binds": _binds(), "status_fd": files["status"].fileno(),
                     "uid": uid,
-                    "cpu_s": int(limits.time_s) + 1, "guard": _GUARD} | asdict(limits)
+                    "cpu_s": int(limits.time_s) + 1, "guard": _GUARD + _RUN_MAIN, "run_main": _RUN_MAIN} | asdict(limits)
             start = time.perf_counter()
             proc = subprocess.Popen([python, "-I", "-S", "-B", "-c", _LAUNCHER, json.dumps(spec)],
                                     stdin=files["stdin"], stdout=files["stdout"], stderr=files["stderr"],
@@ -427,13 +431,22 @@ def _status(timed_out: bool, status: str, stderr: str) -> str:
 # ---------------------------------------------------------------------------- the code reward
 
 CODE_SOURCES = ("codecontests", "apps", "taco", "codeforces", "livecodebench", "primeintellect", "code")
-_CODE_BLOCK = re.compile(r"```(?:python|py|python3)?\s*\n(.*?)```", re.DOTALL)
+# a fenced block: its opening fence's info string, its text up to the closing fence at a line's
+# start (or the end: a response cut at its token limit)
+_FENCED = re.compile(r"^[ \t]*```[ \t]*([^\n`]*)\n(.*?)(?:^[ \t]*```|\Z)", re.DOTALL | re.MULTILINE)
+_PYTHON_TAGS = ("python", "py", "python3")
 
 
 def extract_code(solution_str: str) -> str:
-    """The last fenced Python block of a response, or the whole response if it has none."""
-    blocks = _CODE_BLOCK.findall(solution_str)
-    return blocks[-1] if blocks else solution_str
+    """The program of a response: its last fenced block tagged python (py, python3, any
+    case), else its last untagged block, else the whole response. A block tagged as another
+    language, or an untagged one after a python block (a sample's output), is never run."""
+    blocks = [((info.split() or [""])[0].lower(), text) for info, text in _FENCED.findall(solution_str)]
+    for wanted in (lambda tag: tag in _PYTHON_TAGS, lambda tag: not tag):
+        chosen = [text for tag, text in blocks if wanted(tag)]
+        if chosen:
+            return chosen[-1]
+    return solution_str
 
 
 def code_score(data_source: str, solution_str: str, ground_truth: str | dict,
@@ -457,8 +470,10 @@ def code_score(data_source: str, solution_str: str, ground_truth: str | dict,
     inputs, outputs, fn_name = cases["inputs"], cases["outputs"], cases.get("fn_name")
     if len(inputs) != len(outputs) or not inputs:
         raise ValueError("ground truth needs as many 'inputs' as 'outputs', at least one")
-    limits = Limits(time_s=float(cases.get("time_limit", Limits.time_s)),
-                    memory_mb=int(cases.get("memory_limit_mb", Limits.memory_mb)))
+    # a parquet struct column holds every row's keys: a row without a limit reads it as None
+    time_limit, memory_limit = cases.get("time_limit"), cases.get("memory_limit_mb")
+    limits = Limits(time_s=Limits.time_s if time_limit is None else float(time_limit),
+                    memory_mb=Limits.memory_mb if memory_limit is None else int(memory_limit))
     case_s = limits.time_s + 1.0  # the most one case takes: its limit, and a second to start
     if time_budget_s is not None and case_s > time_budget_s:
         raise ValueError(f"a test case's time_limit of {limits.time_s:g} s does not fit in the reward call's limit "

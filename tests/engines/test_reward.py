@@ -38,6 +38,11 @@ def test_default_dispatch():
     # markdown headings are not a GSM8K answer: the boxed answer is read by math-verify
     steps = "#### Step 1: compute\n2+3=5\n#### Answer\nThe answer is \\boxed{5}"
     assert default_compute_score("lighteval/MATH", steps, "5") == 1.0
+    # nor are numbered ones ("#### 2. Add"): their step number was read as the answer over the boxed one
+    numbered = "#### 1. Count the apples\n40\n#### 2. Add the pears\n40 + 2 = 42.\nThe answer is \\boxed{42}."
+    assert default_compute_score("math_dapo", numbered, "42") == 1.0
+    assert default_compute_score("math_dapo", "##### 3 cases\nThey give 42.\n\\boxed{42}", "42") == 1.0
+    assert default_compute_score("math_dapo", "#### 1. Setup\nx = 42\n#### Final answer\n\\boxed{42}", "42") == 1.0
     # a `####` answer to a ground truth that is more than one number (MATH's LaTeX) is math-verify's to read:
     # the GSM8K rule read the truth's leading number and took wrong answers ...
     assert default_compute_score("lighteval/MATH", "#### 2", "2,\\!000") == 0.0

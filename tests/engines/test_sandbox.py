@@ -75,6 +75,40 @@ def test_a_correct_program_passes_every_case_and_a_wrong_one_scores_its_fraction
     assert (result.status, result.stdout) == (OK, "ABC\n")
 
 
+def test_the_program_is_the_last_python_block_not_a_sample_s_output_or_another_language_s():
+    """An untagged block after the solution (its sample output) was run as the program, and
+    a block of another language before it made the text between the blocks the program."""
+    with_output = f"```python\n{GOOD}```\nFor example:\n```\n5\n```\n"
+    assert code_score("codecontests", with_output, ECHO_CASES) == 1.0
+    after_text = f"Sample input:\n```text\n2 3\n```\n\nSolution:\n```Python\n{GOOD}```\n"
+    assert code_score("codecontests", after_text, ECHO_CASES) == 1.0
+    assert sandbox.extract_code(f"```cpp\nint main() {{}}\n```\n```\n{GOOD}```") == GOOD  # untagged: the fallback
+    assert sandbox.extract_code(f"```py3 title=x\nprint(1)\n```") == "```py3 title=x\nprint(1)\n```"  # not python
+    assert sandbox.extract_code(f"Cut at the limit:\n```python\n{GOOD}") == GOOD
+    assert sandbox.extract_code("print(7)") == "print(7)"
+
+
+@pytest.mark.parametrize("mode", ["namespaces", "limits"])
+def test_exit_and_quit_end_the_program_as_in_plain_python(mode, monkeypatch):
+    """The sandbox's `python -S` leaves out the site module, which gives exit() and quit():
+    `print(...); exit()`, common in contest solutions, failed its case after a right answer."""
+    if mode == "namespaces" and not FULL:
+        pytest.skip("full isolation needs root on Linux (CI has it)")
+    monkeypatch.setattr(sandbox, "_ISOLATION", [mode])
+    early = "n = int(input())\nif n > 0:\n    print('YES')\n    exit()\nprint('NO')\nquit(3)\n"
+    assert (run_python(early, "1\n").status, run_python(early, "1\n").stdout) == (OK, "YES\n")
+    assert (run_python(early, "0\n").status, run_python(early, "0\n").returncode) == (ERROR, 3)
+    assert code_score("codecontests", early, json.dumps({"inputs": ["1\n", "-1\n"], "outputs": ["YES", "NO"]})) == 0.5
+    # a traceback still names main.py's own lines
+    assert 'File "main.py", line 2' in run_python("x = 1\nraise ValueError(x)\n").stderr
+
+
+def test_a_parquet_struct_row_without_limits_runs_with_the_defaults():
+    """A struct column holds every row's keys: a row without time_limit read it as None."""
+    cases = {"inputs": ["2 3\n"], "outputs": ["5\n"], "time_limit": None, "memory_limit_mb": None, "fn_name": None}
+    assert code_score("codecontests", GOOD, cases) == 1.0
+
+
 def test_apps_and_taco_forms_call_based_problems_lists_and_tolerant_outputs():
     call = json.dumps({"fn_name": "add", "inputs": [[1, 2], [5, 7]], "outputs": [[3], 12]})  # APPS wraps returns
     assert code_score("apps", "def add(a, b):\n    return a + b\n", call) == 1.0
