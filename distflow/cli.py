@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from distflow.config import BUILTIN_MODEL, Config, ConfigError, load_config, tool_names
+from distflow.config import BUILTIN_MODEL, Config, ConfigError, load_config, relocated_file_spec, tool_names
 from distflow.data.dataset import BUILTIN_TASKS, write_builtin_parquet
 from distflow.runtime import netns
 
@@ -404,18 +404,15 @@ def _check_cluster(cfg: Config) -> None:
 def with_absolute_paths(cfg: Config) -> None:
     """The relative paths of local files and folders in `cfg` made absolute (data files,
     model.path, algorithm.graph, trainer.resume, rollout.tool_schemas, reward.model_path,
-    and the file.py of reward.custom_fn, rollout.env, rollout.agent and algorithm.estimator);
-    names that are no local path (builtin:..., modules, registered names) stay as they are."""
+    and the file.py of reward.custom_fn, rollout.env, rollout.agent, algorithm.estimator,
+    kl_type and reward_kl_type); names that are no local path (builtin:..., modules,
+    registered names) stay as they are."""
     def absolute(path: str) -> str:
         local = os.path.expanduser(path.strip())
         return os.path.abspath(local) if os.path.exists(local) else path
 
-    def file_of(spec: str | None) -> str | None:  # [openenv:]file.py:name
-        if spec is None:
-            return None
-        prefix = "openenv:" if spec.startswith("openenv:") else ""
-        target, _, name = spec.removeprefix(prefix).rpartition(":")
-        return f"{prefix}{absolute(target)}:{name}" if target.endswith(".py") else spec
+    def file_of(spec: str | None) -> str | None:
+        return None if spec is None else relocated_file_spec(spec, absolute)
 
     d = cfg.data
     d.train_files, d.val_files = (",".join(absolute(s) for s in files.split(",") if s.strip())
@@ -431,7 +428,8 @@ def with_absolute_paths(cfg: Config) -> None:
         cfg.rollout.tool_schemas = absolute(cfg.rollout.tool_schemas)
     if cfg.reward.model_path is not None:
         cfg.reward.model_path = absolute(cfg.reward.model_path)
-    cfg.algorithm.estimator = file_of(cfg.algorithm.estimator)
+    a = cfg.algorithm
+    a.estimator, a.kl_type, a.reward_kl_type = file_of(a.estimator), file_of(a.kl_type), file_of(a.reward_kl_type)
 
 
 def _launch(cfg: Config, run_dir: Path, entry: str, entry_args: tuple, on_poll, meter, centralized=None):

@@ -17,7 +17,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Callable, Literal, get_args, get_origin
 
 import yaml
 
@@ -888,13 +888,20 @@ def _default(dotted: str) -> Any:
     return _value(Config(), dotted)
 
 
+def relocated_file_spec(spec: str, place: Callable[[str], str]) -> str:
+    """`[openenv:]file.py:name` with its file's path passed through `place`; a module's
+    `module:name`, or a registered name, as it is."""
+    prefix = "openenv:" if spec.startswith("openenv:") else ""
+    target, _, name = spec.removeprefix(prefix).rpartition(":")
+    return f"{prefix}{place(target)}:{name}" if target.endswith(".py") else spec
+
+
 def _beside(key: str, value: Any, folder: Path) -> Any:
     """`file.py:function` and a relative `algorithm.graph` in a recipe file mean the file
     beside the recipe."""
     if isinstance(value, str) and ".py:" in value:
-        target, _, fn = value.rpartition(":")
-        if not Path(target).expanduser().is_absolute():
-            return f"{(folder / target).resolve()}:{fn}"
+        return relocated_file_spec(value, lambda target: target if Path(target).expanduser().is_absolute()
+                                   else str((folder / target).resolve()))
     if key == "algorithm.graph" and isinstance(value, str) and not Path(value).expanduser().is_absolute():
         return str((folder / value).resolve())
     return value

@@ -27,6 +27,8 @@ def load_callable(spec: str, what: str) -> Callable:
             module = importlib.import_module(target)
         except ImportError as e:
             raise PluginError(f"{what}={spec!r}: cannot import {target} ({e})") from None
+        except Exception as e:  # the module is there but fails as it runs: one line, as a file's does
+            raise PluginError(f"{what}={spec!r}: importing {target} failed: {type(e).__name__}: {e}") from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise PluginError(f"{what}={spec!r}: {target} has no function {name}")

@@ -115,6 +115,18 @@ def test_bad_custom_reward_specs(spec, fragment):
         load_reward_fn(spec)
 
 
+@pytest.mark.parametrize("form", ["module", "file"])
+def test_a_module_that_fails_as_it_imports_is_one_line_in_either_form(form, tmp_path, monkeypatch):
+    """`module:function` let a SyntaxError (or any error but ImportError) through as a
+    traceback, where `file.py:function` gave one line."""
+    (tmp_path / "broken_rewards_mod.py").write_text("def score(:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = "broken_rewards_mod:score" if form == "module" else f"{tmp_path / 'broken_rewards_mod.py'}:score"
+    with pytest.raises(ValueError, match=r"^reward.custom_fn=.*: importing .*broken_rewards_mod(\.py)? failed: "
+                                         r"SyntaxError: "):
+        load_reward_fn(spec)
+
+
 # ---------------------------------------------------------------------------- RewardRunner
 
 HOSTILE_REWARDS = '''

@@ -178,7 +178,7 @@ def test_a_cluster_launch_names_local_files_by_absolute_paths(tmp_path, monkeypa
     from distflow.config import load_config
 
     monkeypatch.chdir(tmp_path)
-    for name in ("train.jsonl", "reward.py", "env.py", "graph.yaml", "est.py"):
+    for name in ("train.jsonl", "reward.py", "env.py", "graph.yaml", "est.py", "kl.py"):
         (tmp_path / name).write_text("")
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
@@ -186,13 +186,16 @@ def test_a_cluster_launch_names_local_files_by_absolute_paths(tmp_path, monkeypa
     cfg = load_config(None, ["data.train_files=train.jsonl,builtin:arith:train", "data.val_files=builtin:arith:test",
                              "model.path=model",
                              "reward.custom_fn=reward.py:score", "rollout.env=env.py:Game",
-                             "rollout.max_turns=2", "algorithm.graph=graph.yaml", "algorithm.estimator=est.py:fn"])
+                             "rollout.max_turns=2", "algorithm.graph=graph.yaml", "algorithm.estimator=est.py:fn",
+                             "algorithm.kl_type=kl.py:mine+", "algorithm.reward_kl_type=kl.py:mine"])
     with_absolute_paths(cfg)
     assert cfg.data.train_files == f"{tmp_path / 'train.jsonl'},builtin:arith:train"
     assert cfg.data.val_files == "builtin:arith:test" and cfg.model.path == str(tmp_path / "model")
     assert cfg.reward.custom_fn == f"{tmp_path / 'reward.py'}:score"
     assert cfg.rollout.env == f"{tmp_path / 'env.py'}:Game" and cfg.algorithm.graph == str(tmp_path / "graph.yaml")
     assert cfg.algorithm.estimator == f"{tmp_path / 'est.py'}:fn"
+    assert (cfg.algorithm.kl_type, cfg.algorithm.reward_kl_type) == (f"{tmp_path / 'kl.py'}:mine+",
+                                                                     f"{tmp_path / 'kl.py'}:mine")
     agent = load_config(None, ["rollout.agent=my_pkg.agents:run"])  # a module: no path to make absolute
     with_absolute_paths(agent)
     assert agent.rollout.agent == "my_pkg.agents:run" and agent.algorithm.estimator == "grpo"
@@ -202,6 +205,13 @@ def test_a_cluster_launch_names_local_files_by_absolute_paths(tmp_path, monkeypa
     (tmp_path / "recipes" / "g.yaml").write_text("nodes: []\n")
     mine = load_config(None, ["algorithm.name=recipes/mine.yaml"])
     assert mine.algorithm.graph == str(tmp_path / "recipes" / "g.yaml")
+    # an OpenEnv environment's file too (the prefix was taken into the path)
+    (tmp_path / "recipes" / "env.yaml").write_text("rollout:\n  env: openenv:my_env.py:MyEnv\n  max_turns: 2\n")
+    (tmp_path / "recipes" / "my_env.py").write_text("")
+    from distflow.config import load_recipe
+
+    assert dict(load_recipe("recipes/env.yaml").settings)["rollout.env"] == \
+        f"openenv:{tmp_path / 'recipes' / 'my_env.py'}:MyEnv"
 
 
 def test_the_commands_around_a_run_take_what_users_give_them(tmp_path, monkeypatch, capsys):
