@@ -387,7 +387,7 @@ def _type_name(types_: tuple) -> str:
 
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
     allowed = _allowed_types(annotation)
-    if value is None:
+    if value is None or (value == "" and type(None) in allowed):  # `key=` clears an optional key, as null does
         if type(None) in allowed:
             return None
         raise ConfigError(f"{key}=null: expected {_type_name(allowed)}")
@@ -461,6 +461,21 @@ VERL_KEYS = {
     "reward_model.max_length": "reward.model_max_length",
     "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": "rollout.max_turns",
     "actor_rollout_ref.rollout.multi_turn.tool_config_path": "rollout.tools (built-in) or rollout.tool_schemas",
+    "actor_rollout_ref.actor.policy_loss.loss_mode": "algorithm.policy_loss",
+    "actor_rollout_ref.actor.clip_ratio_c": "algorithm.clip_ratio_c",
+    "actor_rollout_ref.actor.grad_clip": "actor.grad_clip",
+    "actor_rollout_ref.model.enable_gradient_checkpointing": "actor.gradient_checkpointing",
+    "algorithm.kl_penalty": "algorithm.reward_kl_type",
+    "algorithm.kl_ctrl.kl_coef": "algorithm.reward_kl_coef",
+    "algorithm.kl_ctrl.type": "algorithm.reward_kl_ctrl (fixed or adaptive)",
+    "algorithm.kl_ctrl.target_kl": "algorithm.reward_kl_target",
+    "algorithm.kl_ctrl.horizon": "algorithm.reward_kl_horizon",
+    "algorithm.filter_groups.enable": "algorithm.dynamic_sampling",
+    "algorithm.filter_groups.max_num_gen_batches": "algorithm.max_refill_rounds (extra rounds, not batches)",
+    "reward_model.overlong_buffer.enable": "algorithm.overlong_buffer_len > 0 (or algorithm.overlong_buffer_fraction)",
+    "reward_model.overlong_buffer.len": "algorithm.overlong_buffer_len",
+    "reward_model.overlong_buffer.penalty_factor": "algorithm.overlong_penalty_factor",
+    "critic.optim.lr": "critic.lr",
 }
 
 
@@ -794,7 +809,7 @@ def _flatten(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
         dotted = f"{prefix}{key}"
         if key in SECTIONS and not prefix and value in (None, ""):  # a section whose keys are all commented out
             continue
-        if isinstance(value, dict) and (prefix or key in SECTIONS):
+        if isinstance(value, dict):  # a section, or another program's (verl's actor_rollout_ref): its dotted keys
             items.extend(_flatten(value, dotted + "."))
         else:
             items.append((dotted, value))

@@ -13,7 +13,7 @@ def test_defaults_are_valid():
     assert cfg.algorithm.name == "grpo" and cfg.runtime.num_workers == 2
 
 
-def test_dotted_overrides_are_typed():
+def test_dotted_overrides_are_typed(tmp_path):
     cfg = load_config(None, ["algorithm.group_size=4", "actor.lr=1e-5", "trainer.save_final=false",
                              "trainer.output_dir=/tmp/x", "rollout.temperature=1"])
     assert cfg.algorithm.group_size == 4
@@ -25,6 +25,13 @@ def test_dotted_overrides_are_typed():
                               "reward.custom_fn=null"])
     assert (text.trainer.output_dir, text.trainer.experiment_name, text.trainer.project_name) == ("0755", "12:30", "1.10")
     assert text.reward.custom_fn is None
+    # `key=` clears an optional key as null does (it was the text "", refused as a malformed value), and empties a
+    # text one (rollout.tools=: no tools)
+    (tmp_path / "agent.yaml").write_text("rollout:\n  agent: my_pkg.agents:run\n  tools: calculator\n")
+    cleared = load_config(str(tmp_path / "agent.yaml"), ["rollout.agent=", "rollout.tools=", "reward.custom_fn=",
+                                                         "algorithm.graph=", "rollout.kv_cache_memory_gb="])
+    assert (cleared.rollout.agent, cleared.reward.custom_fn, cleared.algorithm.graph,
+            cleared.rollout.kv_cache_memory_gb, cleared.rollout.tools) == (None, None, None, None, "")
     # verl's list syntax for the comma-separated keys
     listed = load_config(None, ["trainer.logger=[jsonl,tensorboard]", "data.val_files=['builtin:arith:test']"])
     assert (listed.trainer.logger, listed.data.val_files) == ("jsonl,tensorboard", "builtin:arith:test")
@@ -85,6 +92,9 @@ def test_yaml_file_then_overrides(tmp_path):
     ("actor_rollout_ref.rollout.n=8", "'actor_rollout_ref.rollout.n': verl's name; here it is algorithm.group_size"),
     ("data.max_response_length=512", "'data.max_response_length': verl's name; here it is rollout.max_new_tokens"),
     ("reward_model.enable=true", "'reward_model.enable': verl's name; here it is reward.model_path=FOLDER"),
+    ("algorithm.kl_ctrl.kl_coef=0.1", "'algorithm.kl_ctrl.kl_coef': verl's name; here it is algorithm.reward_kl_coef"),
+    ("algorithm.filter_groups.enable=true", "verl's name; here it is algorithm.dynamic_sampling"),
+    ("reward_model.overlong_buffer.len=512", "verl's name; here it is algorithm.overlong_buffer_len"),
     ("rollout.engine=vllm rollout.top_p=0.9 rollout.temperature=0.7", "rollout.top_p=0.9 with rollout.temperature=0.7 "
                                                                       "on vLLM: its log-probs after temperature"),
     # vLLM sampled at 0.01 while the trainer divided by 0.001
@@ -102,6 +112,15 @@ def test_bad_values_name_key_and_value(override, fragment):
         load_config(None, override.split())
     assert fragment in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_a_verl_config_file_s_nested_keys_are_named_as_on_the_command_line(tmp_path):
+    """Nested under actor_rollout_ref: as verl's YAML writes them, the key was one unknown
+    'actor_rollout_ref' without the hint its dotted form gets."""
+    (tmp_path / "verl.yaml").write_text("actor_rollout_ref:\n  rollout:\n    n: 4\n")
+    with pytest.raises(ConfigError, match=r"^unknown config key 'actor_rollout_ref.rollout.n': verl's name; here it "
+                                          r"is algorithm.group_size$"):
+        load_config(str(tmp_path / "verl.yaml"))
 
 
 def test_a_model_folder_with_only_pickled_weights_is_refused(tmp_path):
