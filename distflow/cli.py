@@ -120,8 +120,9 @@ def record_config(run_dir: Path, cfg: Config) -> None:
     n = 1 for the oldest, and the settings that changed are named on stderr."""
     path, text = run_dir / "config.json", json.dumps(cfg.to_dict(), indent=1)
     if path.is_file() and path.read_text() != text:
-        kept = run_dir / f"config-{1 + len(list(run_dir.glob('config-*.json')))}.json"
-        path.rename(kept)
+        from distflow.trainer.checkpoint import set_aside_numbered
+
+        kept = set_aside_numbered(path)
         try:
             changed = changed_settings(json.loads(kept.read_text()), cfg.to_dict())
         except ValueError:  # not JSON: an edited file

@@ -52,7 +52,7 @@ def _child(mode: str, spec: Spec, address: str, out: str) -> int:
             master, port = ray.get(actors[0].rendezvous.remote(), timeout=TIMEOUT_S)
             reports = ray.get([a.run.remote("distflow.benchmarks.dataplane_coordinator:_coordinator_rounds",
                                             (r, spec, False), r, spec.num_workers, master, port, "cpu", TIMEOUT_S,
-                                            1)
+                                            1, 1)  # one worker per emulated host
                                for r, a in enumerate(actors)], timeout=TIMEOUT_S)
             if reports[0]["rows"] != spec.batch:
                 raise RuntimeError(f"coordinator ended with {reports[0]['rows']} rows, expected {spec.batch}")

@@ -8,6 +8,7 @@ payload stays 0.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -117,11 +118,13 @@ class _Worker:
         return address, free_port(address)
 
     def run(self, entry: str, args: tuple, rank: int, world_size: int, master_addr: str,
-            master_port: int, device: str, timeout_s: int, threads: int) -> Any:
+            master_port: int, device: str, timeout_s: int, threads: int, workers_on_node: int) -> Any:
         import ray
 
         if device != "cpu" and ray.get_gpu_ids():  # the GPU Ray gave this actor, as the device index it uses
             os.environ["LOCAL_RANK"] = str(gpu_index(ray.get_gpu_ids()[0], os.environ.get("CUDA_VISIBLE_DEVICES")))
+        elif device == "cpu":  # CPU workers share their node's cores and memory (overlap=auto, strategy=auto)
+            os.environ["LOCAL_WORLD_SIZE"] = str(workers_on_node)
         try:
             return run_in_group(entry, args, rank, world_size, master_addr, master_port, device, timeout_s, threads)
         except Exception as e:
@@ -223,8 +226,9 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
         device = device if use_gpu else "cpu"
         actor_cls = ray.remote(num_cpus=1, num_gpus=1 if use_gpu else 0)(_Worker)
         strategies: list[dict] = [{}] * num_workers
+        workers_on_node = [num_workers] * num_workers  # each rank's node's workers (LOCAL_WORLD_SIZE)
         if ray_address is not None:
-            group, strategies = _packed_by_node(num_workers, use_gpu, ray_address)
+            group, strategies, workers_on_node = _packed_by_node(num_workers, use_gpu, ray_address)
         actors = [actor_cls.options(name=f"distflow-worker-{r}", **strategies[r]).remote() for r in range(num_workers)]
         master, port = ("127.0.0.1", free_port()) if ray_address is None else \
             meter.received(ray.get(actors[0].rendezvous.remote(), timeout=120), "rendezvous")
@@ -239,7 +243,7 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
                                 wire)
             driver = relay.start()
         pending = {actors[r].run.remote(entry, args + ((relay.endpoint(r),) if relay else ()), r, num_workers,
-                                        master, port, device, collective_timeout_s, threads): r
+                                        master, port, device, collective_timeout_s, threads, workers_on_node[r]): r
                    for r in range(num_workers)}
         results: dict[int, Any] = {}
         while pending:
@@ -319,9 +323,10 @@ def _clean_up(ray, driver, relay, actors: list, group) -> None:
 
 def _packed_by_node(num_workers: int, use_gpu: bool, ray_address: str, timeout_s: float = 120.0):
     """(a placement group of one bundle per worker, PACK: the workers on as few of the
-    cluster's nodes as fit them; each rank's scheduling option), ranks given out node by
-    node, so that each node holds a run of consecutive ranks: a TP group or a rollout
-    replica's members (consecutive ranks) share a node where one fits them."""
+    cluster's nodes as fit them; each rank's scheduling option; the number of workers on
+    each rank's node), ranks given out node by node, so that each node holds a run of
+    consecutive ranks: a TP group or a rollout replica's members (consecutive ranks)
+    share a node where one fits them."""
     import ray
     from ray.exceptions import GetTimeoutError
     from ray.util.placement_group import placement_group, placement_group_table
@@ -338,8 +343,10 @@ def _packed_by_node(num_workers: int, use_gpu: bool, ray_address: str, timeout_s
     except BaseException:
         ray.util.remove_placement_group(group)
         raise
+    bundles = bundles_by_node(node_of, num_workers)
+    per_node = collections.Counter(node_of[b] for b in bundles)
     return group, [{"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=b)}
-                   for b in bundles_by_node(node_of, num_workers)]
+                   for b in bundles], [per_node[node_of[b]] for b in bundles]
 
 
 def bundles_by_node(node_of: dict[int, str], count: int) -> list[int]:

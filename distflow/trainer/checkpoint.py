@@ -221,6 +221,17 @@ def set_aside_newer(folder: Path, step: int) -> list[Path]:
     return moved
 
 
+def set_aside_numbered(path: Path) -> Path:
+    """`path` (a file or folder of a run folder) renamed `<stem>-<n><suffix>`, n one above
+    the highest kept so far (a gap left by a deleted one is not filled: no rename replaces
+    a kept file); returns the new name."""
+    taken = [re.fullmatch(rf"{re.escape(path.stem)}-(\d+){re.escape(path.suffix)}", p.name)
+             for p in path.parent.iterdir()]
+    aside = path.with_name(f"{path.stem}-{1 + max((int(m[1]) for m in taken if m), default=0)}{path.suffix}")
+    path.rename(aside)
+    return aside
+
+
 def read_state(path: Path, state: dict | None = None) -> dict[str, Any]:
     """The checkpoint's trainer state (`state`: its file's contents, read already), checked."""
     if state is None:

@@ -56,7 +56,7 @@ from distflow.trainer.evaluation import EvalSettings, evaluate, write_report
 from distflow.trainer.metrics import MeanAccumulator, MetricsWriter, StageTimer, progress_postfix
 from distflow.trainer.recipes import ROLLOUT_ROLES, build_graph, rollout_reward_field
 from distflow.trainer.report import write_plot
-from distflow.trainer.tracking import Trackers
+from distflow.trainer.tracking import RUN_IDS, TENSORBOARD_DIR, Trackers
 
 
 def resolve_overlap(cfg: Config, device: torch.device) -> bool:
@@ -72,6 +72,24 @@ def resolve_overlap(cfg: Config, device: torch.device) -> bool:
         return True
     local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.runtime.num_workers))  # workers on this host
     return (os.cpu_count() or 1) > local * cfg.runtime.threads_per_worker
+
+
+def set_aside_earlier_run(run_dir: Path) -> None:
+    """A run that starts at step 0 in a folder an earlier run used (trainer.resume=off, or
+    one that stopped before its first checkpoint) does not mix with it: the earlier
+    checkpoints move to `checkpoints-abandoned/` (else `resume=auto` and `keep_last` would
+    take them for this run's); its metrics file becomes `metrics-<n>.jsonl`, its
+    TensorBoard folder `tensorboard-<n>` (TensorBoard drew both runs as one curve) and its
+    trackers' run ids `trackers-<n>.json` (a later resume of this run went on in its W&B
+    or MLflow run)."""
+    for moved in checkpoint.set_aside_newer(run_dir / "checkpoints", 0):
+        print(f"distflow: starting at step 0: the earlier run's checkpoint {moved.name} in this folder is set "
+              f"aside in {moved.parent}", file=sys.stderr)
+    for name in ("metrics.jsonl", TENSORBOARD_DIR, RUN_IDS):
+        if (run_dir / name).exists():
+            kept = checkpoint.set_aside_numbered(run_dir / name)
+            print(f"distflow: starting at step 0: the earlier run's {name} is kept as {kept.name}", file=sys.stderr)
+    (run_dir / "summary.json").unlink(missing_ok=True)
 
 
 class StatusFile:
@@ -400,7 +418,7 @@ class Trainer:
         if self.resume_from is not None:
             self._resume(self.resume_from)
         elif self.rank == 0:
-            self._start_afresh()
+            set_aside_earlier_run(run_dir)
         # last, so that a run that failed to start leaves no tracker run open
         self.trackers = Trackers(cfg, run_dir, self.rank,  # TensorBoard, W&B, MLflow (trainer.logger)
                                  resumed=self.resume_from is not None, start_step=self.start_step)
@@ -420,20 +438,6 @@ class Trainer:
         """A model to train (policy or critic), without dropout unless model.disable_dropout=false."""
         return without_dropout(model) if self.cfg.model.disable_dropout else model
 
-    def _start_afresh(self) -> None:
-        """A run that starts at step 0 in a folder an earlier run used (trainer.resume=off, or
-        one that stopped before its first checkpoint) does not mix with it: the earlier
-        checkpoints move to `checkpoints-abandoned/` (else `resume=auto` and `keep_last`
-        would take them for this run's), its metrics file becomes `metrics-<n>.jsonl`."""
-        for moved in checkpoint.set_aside_newer(self.run_dir / "checkpoints", 0):
-            print(f"distflow: starting at step 0: the earlier run's checkpoint {moved.name} in this folder is set "
-                  f"aside in {moved.parent}", file=sys.stderr)
-        metrics = self.run_dir / "metrics.jsonl"
-        if metrics.exists():
-            earlier = self.run_dir / f"metrics-{1 + len(list(self.run_dir.glob('metrics-*.jsonl')))}.jsonl"
-            metrics.rename(earlier)
-            print(f"distflow: starting at step 0: the earlier run's metrics are kept as {earlier.name}", file=sys.stderr)
-        (self.run_dir / "summary.json").unlink(missing_ok=True)
 
     def _resume(self, path: Path) -> None:
         """Optimizer, critic, RNG, dataloader position, the metrics so far and the run of
@@ -446,10 +450,12 @@ class Trainer:
         if self.prompts.sampler.next_step(state["dataloader"]) != self.start_step + 1:
             raise checkpoint.CheckpointError(f"checkpoint {path}: dataloader position {state['dataloader']} "
                                              f"does not match step {self.start_step}")
+        abandoned = []
         if self.rank == 0:
             if self.start_step < self.cfg.trainer.total_steps:  # done no more until it ends again
                 (self.run_dir / "summary.json").unlink(missing_ok=True)
-            for moved in checkpoint.set_aside_newer(self.run_dir / "checkpoints", self.start_step):
+            abandoned = checkpoint.set_aside_newer(self.run_dir / "checkpoints", self.start_step)
+            for moved in abandoned:
                 print(f"distflow: resumed from step {self.start_step}: the later checkpoint {moved.name} of this run "
                       f"folder is set aside in {moved.parent}", file=sys.stderr)
         metrics = path / "metrics.jsonl"
@@ -457,9 +463,28 @@ class Trainer:
         for record in self.history:  # the run of bad steps the checkpoint ends on goes on counting
             self.bad_steps = self.bad_steps + 1 if skipped_an_update(record) or scored_nothing(record) else 0
         if self.writer is not None:  # the run's metrics file continues from the checkpoint's copy
+            self._keep_metrics_the_checkpoint_lacks(rolled_back=bool(abandoned))
             tmp = self.writer.path.with_suffix(".tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
             os.replace(tmp, self.writer.path)
+
+    def _keep_metrics_the_checkpoint_lacks(self, rolled_back: bool) -> None:
+        """The run folder's metrics file, before the checkpoint's copy replaces it, kept as
+        `metrics-<n>.jsonl` where its records are not the run the checkpoint goes on: a
+        rollback's abandoned branch (`rolled_back`: later checkpoints were set aside; its
+        steps after the checkpoint show why it was abandoned), or another run's (a
+        checkpoint of another folder resumed here). After a crash the steps past the last
+        checkpoint run again, so the file is replaced as it is."""
+        try:
+            lines = [line for line in self.writer.path.read_text().splitlines() if line.strip()]
+        except FileNotFoundError:
+            return
+        # the checkpoint's file is a copy of this one when it was written: the same text (NaN too)
+        if lines and (rolled_back or lines[:len(self.history)] != [json.dumps(r) for r in self.history]):
+            kept = checkpoint.set_aside_numbered(self.writer.path)
+            why = "the abandoned branch's" if rolled_back else "another run's"
+            print(f"distflow: resumed from step {self.start_step}: this folder's metrics.jsonl ({why} steps) is "
+                  f"kept as {kept.name}", file=sys.stderr)
 
     # ------------------------------------------------------------------ one step
 

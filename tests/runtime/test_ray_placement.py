@@ -28,7 +28,7 @@ class Where:
     def host(self):
         return ray.util.get_node_ip_address()
 
-group, options = _packed_by_node(4, use_gpu=False, ray_address=address)
+group, options, on_node = _packed_by_node(4, use_gpu=False, ray_address=address)
 actors = [Where.options(**options[r]).remote() for r in range(4)]
 hosts = ray.get([a.host.remote() for a in actors], timeout=120)
 for a in actors:
@@ -40,7 +40,7 @@ try:
 except ClusterTooSmall as e:
     refused = str(e)
 ray.shutdown()
-print(json.dumps({"hosts": hosts, "refused": refused}))
+print(json.dumps({"hosts": hosts, "refused": refused, "on_node": on_node}))
 """
 
 
@@ -57,6 +57,8 @@ def test_ranks_fill_a_node_before_the_next(tmp_path):
     hosts = out["hosts"]  # Ray's SPREAD gave them out host by host in turn: A B A B
     assert hosts[0] == hosts[1] and hosts[2] == hosts[3] and hosts[0] != hosts[2]
     assert set(hosts) == {spec.address(1), spec.address(2)}
+    # each rank is told its node's workers (LOCAL_WORLD_SIZE): two, not the run's four
+    assert out["on_node"] == [2, 2, 2, 2]
     assert out["refused"].startswith(f"runtime.num_workers=5: the Ray cluster at {spec.ray_address} could not place")
 
 

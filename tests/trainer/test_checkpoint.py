@@ -221,6 +221,26 @@ def test_latest_ignores_incomplete_folders_and_prune_keeps_the_newest(tmp_path, 
     assert checkpoint.resolve("off", tmp_path) is None
 
 
+def test_a_fresh_start_sets_the_earlier_run_s_metrics_tensorboard_and_tracker_ids_aside(tmp_path, capsys):
+    """TensorBoard drew both runs as one curve, and the earlier run's W&B/MLflow ids stayed
+    for a later resume of the new run to go on in. Numbers go on from the highest kept:
+    a gap (a deleted metrics-1.jsonl) is not filled by renaming over metrics-2.jsonl."""
+    from distflow.trainer.loop import set_aside_earlier_run
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    (tmp_path / "metrics-2.jsonl").write_text("kept\n")
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / "tensorboard" / "events.out").write_text("")
+    (tmp_path / "trackers.json").write_text('{"mlflow": "abc"}')
+    (tmp_path / "summary.json").write_text("{}")
+    set_aside_earlier_run(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics-2.jsonl", "metrics-3.jsonl", "tensorboard-1",
+                                                          "trackers-1.json"]
+    assert (tmp_path / "metrics-2.jsonl").read_text() == "kept\n"
+    assert (tmp_path / "tensorboard-1" / "events.out").exists()
+    assert "the earlier run's tensorboard is kept as tensorboard-1" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_killed_while_checkpointing_then_resumed_matches_an_uninterrupted_run(tmp_path):
     run = tmp_path / "run"
@@ -264,13 +284,17 @@ def test_killed_while_checkpointing_then_resumed_matches_an_uninterrupted_run(tm
     assert sorted(p.name for p in (run / "checkpoints-abandoned").iterdir()) == ["final"]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["final", "step_2"]
     assert [_untimed(r) for r in _metrics(run)] == [_untimed(r) for r in uninterrupted]
+    # the abandoned branch's metrics are kept (its step 3 was replaced by the checkpoint's copy, which ends at 2)
+    assert "this folder's metrics.jsonl (the abandoned branch's steps) is kept as metrics-1.jsonl" in proc.stderr
+    assert (run / "metrics-1.jsonl").read_text().splitlines() == \
+        [json.dumps(r) for r in resumed]
     # started afresh in the folder (trainer.resume=off): the earlier run's checkpoints and metrics are set aside,
     # not mixed with this run's (a later resume=auto took its `final` at step 3 and trained nothing)
     proc = _train([f"trainer.output_dir={run}", "trainer.save_every=1", "trainer.keep_last=1", "trainer.resume=off",
                    "trainer.total_steps=1"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in _metrics(run)] == [0, 1]
-    assert [_untimed(json.loads(line)) for line in (run / "metrics-1.jsonl").read_text().splitlines()] == \
+    assert [_untimed(json.loads(line)) for line in (run / "metrics-2.jsonl").read_text().splitlines()] == \
         [_untimed(r) for r in uninterrupted]
     assert sorted(p.name for p in (run / "checkpoints-abandoned").iterdir()) == ["final", "final+", "step_2"]
     assert checkpoint.read_state(checkpoint.latest(run / "checkpoints"))["step"] == 1

@@ -247,6 +247,26 @@ def test_the_commands_around_a_run_take_what_users_give_them(tmp_path, monkeypat
                      training=False)
 
 
+def test_the_plots_show_every_series_and_a_reward_outside_0_to_1(tmp_path, monkeypatch):
+    """reward.png pinned its axis to [0, 1] (a DAPO-shaped, reward-model or custom reward
+    left it, cut off), drew the first five held-out levels and `distflow plot` the first 40
+    runs."""
+    import matplotlib.pyplot as plt
+
+    from distflow.trainer import report
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: (figures.append(fig), close(fig)))
+    history = [{"step": s, "reward/mean": -0.8 + 0.1 * s, **{f"val/accuracy/level_{k}": 0.1 * k for k in range(7)}}
+               for s in range(1, 6)]
+    report.write_plot(history, tmp_path / "reward.png")
+    top = figures[-1].axes[0]
+    assert top.get_ylim()[0] <= -0.7 and top.get_ylim()[1] >= 1.0
+    assert sum("held-out, level_" in (line.get_label() or "") for line in top.get_lines()) == 7
+    report.write_overlay({f"run{i}": history for i in range(45)}, tmp_path / "runs.png")
+    assert len(figures[-1].axes[0].get_lines()) == 45
+
+
 def test_overrides_may_come_after_the_options(monkeypatch, capsys):
     """`distflow train trainer.seed=3 --config c.yaml trainer.total_steps=7` (Hydra's and
     verl's users put overrides anywhere): argparse refused the ones after an option."""
