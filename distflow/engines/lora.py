@@ -39,15 +39,60 @@ def adapter_base(path: str | Path) -> str:
     return json.loads((Path(path) / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
 
 
+def _target_names(targets: str) -> list[str] | str:
+    return targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+
+
+def saved_setting_differences(saved: dict, settings: LoraSettings, model=None) -> list[str]:
+    """`key=saved value` for each of the run's LoRA settings that the adapter's saved PEFT
+    config (`saved`) does not have. Target modules are compared as the modules they name
+    in `model`; without it, by their last names, where the run names them (`all-linear`
+    is PEFT's to expand: that needs the model)."""
+    differences = []
+    for key, theirs, ours in (("lora_rank", saved.get("r"), settings.rank),
+                              ("lora_alpha", saved.get("lora_alpha"), settings.alpha),
+                              ("lora_dropout", saved.get("lora_dropout"), settings.dropout)):
+        if theirs is not None and float(theirs) != float(ours):
+            differences.append(f"actor.{key}={theirs}")
+    theirs = saved.get("target_modules")
+    if theirs is None:
+        return differences
+    theirs = theirs if theirs == "all-linear" else [theirs] if isinstance(theirs, str) else sorted(theirs)
+    ours = _target_names(settings.target_modules)
+    if model is not None:
+        same = _targeted(model, theirs) == _targeted(model, ours)
+    else:
+        same = "all-linear" in (theirs, ours) or {t.rsplit(".", 1)[-1] for t in theirs} == \
+            {t.rsplit(".", 1)[-1] for t in ours}
+    if not same:  # by last name, as the config names them (PEFT may save every layer's path)
+        shown = theirs if isinstance(theirs, str) else ",".join(sorted({t.rsplit(".", 1)[-1] for t in theirs}))
+        differences.append(f"actor.lora_target_modules={shown}")
+    return differences
+
+
+def _targeted(model, targets: list[str] | str) -> set[str]:
+    """The modules of `model` that PEFT adapts for these target modules: a name matches a
+    module of that name or ending in it; `all-linear` is every linear layer but the head."""
+    modules = dict(model.named_modules())
+    if targets == "all-linear":
+        head = model.get_output_embeddings()
+        return {n for n, m in modules.items() if isinstance(m, torch.nn.Linear) and m is not head}
+    return {n for n in modules if any(n == t or n.endswith("." + t) for t in targets)}
+
+
 def with_lora(model, settings: LoraSettings, adapter_path: str | Path | None = None):
     """`model` wrapped by peft with a trainable adapter: a new one, or the one saved in
-    `adapter_path` (resuming)."""
+    `adapter_path` (resuming; its settings must be the run's: PEFT loads it as saved)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if adapter_path is not None:
+        saved = json.loads((Path(adapter_path) / ADAPTER_CONFIG).read_text())
+        if differences := saved_setting_differences(saved, settings, model):
+            raise ValueError(f"checkpoint {adapter_path}: its LoRA adapter was trained with other settings; resume "
+                             f"with {', '.join(differences)}")
         return PeftModel.from_pretrained(model, str(adapter_path), is_trainable=True)
     targets = settings.target_modules
-    names = targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
+    names = _target_names(targets)
     if names != "all-linear":  # peft says so only where none is found, and without the config key
         modules = dict(model.named_modules())
         missing = [t for t in names if not any(n == t or n.endswith("." + t) for n in modules)]

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from distflow.collectives import all_gather_objects
-from distflow.engines.lora import is_lora
+from distflow.engines.lora import LoraSettings, is_lora
 
 STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -260,22 +260,27 @@ def resolve(resume: str, run_dir: Path) -> Path | None:
     return path
 
 
-def check_resumable(path: Path, lora_rank: int) -> None:
-    """A checkpoint this run can go on from: a LoRA adapter of its rank for a LoRA run,
-    the whole model's weights otherwise (one line where not; PEFT's and torch's own errors
-    point elsewhere, and an adapter of another rank loaded silently)."""
-    from distflow.engines.lora import ADAPTER_CONFIG, is_adapter_folder
+def check_resumable(path: Path, lora: LoraSettings | None) -> None:
+    """A checkpoint this run can go on from: a LoRA adapter of its settings (`lora`) for a
+    LoRA run, the whole model's weights otherwise (one line where not; PEFT's and torch's
+    own errors point elsewhere, and PEFT loads an adapter as it was saved, whatever the
+    run's rank, alpha, dropout or target modules say; `all-linear` is checked where the
+    model is there, `lora.with_lora`)."""
+    from distflow.engines.lora import ADAPTER_CONFIG, is_adapter_folder, saved_setting_differences
 
     if not is_adapter_folder(path):
-        if lora_rank:
+        if lora is not None:
             raise CheckpointError(f"checkpoint {path}: the whole model's weights, but this run trains a LoRA adapter "
-                                  f"(actor.lora_rank={lora_rank}); resume without actor.lora_rank, or start a new "
+                                  f"(actor.lora_rank={lora.rank}); resume without actor.lora_rank, or start a new "
                                   "LoRA run with the checkpoint as model.path")
         return
-    rank = json.loads((path / ADAPTER_CONFIG).read_text()).get("r")
-    if rank != lora_rank:
-        raise CheckpointError(f"checkpoint {path}: a LoRA adapter of rank {rank}, but this run has "
-                              f"actor.lora_rank={lora_rank}; resume with actor.lora_rank={rank}")
+    saved = json.loads((path / ADAPTER_CONFIG).read_text())
+    if lora is None:
+        raise CheckpointError(f"checkpoint {path}: a LoRA adapter of rank {saved.get('r')}, but this run has "
+                              f"actor.lora_rank=0; resume with actor.lora_rank={saved.get('r')}")
+    if differences := saved_setting_differences(saved, lora):
+        raise CheckpointError(f"checkpoint {path}: its LoRA adapter was trained with other settings; resume with "
+                              f"{', '.join(differences)}")
 
 
 def _load_optimizer(engine, path: Path, stem: str) -> None:

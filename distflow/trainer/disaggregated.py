@@ -271,6 +271,7 @@ def run_disaggregated(cfg: Config, run_dir: Path, progress: bool) -> dict:
     side = TrainSide(cfg, roles, start + 1)
     eval_cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine="hf",
                                                                     tensor_parallel_size=1, replica_size=1))
-    summary = fit_and_close(Trainer(eval_cfg, run_dir, device, progress, stream=side), after_fit=side.close)
+    summary = fit_and_close(Trainer(eval_cfg, run_dir, device, progress, stream=side, tracked_cfg=cfg),
+                            after_fit=side.close)
     roles.close()
     return summary

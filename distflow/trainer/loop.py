@@ -92,6 +92,13 @@ def set_aside_earlier_run(run_dir: Path) -> None:
     (run_dir / "summary.json").unlink(missing_ok=True)
 
 
+def lora_settings(cfg: Config) -> LoraSettings | None:
+    """The run's LoRA settings; None without actor.lora_rank."""
+    a = cfg.actor
+    return LoraSettings(rank=a.lora_rank, alpha=a.lora_alpha, dropout=a.lora_dropout,
+                        target_modules=a.lora_target_modules) if a.lora_rank else None
+
+
 class StatusFile:
     """Where a worker is, for the launcher (run_dir/status/rank-<rank>.json): it names the
     stage when a worker dies. Nodes start on several threads, so writes are serialised,
@@ -340,19 +347,23 @@ def worker_device(cfg: Config) -> torch.device:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Path, device: torch.device, progress: bool, relay=None, stream=None):
+    def __init__(self, cfg: Config, run_dir: Path, device: torch.device, progress: bool, relay=None, stream=None,
+                 tracked_cfg: Config | None = None):
         """`relay`: this worker's end of the single controller (runtime.mode=centralized);
         `stream`: a disaggregated run's train side (trainer/disaggregated.py), which
-        brings the samples and takes the weights, and then this runs the graph's train half.
-        Where building fails, what was built is closed before the error goes on."""
+        brings the samples and takes the weights, and then this runs the graph's train half;
+        `tracked_cfg`: the settings W&B, MLflow and TensorBoard record, where they are not
+        `cfg` (that train side evaluates under its own rollout settings). Where building
+        fails, what was built is closed before the error goes on."""
         self._parts = contextlib.ExitStack()  # what close() closes, each added as it is built
         try:
-            self._build(cfg, run_dir, device, progress, relay, stream)
+            self._build(cfg, run_dir, device, progress, relay, stream, tracked_cfg or cfg)
         except BaseException:
             self._parts.close()
             raise
 
-    def _build(self, cfg: Config, run_dir: Path, device: torch.device, progress: bool, relay, stream) -> None:
+    def _build(self, cfg: Config, run_dir: Path, device: torch.device, progress: bool, relay, stream,
+               tracked_cfg: Config) -> None:
         self.cfg, self.run_dir, self.device, self.stream = cfg, run_dir, device, stream
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -420,18 +431,16 @@ class Trainer:
         elif self.rank == 0:
             set_aside_earlier_run(run_dir)
         # last, so that a run that failed to start leaves no tracker run open
-        self.trackers = Trackers(cfg, run_dir, self.rank,  # TensorBoard, W&B, MLflow (trainer.logger)
+        self.trackers = Trackers(tracked_cfg, run_dir, self.rank,  # TensorBoard, W&B, MLflow (trainer.logger)
                                  resumed=self.resume_from is not None, start_step=self.start_step)
 
     def _policy(self, policy_path: str):
         """The policy to train: the model folder or the checkpoint; with LoRA the base model
         with a new adapter, or the checkpoint's adapter."""
-        a = self.cfg.actor
-        if not a.lora_rank:
+        lora = lora_settings(self.cfg)
+        if lora is None:
             return self._trained(load_causal_lm(policy_path))
-        settings = LoraSettings(rank=a.lora_rank, alpha=a.lora_alpha, dropout=a.lora_dropout,
-                                target_modules=a.lora_target_modules)
-        return with_lora(self._trained(load_causal_lm(self.cfg.model.path)), settings,
+        return with_lora(self._trained(load_causal_lm(self.cfg.model.path)), lora,
                          adapter_path=self.resume_from if self.resume_from else None)
 
     def _trained(self, model):
@@ -720,7 +729,7 @@ def agree_on_the_run_folder(cfg: Config, run_dir: Path) -> None:
             + "); a run on several hosts needs trainer.output_dir on a file system they share")
     cfg.trainer.resume = seen[0][1][1] or "off"
     if cfg.trainer.resume != "off":  # the same checkpoint on every worker: the same answer
-        checkpoint.check_resumable(Path(cfg.trainer.resume), cfg.actor.lora_rank)
+        checkpoint.check_resumable(Path(cfg.trainer.resume), lora_settings(cfg))
 
 
 def run_worker(cfg_dict: dict, run_dir: str, progress: bool = False, relay=None) -> dict:

@@ -4,6 +4,8 @@ its adapter, resumes exactly, evaluates and exports."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -119,14 +121,27 @@ def test_resuming_across_lora_settings_is_one_line(random_model_dir, tmp_path):
 
     adapter = tmp_path / "adapter"
     _adapted(random_model_dir).save_pretrained(adapter)
-    checkpoint.check_resumable(adapter, SETTINGS.rank)  # the same settings: resumable
-    checkpoint.check_resumable(Path(random_model_dir), 0)
-    cases = {(adapter, 0): f"a LoRA adapter of rank {SETTINGS.rank}, but this run has actor.lora_rank=0",
-             (adapter, 2 * SETTINGS.rank): f"resume with actor.lora_rank={SETTINGS.rank}",
-             (Path(random_model_dir), 8): "the whole model's weights, but this run trains a LoRA adapter"}
-    for (path, rank), message in cases.items():
+    checkpoint.check_resumable(adapter, SETTINGS)  # the same settings: resumable
+    checkpoint.check_resumable(Path(random_model_dir), None)
+    other = functools.partial(dataclasses.replace, SETTINGS)
+    cases = {(adapter, None): f"a LoRA adapter of rank {SETTINGS.rank}, but this run has actor.lora_rank=0",
+             (adapter, other(rank=2 * SETTINGS.rank)): f"resume with actor.lora_rank={SETTINGS.rank}",
+             # PEFT loaded these as saved, while the run's config said otherwise
+             (adapter, other(alpha=4 * SETTINGS.alpha, dropout=0.1)): f"resume with actor.lora_alpha={SETTINGS.alpha}, "
+                                                                     f"actor.lora_dropout={SETTINGS.dropout}",
+             (adapter, other(target_modules="q_proj")): "resume with actor.lora_target_modules=",
+             (Path(random_model_dir), SETTINGS): "the whole model's weights, but this run trains a LoRA adapter"}
+    for (path, settings), message in cases.items():
         with pytest.raises(checkpoint.CheckpointError, match=message.replace("(", r"\(")):
-            checkpoint.check_resumable(path, rank)
+            checkpoint.check_resumable(path, settings)
+    # all-linear is checked where the model is: an adapter on two of its layers is not one on all of them
+    narrow = tmp_path / "narrow"
+    with_lora(load_causal_lm(random_model_dir), other(target_modules="q_proj,v_proj")).save_pretrained(narrow)
+    assert SETTINGS.target_modules == "all-linear"
+    checkpoint.check_resumable(narrow, SETTINGS)
+    with pytest.raises(ValueError, match=r"resume with actor.lora_target_modules=q_proj,v_proj$"):
+        with_lora(load_causal_lm(random_model_dir), SETTINGS, adapter_path=narrow)
+    with_lora(load_causal_lm(random_model_dir), SETTINGS, adapter_path=adapter)
 
 
 def test_only_the_adapter_trains_and_the_reference_is_the_base(random_model_dir):

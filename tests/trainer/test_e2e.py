@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from helpers import distflow_sweep, distflow_train, run_metrics
+from tracking_readers import read_mlflow
 
 pytestmark = pytest.mark.slow
 
@@ -163,8 +164,10 @@ def test_placements_train_like_plain_data_parallel(two_worker_runs, tmp_path):
     four = distflow_sweep({"tp2": ["runtime.num_workers=4", "rollout.replica_size=2"],
                            "disaggregated": disaggregated}, 4, tmp_path, [*SMALL, *PLACEMENTS])
     # a launch of its own: a disaggregated run leaves its workers in their role groups
-    four |= distflow_sweep({"disaggregated_tp2": [*disaggregated, "rollout.replica_size=2"]}, 4, tmp_path,
-                           [*SMALL, *PLACEMENTS])
+    four |= distflow_sweep({"disaggregated_tp2": [*disaggregated, "rollout.replica_size=2",
+                                                  "trainer.logger=jsonl,mlflow"]}, 4, tmp_path, [*SMALL, *PLACEMENTS])
+    # the trackers record the run's settings, not those the train side evaluates under (replica_size 1, hf)
+    assert read_mlflow(four["disaggregated_tp2"])[1]["rollout.replica_size"] == "2"
     runs |= {name: run_metrics(folder) for name, folder in four.items()}
     # 3 steps of 2 mini-batches (so the old log-probs are recomputed): later steps sample from updated, synced weights
     for other in ("tp2", "disaggregated", "disaggregated_tp2"):
