@@ -480,6 +480,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     except ConfigError as e:  # a folder another launch holds
         return _fail(str(e))
     cfg.trainer.output_dir = str(run_dir)
+    record_config(run_dir, cfg)  # the settings the numbers depend on (top_p, max_new_tokens, seed, val_max_samples...)
     report = run_dir / "eval.json"
     if cfg.runtime.launcher == "torchrun":
         return _exec_torchrun(cfg, [f"--eval-k={args.k}", *_config_argv(args)])

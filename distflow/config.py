@@ -720,6 +720,10 @@ def _validate_cross(cfg: Config, training: bool) -> None:
         if cfg.runtime.network == "loopback":
             raise ConfigError(f"runtime.ray_address={cfg.runtime.ray_address!r}: a cluster cannot be "
                               "loopback-only; use runtime.network=auto or host")
+    if cfg.runtime.network == "loopback" and "wandb" in cfg.trainer.logger and cfg.trainer.wandb_mode == "online":
+        raise ConfigError("trainer.wandb_mode=online: W&B sends to its server, which a loopback-only run "
+                          "(runtime.network=loopback) cannot reach; use runtime.network=auto or host, or "
+                          "trainer.wandb_mode=offline")
     if cfg.model.path not in BUILTIN_MODELS:
         path = os.path.expanduser(cfg.model.path)
         if not any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):

@@ -92,6 +92,8 @@ def test_yaml_file_then_overrides(tmp_path):
     ("actor_rollout_ref.rollout.n=8", "'actor_rollout_ref.rollout.n': verl's name; here it is algorithm.group_size"),
     ("data.max_response_length=512", "'data.max_response_length': verl's name; here it is rollout.max_new_tokens"),
     ("reward_model.enable=true", "'reward_model.enable': verl's name; here it is reward.model_path=FOLDER"),
+    ("runtime.network=loopback trainer.logger=jsonl,wandb trainer.wandb_mode=online",
+     "trainer.wandb_mode=online: W&B sends to its server, which a loopback-only run (runtime.network=loopback) cannot"),
     ("algorithm.kl_ctrl.kl_coef=0.1", "'algorithm.kl_ctrl.kl_coef': verl's name; here it is algorithm.reward_kl_coef"),
     ("algorithm.filter_groups.enable=true", "verl's name; here it is algorithm.dynamic_sampling"),
     ("reward_model.overlong_buffer.len=512", "verl's name; here it is algorithm.overlong_buffer_len"),
