@@ -268,7 +268,9 @@ class SchedulerConfig:
                                 doc="run independent nodes concurrently and stream rollout chunks; auto = "
                                     "on with a GPU or a spare CPU core per host, off when the workers fill the cores")
     threads: int = _spec(2, min=1, doc="thread pool for non-collective nodes")
-    stream_chunk_size: int = _spec(64, min=1, doc="sequences per rollout chunk that consumers start on")
+    stream_chunk_size: int = _spec(64, min=1, doc="sequences per rollout chunk that consumers start on (the HF "
+                                                  "engine generates a chunk per call; vLLM, which batches a whole "
+                                                  "call as it runs, takes the step's sequences in one)")
 
 
 @dataclass(kw_only=True)

@@ -101,7 +101,7 @@ class ScriptedEngine:
     """Answers each episode's turn t with script[episode][t]; an episode is known by its
     prompt's first token. Records every call's contexts, so tests see what it was shown."""
 
-    weight_version, tensor_parallel_size = 0, 1
+    weight_version, tensor_parallel_size, batches_continuously = 0, 1, False
 
     def __init__(self, tok, scripts: dict[int, list[str]]):
         self.tok, self.scripts, self.calls = tok, scripts, []

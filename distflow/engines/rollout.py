@@ -126,6 +126,10 @@ class RolloutEngine(Protocol):
     `stop_token_ids`: the ids that end a response (`stop_token_ids()`); the first one
     generated is the response's last token.
 
+    `batches_continuously`: one call takes every request at once and batches them as they
+    run (vLLM): the rollout gives it the step's sequences in one call, not in chunks (each
+    chunk would wait for its longest sequence, and the engine would batch only a chunk).
+
     `update_weights` replaces the engine's weights in place from a stream of (HF name,
     full tensor) pairs and records `version` (the trainer's step) as `weight_version`.
     `sleep` releases the engine's memory between its rollouts where it can (vLLM on GPU);
@@ -135,6 +139,7 @@ class RolloutEngine(Protocol):
     weight_version: int
     tensor_parallel_size: int
     stop_token_ids: tuple[int, ...]
+    batches_continuously: bool
 
     def generate(self, prompts: list[list[int]], seeds: list[int] | None, params: SamplingParams) -> Batch: ...
 
@@ -218,6 +223,7 @@ class HFRolloutEngine:
     `rollout_weight_version` (B, R): the version that computed each token."""
 
     newer_weights: Callable[[], tuple[int, Iterable[tuple[str, torch.Tensor]]] | None] | None = None
+    batches_continuously = False  # one generate() per micro-batch: a streamed chunk is a batch of its own
 
     def __init__(self, model, tokenizer, micro_batch_size: int = 128, shares_trainer_weights: bool = False,
                  compute_dtype: torch.dtype = torch.float32):

@@ -47,6 +47,8 @@ INSTALL_HINT = ("rollout.engine=vllm: vLLM is not importable in this Python; ins
 class VLLMRolloutEngine:
     """The RolloutEngine contract (engines/rollout.py) on a vLLM `LLM`."""
 
+    batches_continuously = True  # its scheduler batches every request of a call as they run
+
     def __init__(self, model_path: str, tokenizer, *, tensor_parallel_size: int = 1, dtype: str = "float32",
                  max_model_len: int, seed: int = 0, gpu_memory_utilization: float = 0.5,
                  kv_cache_memory_gb: float | None = None, release_memory_after_rollout: bool = True,

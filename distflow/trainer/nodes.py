@@ -151,7 +151,10 @@ def unpad_prompts(batch: Batch) -> list[list[int]]:
 
 
 def rollout(ctx: WorkerContext, batch: Batch) -> Iterator[tuple[range, Batch]]:
-    """Streams responses in chunks of `scheduler.stream_chunk_size` sequences."""
+    """Streams responses in chunks of `scheduler.stream_chunk_size` sequences where the
+    scheduler overlaps; one chunk of every sequence for an engine that batches a whole
+    call as it runs (vLLM), a tensor-parallel replica (its members call together) and
+    multi-turn episodes."""
     cfg = ctx.cfg
     prompts = unpad_prompts(batch)
     seeds = sample_seeds(cfg, ctx.step, batch)
@@ -163,8 +166,8 @@ def rollout(ctx: WorkerContext, batch: Batch) -> Iterator[tuple[range, Batch]]:
             if name in out and ctx.counts_rows:
                 ctx.acc.add_total(name.replace("_", "/", 1), float(out[name].sum()))
         yield range(len(prompts)), out
-    elif ctx.rollout.tensor_parallel_size > 1:  # the replica's ranks generate together: one call each, always
-        out = ctx.rollout.generate(prompts, seeds, params)
+    elif ctx.rollout.tensor_parallel_size > 1 or ctx.rollout.batches_continuously:
+        out = ctx.rollout.generate(prompts, seeds, params)  # a replica's ranks generate together: one call each
         if prompts:
             yield range(len(prompts)), _generated(out)
     else:

@@ -193,6 +193,35 @@ def test_a_replica_s_members_holding_the_same_rows_count_them_once_over_workers(
         torch.testing.assert_close(advantages, alone[1], rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("continuous", [False, True])
+def test_the_rollout_streams_chunks_but_gives_an_engine_that_batches_as_it_runs_every_sequence_at_once(continuous):
+    """vLLM was called once per chunk of scheduler.stream_chunk_size (64) sequences under
+    overlap (on by default on a GPU): it batched 64 at a time, each chunk waiting for its
+    longest. The HF engine streams chunks; one that batches continuously gets one call."""
+    from distflow.engines.common import load_causal_lm, load_tokenizer
+    from distflow.engines.rollout import HFRolloutEngine
+
+    class Recording(HFRolloutEngine):
+        batches_continuously = continuous
+
+        def generate(self, prompts, seeds, params):
+            self.calls.append(len(prompts))
+            return super().generate(prompts, seeds, params)
+
+    tok = load_tokenizer("builtin:tiny-arith")
+    engine = Recording(load_causal_lm("builtin:tiny-arith"), tok)
+    engine.calls = []
+    ctx = StepCtx({}, "scheduler.stream_chunk_size=2", "rollout.max_new_tokens=4", rollout=engine, step=1,
+                  overlap=True, episodes=None)
+    prompts = torch.tensor([[5, 6, 7]] * 5)
+    batch = Batch({"prompts": prompts, "prompt_mask": torch.ones_like(prompts), "uid": torch.arange(5),
+                   "sample_k": torch.zeros(5, dtype=torch.long), "draw": torch.zeros(5, 2, dtype=torch.long)})
+    chunks = list(nodes.rollout(ctx, batch))
+    assert engine.calls == ([5] if continuous else [2, 2, 1])
+    assert [list(rows) for rows, _ in chunks] == ([[0, 1, 2, 3, 4]] if continuous else [[0, 1], [2, 3], [4]])
+    assert sum(len(out["responses"]) for _, out in chunks) == 5
+
+
 def test_greedy_baseline_scores_one_greedy_response_per_group():
     class Engine:  # records what it was asked; answers each prompt with its own last token
         def __init__(self):
