@@ -480,7 +480,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     except ConfigError as e:  # a folder another launch holds
         return _fail(str(e))
     cfg.trainer.output_dir = str(run_dir)
-    record_config(run_dir, cfg)  # the settings the numbers depend on (top_p, max_new_tokens, seed, val_max_samples...)
+    # the settings its numbers depend on (top_p, max_new_tokens, the seed, val_max_samples...), under a name of its
+    # own: an evaluation in a training run's folder leaves that run's config.json as it is
+    (run_dir / "eval-config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     report = run_dir / "eval.json"
     if cfg.runtime.launcher == "torchrun":
         return _exec_torchrun(cfg, [f"--eval-k={args.k}", *_config_argv(args)])

@@ -193,10 +193,10 @@ class AlgorithmConfig:
     max_refill_rounds: int = _spec(3, min=0, doc="dynamic sampling: extra generation rounds per step; after them a "
                                                   "batch short of passing groups is topped up with dropped ones "
                                                   "(no signal; dynamic_sampling/passed_groups counts the others)")
-    overlong_buffer_len: int | None = _spec(None, min=0, doc="overlong shaping (DAPO): tokens before the limit where "
-                                                              "the penalty ramps; set, it wins over "
-                                                              "overlong_buffer_fraction, 0 = off (verl's "
-                                                              "overlong_buffer.len)")
+    overlong_buffer_len: int = _spec(0, min=0, doc="overlong shaping (DAPO): tokens before the limit where the penalty "
+                                                   "ramps (verl's overlong_buffer.len); above 0 it wins over "
+                                                   "overlong_buffer_fraction; 0: the fraction decides (shaping is off "
+                                                   "where both are 0: overlong_buffer_fraction=0 turns DAPO's off)")
     overlong_buffer_fraction: float = _spec(0.0, min=0.0, max=1.0,
                                             doc="overlong shaping (DAPO) with the buffer as a share of the response "
                                                 "budget (the paper: 4096 of 20480 tokens, 0.2), so it scales with "
@@ -474,7 +474,8 @@ VERL_KEYS = {
     "algorithm.kl_ctrl.horizon": "algorithm.reward_kl_horizon",
     "algorithm.filter_groups.enable": "algorithm.dynamic_sampling",
     "algorithm.filter_groups.max_num_gen_batches": "algorithm.max_refill_rounds (extra rounds, not batches)",
-    "reward_model.overlong_buffer.enable": "algorithm.overlong_buffer_len > 0 (or algorithm.overlong_buffer_fraction)",
+    "reward_model.overlong_buffer.enable": "algorithm.overlong_buffer_len > 0 or algorithm.overlong_buffer_fraction "
+                                           "> 0 (both 0: off)",
     "reward_model.overlong_buffer.len": "algorithm.overlong_buffer_len",
     "reward_model.overlong_buffer.penalty_factor": "algorithm.overlong_penalty_factor",
     "critic.optim.lr": "critic.lr",
@@ -739,7 +740,7 @@ def _validate_cross(cfg: Config, training: bool) -> None:
     if cfg.algorithm.graph is not None and not os.path.isfile(os.path.expanduser(cfg.algorithm.graph)):
         raise ConfigError(f"algorithm.graph={cfg.algorithm.graph!r}: no such file")
     buffer, budget = cfg.algorithm.overlong_buffer_len, response_token_budget(cfg)
-    if buffer is not None and buffer > budget:
+    if buffer > budget:
         limit = ("rollout.max_new_tokens" if budget == cfg.rollout.max_new_tokens and cfg.rollout.max_turns == 1
                  else "the episode's token budget (rollout.max_total_tokens, else max_new_tokens x max_turns)")
         raise ConfigError(f"algorithm.overlong_buffer_len={buffer}: must be <= {limit}={budget}")
@@ -781,13 +782,11 @@ def response_token_budget(cfg: Config) -> int:
 
 def overlong_buffer_tokens(cfg: Config) -> int:
     """DAPO's overlong buffer in tokens (0: no shaping): algorithm.overlong_buffer_len where
-    set (0 too), else algorithm.overlong_buffer_fraction of the response budget (at least one
+    above 0, else algorithm.overlong_buffer_fraction of the response budget (at least one
     token where the fraction is above 0)."""
     a = cfg.algorithm
-    if a.overlong_buffer_len is not None:
+    if a.overlong_buffer_len or not a.overlong_buffer_fraction:
         return a.overlong_buffer_len
-    if not a.overlong_buffer_fraction:
-        return 0
     return max(1, round(a.overlong_buffer_fraction * response_token_budget(cfg)))
 
 
@@ -960,9 +959,9 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     under them, validated (`training`: see validate). Where an override changes the
     algorithm.name the file names, a file value equal to what the file's recipe (or the
     default) gives is that recipe's, not a choice: the new recipe's or the default replaces
-    it (a run's recorded config.json, which holds every value, reused for another algorithm),
-    and the file's trainer.output_dir and trainer.resume are not taken (that run's folder:
-    the other algorithm's run is a new one)."""
+    it (a run's recorded config.json, which holds every value, reused for another algorithm);
+    and where the file is a run's recorded config.json, its trainer.output_dir and
+    trainer.resume are not taken (that run's folder: the other algorithm's run is a new one)."""
     cfg, given = Config(), set()
     if path is not None:
         for key, value in _typed_items(_read_yaml(path, f"--config {path}")):
@@ -984,14 +983,21 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         for key, value in load_recipe(file_recipe).settings:
             _set(resolved, key, value)
         for key, value in file_values.items():
-            # the file's run folder and resume setting are that run's: the other algorithm's is a new run
-            if value == _value(resolved, key) or key in _RUN_OWN_KEYS:
+            # a run's recorded config: its folder and resume setting are that run's; the other algorithm's is a new run
+            if value == _value(resolved, key) or (key in _RUN_OWN_KEYS and _records_its_own_run(path, file_values)):
                 _set(cfg, key, _default(key))
                 given.discard(key)
     for key, value in load_recipe(cfg.algorithm.name).settings:
         if key not in given:
             _set(cfg, key, value)
     return validate(cfg, training)
+
+
+def _records_its_own_run(path: str, file_values: dict[str, Any]) -> bool:
+    """Whether the config file is a run's recorded config.json: its trainer.output_dir is the
+    file's own folder (a hand-written file's output_dir is the user's choice)."""
+    folder = file_values.get("trainer.output_dir")
+    return folder is not None and Path(folder).expanduser().resolve() == Path(path).expanduser().resolve().parent
 
 
 def validate_recipe_name(name: str) -> None:

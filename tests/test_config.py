@@ -308,7 +308,7 @@ def test_a_recorded_config_reused_for_another_algorithm_takes_that_algorithm_s_s
 
     recorded = load_config(None, ["trainer.total_steps=7", "actor.lr=3e-6", "algorithm.kl_coef=0.01",
                                   "trainer.resume=auto"])
-    recorded.trainer.output_dir = str(tmp_path / "runs" / "grpo")  # as `distflow train` records it
+    recorded.trainer.output_dir = str(tmp_path)  # as `distflow train` records it in its run folder
     record_config(tmp_path, recorded)
     reused = load_config(str(tmp_path / "config.json"), ["algorithm.name=dapo", "algorithm.clip_ratio_high=0.3"])
     fresh = load_config(None, ["algorithm.name=dapo", "algorithm.clip_ratio_high=0.3", "trainer.total_steps=7",
@@ -316,6 +316,9 @@ def test_a_recorded_config_reused_for_another_algorithm_takes_that_algorithm_s_s
     assert reused.to_dict() == fresh.to_dict()
     assert reused.algorithm.dynamic_sampling and not reused.algorithm.use_kl_loss
     assert reused.trainer.output_dir is None
+    # a hand-written file's folder is the user's choice, whatever the algorithm
+    (tmp_path / "exp.yaml").write_text("algorithm:\n  name: grpo\ntrainer:\n  output_dir: /shared/exp1\n")
+    assert load_config(str(tmp_path / "exp.yaml"), ["algorithm.name=dapo"]).trainer.output_dir == "/shared/exp1"
     # the same algorithm again: the file as it is (the same run, relaunched); and a choice that is another recipe's value stays a choice
     assert load_config(str(tmp_path / "config.json")).to_dict() == json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "mine.yaml").write_text("algorithm:\n  name: grpo\n  use_kl_loss: false\n")

@@ -73,10 +73,12 @@ def saved_setting_differences(saved: dict, settings: LoraSettings, model=None) -
 def _targeted(model, targets: list[str] | str) -> set[str]:
     """The modules of `model` that PEFT adapts for these target modules: a name matches a
     module of that name or ending in it; `all-linear` is every linear layer but the head."""
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers, which PEFT counts as linear too
+
     modules = dict(model.named_modules())
     if targets == "all-linear":
         head = model.get_output_embeddings()
-        return {n for n, m in modules.items() if isinstance(m, torch.nn.Linear) and m is not head}
+        return {n for n, m in modules.items() if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not head}
     return {n for n in modules if any(n == t or n.endswith("." + t) for t in targets)}
 
 

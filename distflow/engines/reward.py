@@ -178,13 +178,18 @@ def rule_reads(data_source: str, ground_truth: Any) -> bool:
     return isinstance(ground_truth, (str, int, float)) or _is_code(data_source)
 
 
+# a numbered markdown heading: "#### 2. Add the pears", "#### 3) Count"
+_NUMBERED_HEADING = re.compile(r"####[ \t]*\d+[.)][ \t]+\S")
+
+
 def _answers_after_hashes(solution_str: str, ground_truth: Any) -> bool:
     """A response to score by the GSM8K rule whatever its data source: its last `####` is
-    followed by a number ("#### 72", "#### -3", "#### $5"; not a "#### Step 1" or
-    "#### Final answer" heading), it boxes no answer (a "#### 2. Add" heading's step number
-    is not its answer), and the ground truth is one number (not MATH's 2\\sqrt{3})."""
+    followed by a number ("#### 72", "#### -3", "#### $5"; not a "#### Step 1", "#### Final
+    answer" or numbered "#### 2. Add" heading), it boxes no answer (a heading's number is not
+    its answer), and the ground truth is one number (not MATH's 2\\sqrt{3})."""
+    last = solution_str.rfind("####")
     return ("\\boxed" not in solution_str and extract_hash_answer(solution_str) is not None
-            and is_one_number(str(ground_truth)))
+            and not _NUMBERED_HEADING.match(solution_str, last) and is_one_number(str(ground_truth)))
 
 
 def default_compute_score(data_source: str, solution_str: str, ground_truth: str,

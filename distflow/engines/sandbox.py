@@ -245,13 +245,14 @@ def guard(event, args):
         raise PermissionError(f"the sandbox may not list {args[0]}")
 sys.addaudithook(guard)
 """
-# main.py as `python main.py` would run it, with exit() and quit(), which the site module
-# gives and `-S` (no site-packages: the standard library only) leaves out.
+# main.py as `python main.py` would run it (its __file__, its module as __main__), with exit()
+# and quit(), which the site module gives and `-S` (no site-packages: the standard library
+# only) leaves out.
 _RUN_MAIN = r"""
-import builtins, sys
+import builtins, runpy, sys
 builtins.exit = builtins.quit = sys.exit
 sys.argv = ["main.py"]
-exec(compile(open("main.py").read(), "main.py", "exec"), {"__name__": "__main__"})
+runpy.run_path("main.py", run_name="__main__")
 """
 
 
@@ -431,22 +432,33 @@ def _status(timed_out: bool, status: str, stderr: str) -> str:
 # ---------------------------------------------------------------------------- the code reward
 
 CODE_SOURCES = ("codecontests", "apps", "taco", "codeforces", "livecodebench", "primeintellect", "code")
-# a fenced block: its opening fence's info string, its text up to the closing fence at a line's
-# start (or the end: a response cut at its token limit)
-_FENCED = re.compile(r"^[ \t]*```[ \t]*([^\n`]*)\n(.*?)(?:^[ \t]*```|\Z)", re.DOTALL | re.MULTILINE)
+# a closed fenced block: its opening fence's info string, its text up to the next fence (at a
+# line's start or not: small models close one at the end of the code's last line)
+_FENCED = re.compile(r"```[ \t]*([^\n`]*)\n(.*?)```", re.DOTALL)
+_OPENED = re.compile(r"```[ \t]*([^\n`]*)\n(.*)\Z", re.DOTALL)  # one left open: a response cut at its token limit
 _PYTHON_TAGS = ("python", "py", "python3")
 
 
 def extract_code(solution_str: str) -> str:
-    """The program of a response: its last fenced block tagged python (py, python3, any
-    case), else its last untagged block, else the whole response. A block tagged as another
-    language, or an untagged one after a python block (a sample's output), is never run."""
-    blocks = [((info.split() or [""])[0].lower(), text) for info, text in _FENCED.findall(solution_str)]
+    """The program of a response: its last closed fenced block tagged python (py, python3,
+    any case), else a python block left open at the end (cut at the token limit), else its
+    last closed untagged block, else the whole response. A block tagged as another language,
+    or an untagged one after a python block (a sample's output), is never run."""
+    closed = list(_FENCED.finditer(solution_str))
+    blocks = [(_tag(m[1]), m[2]) for m in closed]
+    cut = _OPENED.search(solution_str, closed[-1].end() if closed else 0)
     for wanted in (lambda tag: tag in _PYTHON_TAGS, lambda tag: not tag):
         chosen = [text for tag, text in blocks if wanted(tag)]
         if chosen:
             return chosen[-1]
+        if cut is not None and wanted(_tag(cut[1])):
+            return cut[2]
     return solution_str
+
+
+def _tag(info: str) -> str:
+    """A fence's language: its info string's first word, lower-cased."""
+    return (info.split() or [""])[0].lower()
 
 
 def code_score(data_source: str, solution_str: str, ground_truth: str | dict,

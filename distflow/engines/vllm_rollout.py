@@ -88,6 +88,9 @@ class VLLMRolloutEngine:
         self.temperature, self.top_p = temperature, top_p
         # the trainer's log-probs: after temperature (processed) unless top-p would renormalise them
         logprobs_mode = "processed_logprobs" if top_p == 1.0 else "raw_logprobs"
+        # vLLM's CPU platform sets LOCAL_WORLD_SIZE to the engine's TP size; the launcher's count of this host's
+        # workers, which scheduler.overlap=auto and a critic's strategy=auto read later, is put back after it
+        workers_here = os.environ.get("LOCAL_WORLD_SIZE")
         self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
                        tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="external_launcher",
                        max_model_len=max_model_len, enforce_eager=not on_gpu, logprobs_mode=logprobs_mode,
@@ -97,6 +100,10 @@ class VLLMRolloutEngine:
                        enable_chunked_prefill=on_gpu,
                        gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.release_memory_after_rollout,
                        kv_cache_memory_bytes=None if kv_cache_memory_gb is None else int(kv_cache_memory_gb * 2**30))
+        if workers_here is None:
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = workers_here
         self._parallel_state = parallel_state
         self.tp_group = parallel_state.get_tp_group().cpu_group if tensor_parallel_size > 1 else None
 

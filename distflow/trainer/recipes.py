@@ -15,7 +15,7 @@ the builder runs they are in the config, so the graph follows from the config al
   drop_failed_groups  multi-turn or an agent, rollout.on_failed_episode=drop_group: a filter
                         of the groups with an episode whose environment or agent raised
   dynamic_sampling    algorithm.dynamic_sampling: a refilling filter; later nodes wait for it
-  overlong_penalty    algorithm.overlong_buffer_len > 0, or where unset _fraction > 0
+  overlong_penalty    algorithm.overlong_buffer_len or _fraction > 0
   greedy_baseline     an estimator that needs a "baseline" (ReMax)
   critic_values,      an estimator that needs "values" (GAE): PPO's critic
   critic_update
@@ -219,8 +219,7 @@ def recipe_row(recipe: Recipe) -> list[str]:
     needs = nodes.resolve_estimator(estimator)[1].needs
     extra = ", ".join(f"`{k.split('.', 1)[1]}={v}`" for k, v in recipe.settings if k not in _SHOWN)
     buffer, fraction = recipe.setting("algorithm.overlong_buffer_len"), recipe.setting("algorithm.overlong_buffer_fraction")
-    shaping = (f"{buffer} tokens" if buffer else "-") if buffer is not None else \
-        f"the last {fraction:.0%} of the budget" if fraction else "-"
+    shaping = f"{buffer} tokens" if buffer else f"the last {fraction:.0%} of the budget" if fraction else "-"
     return [f"`{recipe.name}`", f"`{estimator}`", f"`{recipe.setting('algorithm.policy_loss')}`",
             f"`{recipe.setting('algorithm.loss_agg_mode')}`", "yes" if "values" in needs else "-",
             _kl_where(recipe), "yes" if recipe.setting("algorithm.dynamic_sampling") else "-",

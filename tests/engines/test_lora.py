@@ -142,6 +142,16 @@ def test_resuming_across_lora_settings_is_one_line(random_model_dir, tmp_path):
     with pytest.raises(ValueError, match=r"resume with actor.lora_target_modules=q_proj,v_proj$"):
         with_lora(load_causal_lm(random_model_dir), SETTINGS, adapter_path=narrow)
     with_lora(load_causal_lm(random_model_dir), SETTINGS, adapter_path=adapter)
+    # GPT-2's linear layers are Conv1D, which PEFT's all-linear counts too: its unchanged adapter resumes
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def gpt2():
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32))
+
+    conv = tmp_path / "gpt2-adapter"
+    with_lora(gpt2(), SETTINGS).save_pretrained(conv)
+    with_lora(gpt2(), SETTINGS, adapter_path=conv)
 
 
 def test_only_the_adapter_trains_and_the_reference_is_the_base(random_model_dir):

@@ -43,6 +43,8 @@ def test_default_dispatch():
     assert default_compute_score("math_dapo", numbered, "42") == 1.0
     assert default_compute_score("math_dapo", "##### 3 cases\nThey give 42.\n\\boxed{42}", "42") == 1.0
     assert default_compute_score("math_dapo", "#### 1. Setup\nx = 42\n#### Final answer\n\\boxed{42}", "42") == 1.0
+    assert default_compute_score("math_dapo", "#### 1. Setup\nx = 40 + 2\n#### 2. Result\nx = 42", "42") == 1.0
+    assert default_compute_score("math_dapo", "so #### 42.", "42") == 1.0  # an answer's full stop is no heading
     # a `####` answer to a ground truth that is more than one number (MATH's LaTeX) is math-verify's to read:
     # the GSM8K rule read the truth's leading number and took wrong answers ...
     assert default_compute_score("lighteval/MATH", "#### 2", "2,\\!000") == 0.0

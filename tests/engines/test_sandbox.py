@@ -85,6 +85,10 @@ def test_the_program_is_the_last_python_block_not_a_sample_s_output_or_another_l
     assert sandbox.extract_code(f"```cpp\nint main() {{}}\n```\n```\n{GOOD}```") == GOOD  # untagged: the fallback
     assert sandbox.extract_code(f"```py3 title=x\nprint(1)\n```") == "```py3 title=x\nprint(1)\n```"  # not python
     assert sandbox.extract_code(f"Cut at the limit:\n```python\n{GOOD}") == GOOD
+    # a closed python block wins over one cut at the limit after it; fences need not start a line
+    assert sandbox.extract_code(f"```python\n{GOOD}```\nA brute force:\n```python\ndef brute(a, b):\n    return") == GOOD
+    assert sandbox.extract_code("Here:\n```python\nprint(input())```\nDone.") == "print(input())"
+    assert sandbox.extract_code(f"Solution: ```python\n{GOOD}```") == GOOD
     assert sandbox.extract_code("print(7)") == "print(7)"
 
 

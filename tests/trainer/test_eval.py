@@ -286,7 +286,7 @@ def test_eval_on_one_and_three_workers_agrees(tmp_path):
         assert "48 prompts (data.val_max_samples=48 of the 256 rows of data.val_files; -1: all)" in proc.stdout
         reports[workers] = json.loads((out / "eval.json").read_text())
         # the settings the numbers depend on are kept beside them (eval.json names only some)
-        assert json.loads((out / "config.json").read_text())["data"]["val_max_samples"] == 48
+        assert json.loads((out / "eval-config.json").read_text())["data"]["val_max_samples"] == 48
     assert reports[1]["metrics"] == reports[3]["metrics"]
     metrics = reports[3]["metrics"]
     assert metrics["rows"] == 48 and 0 < metrics["mean@2"] <= metrics["pass@2"]  # mean <= any, per prompt

@@ -85,15 +85,16 @@ def test_overlong_penalty_ramps_over_the_buffer(buffer):
     assert out["shaped_scores"].tolist() == [1.0, 0.5, 0.0]  # penalties 0, -0.5, -1
 
 
-def test_dapo_s_overlong_buffer_scales_with_the_response_budget_and_a_length_of_0_turns_it_off():
-    """The paper's 4096 of 20480 tokens; `overlong_buffer_len=0` ("0 = off", verl's
-    overlong_buffer.len) left the recipe's fraction on."""
+def test_dapo_s_overlong_buffer_scales_with_the_response_budget_and_a_fraction_of_0_turns_it_off():
+    """The paper's 4096 of 20480 tokens. (The length's doc said "0 = off" while the recipe's
+    fraction stayed on: 0 leaves it to the fraction, as config.json files have recorded it.)"""
     from distflow.config import ConfigError, overlong_buffer_tokens
     from distflow.trainer.recipes import recipe_graph
 
     assert overlong_buffer_tokens(load_config(None, ["algorithm.name=dapo"])) == 6  # of 32: the default run's
     assert overlong_buffer_tokens(load_config(None, ["algorithm.name=dapo", "rollout.max_new_tokens=20480"])) == 4096
-    off = load_config(None, ["algorithm.name=dapo", "algorithm.overlong_buffer_len=0"])
+    assert overlong_buffer_tokens(load_config(None, ["algorithm.name=dapo", "algorithm.overlong_buffer_len=0"])) == 6
+    off = load_config(None, ["algorithm.name=dapo", "algorithm.overlong_buffer_fraction=0"])
     assert overlong_buffer_tokens(off) == 0 and "overlong_penalty" not in [n.name for n in recipe_graph(off).nodes]
     # a multi-turn episode's buffer is checked against the episode's budget, not one turn's
     turns = ["rollout.max_turns=2", "rollout.tools=calculator", "rollout.max_total_tokens=200"]
