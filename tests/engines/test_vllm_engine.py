@@ -106,15 +106,18 @@ def _nucleus_log_probs(rank: int, world: int) -> dict:
     from distflow.engines.vllm_rollout import VLLMRolloutEngine
 
     tok = load_tokenizer(BUILTIN_MODEL)
+    os.environ["LOCAL_WORLD_SIZE"] = "5"  # the launcher's count of this host's workers
     engine = VLLMRolloutEngine(resolve_model_path(BUILTIN_MODEL), tok, max_model_len=256, kv_cache_memory_gb=0.25,
                                temperature=1.0, top_p=0.7)
+    workers_here = os.environ["LOCAL_WORLD_SIZE"]  # vLLM's CPU platform set it to its TP size, 1
     prompts, seeds = _requests(tok)
     out = engine.generate(prompts, seeds, SamplingParams(temperature=1.0, top_p=0.7, max_new_tokens=20))
     engine.close()
     trainer_lp, _ = forward_response(load_causal_lm(BUILTIN_MODEL), out["prompts"], out["prompt_mask"],
                                      out["responses"], out["response_mask"], temperature=1.0)
     mask = out["response_mask"].bool()
-    return {"gap": (trainer_lp - out["rollout_log_probs"])[mask].abs().max().item(), "valid": int(mask.sum())}
+    return {"gap": (trainer_lp - out["rollout_log_probs"])[mask].abs().max().item(), "valid": int(mask.sum()),
+            "workers_here": workers_here}
 
 
 def test_with_top_p_the_engine_s_log_probs_are_still_the_trainer_s():
@@ -123,6 +126,7 @@ def test_with_top_p_the_engine_s_log_probs_are_still_the_trainer_s():
     reports its raw log-probs, the trainer's softmax over the whole vocabulary."""
     (out,) = run_gloo(_nucleus_log_probs, 1, timeout=300)
     assert out["valid"] > 40 and out["gap"] < 2e-4, out["gap"]
+    assert out["workers_here"] == "5"  # what overlap=auto and a critic's strategy=auto read after the engine is built
 
 
 def _tensor_parallel(rank: int, world: int) -> dict:
