@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from distflow.cli import check_graph, check_inputs
 from distflow.config import ConfigError, load_config
+from distflow.runtime import netns
 from distflow.runtime.process_group import headline, init_process_group, process_group_closed_on_exit
 
 
@@ -86,13 +87,22 @@ def _run(args, configs: list, rank: int, folder: list[str]) -> int:
 def _take_folder(cfg, rank: int, folder: list[str], kind: str | None = None) -> int:
     """One run folder for all ranks (trainer.output_dir, or a new one rank 0 makes: see
     `new_run_dir`), set as cfg.trainer.output_dir and in `folder`: 0; 2 and one line
-    where another launch holds it."""
-    from distflow.cli import new_run_dir
+    where another launch holds it. Rank 0 records the config there as `distflow train`
+    and `distflow eval` do, where they did not launch this (their torchrun path records it
+    before it starts the workers)."""
+    from distflow.cli import HELD_FOLDER_ENV, new_run_dir, record_config
 
     holder: list = [None]
     if rank == 0:
         try:
-            holder[0] = str(new_run_dir(cfg, kind))
+            run_dir = new_run_dir(cfg, kind)
+            holder[0] = str(run_dir)
+            if os.environ.get(HELD_FOLDER_ENV) != str(run_dir):  # started by torchrun itself
+                cfg.trainer.output_dir = str(run_dir)
+                if kind == "eval":
+                    (run_dir / "eval-config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+                else:
+                    record_config(run_dir, cfg)
         except ConfigError as e:
             holder[0] = e
     dist.broadcast_object_list(holder, src=0)
@@ -116,6 +126,10 @@ def _refused_inputs(cfg, rank: int, training: bool = True) -> int:
         check_inputs(cfg, training=training)
         if training:
             check_graph(cfg)
+        if cfg.runtime.network == "loopback" and not netns.inside():  # `distflow train` makes the namespace
+            raise ConfigError("runtime.network=loopback: torchrun's own entry runs on the host network; launch with "
+                              "`distflow train runtime.launcher=torchrun` (it runs the workers in a loopback-only "
+                              "namespace), or use runtime.network=auto")
     except ValueError as e:  # ConfigError, GraphError: one line
         return _refused(e, rank)
     return 0

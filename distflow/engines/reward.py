@@ -284,6 +284,8 @@ def score_of(result: Any) -> float:
         result = result["score"]
     elif isinstance(result, (tuple, list)) and result:
         result = result[0]
+    if isinstance(result, (str, bytes)):  # float() would read "0.7": a mistake's score, counted as a failure instead
+        raise TypeError(f"the reward function returned text ({result!r}), not a number")
     return float(result)
 
 

@@ -337,6 +337,13 @@ def scored_nothing(record: dict) -> bool:
     return scored > 0 and record.get("reward/failed", 0.0) + record.get("reward/timed_out", 0.0) >= scored
 
 
+def failed_every_episode(record: dict) -> bool:
+    """Whether every episode of a multi-turn or agent step failed (its environment or
+    rollout.agent raised): the reward scores them all, but nothing was learnt from."""
+    total = record.get("episodes/total", 0.0)
+    return total > 0 and record.get("episodes/failed", 0.0) >= total
+
+
 def worker_device(cfg: Config) -> torch.device:
     """This worker's device: the GPU the runtime bound it to, where it chose one
     (`process_group.uses_cuda`); outside a launched worker, a GPU unless runtime.device=cpu."""
@@ -470,7 +477,8 @@ class Trainer:
         metrics = path / "metrics.jsonl"
         self.history = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
         for record in self.history:  # the run of bad steps the checkpoint ends on goes on counting
-            self.bad_steps = self.bad_steps + 1 if skipped_an_update(record) or scored_nothing(record) else 0
+            self.bad_steps = self.bad_steps + 1 if skipped_an_update(record) or scored_nothing(record) \
+                or failed_every_episode(record) else 0
         if self.writer is not None:  # the run's metrics file continues from the checkpoint's copy
             self._keep_metrics_the_checkpoint_lacks(rolled_back=bool(abandoned))
             tmp = self.writer.path.with_suffix(".tmp")
@@ -645,15 +653,15 @@ class Trainer:
             self.trackers.close(failed)
 
     def _check_bad_steps(self, step: int, metrics: dict[str, float]) -> None:
-        """A step where an update met NaN/inf was skipped (counted in */skipped_updates), or
-        where no sample's reward could be computed; `trainer.max_bad_steps` such steps in a
-        row stop the run: something is broken."""
-        unscored = scored_nothing(metrics)
-        if self.stream is not None and dist.is_initialized():  # disaggregated: one train rank got the reward counts
-            flag = torch.tensor([float(unscored)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            unscored = bool(flag.item())
-        self.bad_steps = self.bad_steps + 1 if skipped_an_update(metrics) or unscored else 0
+        """A step where an update met NaN/inf was skipped (counted in */skipped_updates),
+        where no sample's reward could be computed, or where every episode failed;
+        `trainer.max_bad_steps` such steps in a row stop the run: something is broken."""
+        unscored, unplayed = scored_nothing(metrics), failed_every_episode(metrics)
+        if self.stream is not None and dist.is_initialized():  # disaggregated: one train rank got the rollout's counts
+            flags = torch.tensor([float(unscored), float(unplayed)])
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            unscored, unplayed = bool(flags[0]), bool(flags[1])
+        self.bad_steps = self.bad_steps + 1 if skipped_an_update(metrics) or unscored or unplayed else 0
         if self.bad_steps < self.cfg.trainer.max_bad_steps:
             return
         limit = f"trainer.max_bad_steps={self.cfg.trainer.max_bad_steps}"
@@ -664,6 +672,11 @@ class Trainer:
                 f"rate and the data")
         network = " (runtime.network=auto runs it without the host's network: a judge it calls is reached only " \
             "with runtime.network=host)" if netns.inside() else ""
+        if unplayed and not unscored:
+            raise RuntimeError(
+                f"stopping at step {step}: {self.bad_steps} steps in a row had every episode fail ({limit}): the "
+                f"environment or rollout.agent raised on every sample (env/failed, agent/failed; the first error is "
+                f"printed above); check it{network}")
         raise RuntimeError(
             f"stopping at step {step}: {self.bad_steps} steps in a row could score no sample ({limit}): every "
             f"reward call failed or timed out (reward/failed, reward/timed_out; the first error is printed above); "
@@ -768,21 +781,20 @@ def run_eval_worker(cfg_dict: dict, report_path: str, k: int) -> dict | None:
     tokenizer = load_tokenizer(cfg.model.path)
     taken, chosen = heldout_rows(cfg, tokenizer, load_image_prompter(cfg.model.path, tokenizer, cfg.model.dtype),
                                  rank, world)
-    engine = make_rollout_engine(cfg, cfg.model.path, tokenizer, device, actor=None)
-    episodes = make_episode_runner(cfg, engine, tokenizer)
-    reward_fn, accuracy_fn = make_reward_runners(cfg, device)
-    try:
+    with contextlib.ExitStack() as parts:  # each part closed, last built first, even where a later one fails to build
+        engine = make_rollout_engine(cfg, cfg.model.path, tokenizer, device, actor=None)
+        parts.callback(engine.close)
+        episodes = make_episode_runner(cfg, engine, tokenizer)
+        if episodes is not None:
+            parts.callback(episodes.close)
+        reward_fn, accuracy_fn = make_reward_runners(cfg, device)
+        parts.callback(close_reward_runners, reward_fn, accuracy_fn)
         r = cfg.rollout
         report = evaluate(engine, tokenizer, [row for row, _ in taken], [ids for _, ids in taken], reward_fn,
                           accuracy_fn, EvalSettings(max_new_tokens=r.max_new_tokens, k=k, temperature=r.temperature,
                                                     top_p=r.top_p, seed=cfg.trainer.seed,
                                                     reward_field=rollout_reward_field(cfg)), by_source=True,
                           episodes=episodes)
-    finally:
-        if episodes is not None:
-            episodes.close()
-        engine.close()
-        close_reward_runners(reward_fn, accuracy_fn)
     if rank != 0:
         return None
     report |= chosen

@@ -162,9 +162,14 @@ def rollout(ctx: WorkerContext, batch: Batch) -> Iterator[tuple[range, Batch]]:
                             max_new_tokens=cfg.rollout.max_new_tokens)
     if ctx.episodes is not None:  # multi-turn: every episode to its end, then one chunk
         out = ctx.episodes.generate(prompts, seeds, params, tasks_of(batch))
+        failed = torch.zeros(len(prompts), dtype=torch.bool)
         for name in FAILED_EPISODE_FIELDS:  # every episode that failed, a refill round's and a dropped group's too
             if name in out and ctx.counts_rows:
                 ctx.acc.add_total(name.replace("_", "/", 1), float(out[name].sum()))
+                failed |= out[name].bool()
+        if ctx.counts_rows:  # a step whose every episode failed learns nothing (trainer.max_bad_steps)
+            ctx.acc.add_total("episodes/total", float(len(prompts)))
+            ctx.acc.add_total("episodes/failed", float(failed.sum()))
         yield range(len(prompts)), out
     elif ctx.rollout.tensor_parallel_size > 1 or ctx.rollout.batches_continuously:
         out = ctx.rollout.generate(prompts, seeds, params)  # a replica's ranks generate together: one call each

@@ -143,6 +143,8 @@ def score(data_source, solution_str, ground_truth, extra_info=None):
         return math.nan
     if solution_str == "text":
         return "high"
+    if solution_str == "numeric text":  # str(score) by mistake: float() read it as a score
+        return {"score": "0.7"}
     if solution_str == "die":
         os._exit(3)
     if solution_str == "dict":  # verl's DAPO scorer's form
@@ -164,6 +166,7 @@ def test_reward_runner_scores_failures_zero_and_goes_on(tmp_path, timeout_s, cap
         assert runner("d", "raise", "x") == (0.0, FAILED)
         assert runner("d", "nan", "x") == (0.0, FAILED)
         assert runner("d", "text", "x") == (0.0, FAILED)
+        assert runner("d", "numeric text", "x") == (0.0, FAILED)
         assert runner("d", "abcd", "x") == (4.0, OK)
         assert runner("d", "dict", "x") == (2.5, OK) and runner("d", "tuple", "x") == (1.5, OK)
     finally:

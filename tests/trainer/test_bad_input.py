@@ -104,6 +104,19 @@ def test_a_reward_that_fails_on_every_sample_stops_the_run_after_max_bad_steps(t
     assert [(r["reward/scored"], r["reward/failed"]) for r in records] == [(16.0, 16.0), (16.0, 16.0)]
 
 
+def test_an_agent_that_fails_on_every_sample_stops_the_run_after_max_bad_steps(tmp_path):
+    """The reward scored every failed episode (0, no failure of its own), so a rollout.agent
+    raising on every sample trained nothing to the end and reported success."""
+    (tmp_path / "agent.py").write_text("async def run(client, row):\n    raise ConnectionError('no such service')\n")
+    out = tmp_path / "run"
+    proc = _train(["trainer.total_steps=4", "trainer.max_bad_steps=2", f"rollout.agent={tmp_path / 'agent.py'}:run",
+                   f"trainer.output_dir={out}"], tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "stopping at step 2: 2 steps in a row had every episode fail (trainer.max_bad_steps=2)" in proc.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [(r["episodes/total"], r["episodes/failed"], r["agent/failed"]) for r in records] == [(16.0, 16.0, 16.0)] * 2
+
+
 def _stop_where_one_rank_saw_the_counts(rank: int, world: int) -> str:
     """Train rank 0 alone holds the rollout side's reward counts, as in a disaggregated run."""
     from types import SimpleNamespace

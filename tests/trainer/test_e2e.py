@@ -168,6 +168,8 @@ def test_placements_train_like_plain_data_parallel(two_worker_runs, tmp_path):
                                                   "trainer.logger=jsonl,mlflow"]}, 4, tmp_path, [*SMALL, *PLACEMENTS])
     # the trackers record the run's settings, not those the train side evaluates under (replica_size 1, hf)
     assert read_mlflow(four["disaggregated_tp2"])[1]["rollout.replica_size"] == "2"
+    # torchrun's own entry records each run's config as `distflow train` does (it wrote none)
+    assert json.loads((four["tp2"] / "config.json").read_text())["rollout"]["replica_size"] == 2
     runs |= {name: run_metrics(folder) for name, folder in four.items()}
     # 3 steps of 2 mini-batches (so the old log-probs are recomputed): later steps sample from updated, synced weights
     for other in ("tp2", "disaggregated", "disaggregated_tp2"):

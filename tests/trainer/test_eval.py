@@ -205,6 +205,28 @@ def test_held_out_episodes_whose_environment_raised_are_reported_and_count_as_wr
     assert "failed_episodes" not in plain and "failed" not in table(plain, 0)
 
 
+def test_an_eval_worker_that_fails_to_build_its_reward_closes_its_engine(tmp_path, monkeypatch):
+    """The engine was built before the reward runners, outside the try that closes it: a
+    reward that failed to build left it open (vLLM's GPU memory and process)."""
+    from distflow.config import load_config
+    from distflow.trainer import loop
+
+    closed, make_engine = [], loop.make_rollout_engine
+
+    def engine_that_says_when_closed(*args, **kwargs):
+        engine = make_engine(*args, **kwargs)
+        close = engine.close
+        engine.close = lambda: (closed.append(True), close())
+        return engine
+
+    monkeypatch.setattr(loop, "make_rollout_engine", engine_that_says_when_closed)
+    monkeypatch.setattr(loop, "make_reward_runners", lambda cfg, device: (_ for _ in ()).throw(MemoryError("judge")))
+    cfg = load_config(None, ["data.val_max_samples=2", "runtime.device=cpu"], training=False)
+    with pytest.raises(MemoryError, match="judge"):
+        loop.run_eval_worker(cfg.to_dict(), str(tmp_path / "eval.json"), 0)
+    assert closed == [True]
+
+
 def test_a_report_of_no_prompts_is_said_and_written_as_valid_json(tmp_path):
     from distflow.trainer.evaluation import write_report
 
@@ -270,6 +292,7 @@ def test_the_torchrun_entry_s_eval_without_an_output_dir_makes_an_eval_folder(tm
     assert proc.returncode == 0, proc.stderr[-3000:]
     (report,) = (tmp_path / "runs").glob("*-eval/eval.json")
     assert json.loads(report.read_text())["metrics"]["rows"] == 4 and f"report: {report.resolve()}" in proc.stdout
+    assert json.loads((report.parent / "eval-config.json").read_text())["rollout"]["max_new_tokens"] == 8
 
 
 @pytest.mark.slow

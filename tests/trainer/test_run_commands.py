@@ -298,3 +298,9 @@ def test_the_torchrun_entry_checks_what_distflow_train_checks(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == ("distflow: error: data.train_files: builtin:arith:tain: unknown "
                                                     "built-in dataset; use builtin:TASK:train or builtin:TASK:test "
                                                     "(optionally :ROWS) with TASK one of arith, arith-tools, dots")
+    # its runs were on the host network whatever runtime.network said (only `distflow train` makes the namespace)
+    env["MASTER_PORT"] = str(free_port())
+    proc = subprocess.run([sys.executable, "-m", "distflow.train", "runtime.network=loopback"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
+        "distflow: error: runtime.network=loopback: torchrun's own entry runs on the host network")
