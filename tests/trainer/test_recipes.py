@@ -26,10 +26,16 @@ STEPS = {2: 4, 1: 2}  # workers -> steps: the 2-worker runs show learning, the 1
 HELDOUT = {2: 64, 1: 8}  # held-out prompts: the 1-worker runs need no accuracy estimate
 
 
+# DAPO's overlong buffer as 8 of the 32 tokens, not its recipe's 20% (6): penalties in eighths sum exactly in any
+# order, so 1 and 2 workers give the same rewards to the bit. In sixths the sums differ in their last bit, and
+# Adam's update of a near-zero gradient (its sign) turns that into a difference the comparison below cannot allow.
+EXACT = {"dapo": ["algorithm.overlong_buffer_len=8"]}
+
+
 def _sweep(tmp_path_factory, workers: int) -> Path:
     base = tmp_path_factory.mktemp(f"recipes-w{workers}")
     distflow_sweep({Path(a).stem: [f"algorithm.name={a}", f"trainer.total_steps={STEPS[workers]}",
-                                   f"data.val_max_samples={HELDOUT[workers]}"] for a in RECIPES},
+                                   f"data.val_max_samples={HELDOUT[workers]}", *EXACT.get(a, [])] for a in RECIPES},
                    workers, base, COMMON)
     return base
 
@@ -72,10 +78,8 @@ def test_recipe_gives_the_same_run_on_one_and_two_workers(one_worker, two_worker
         assert a["step"] == b["step"]
         # step 2 samples from the weights after step 1's two updates and their sync: the
         # same samples mean the same updates
-        for key in ("reward/accuracy", "response/length_mean", "tokens/total"):
+        for key in ("reward/mean", "reward/accuracy", "response/length_mean", "tokens/total"):
             assert a[key] == b[key], (key, a["step"], a[key], b[key])
-        # the same rewards, summed in another order on two workers (DAPO's overlong penalties are sixths)
-        assert a["reward/mean"] == pytest.approx(b["reward/mean"], rel=1e-6, abs=1e-7), (a["step"], a["reward/mean"])
         for key in [k for k in a if k.startswith(("actor/", "critic/", "dynamic_sampling/", "reward_kl/"))]:
             # a fraction of tokens past the clip bound: a ratio within float noise of the
             # bound may land on either side, so one token's worth may differ
