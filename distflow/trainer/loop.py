@@ -454,7 +454,6 @@ class Trainer:
         """A model to train (policy or critic), without dropout unless model.disable_dropout=false."""
         return without_dropout(model) if self.cfg.model.disable_dropout else model
 
-
     def _resume(self, path: Path) -> None:
         """Optimizer, critic, RNG, dataloader position, the metrics so far and the run of
         steps with skipped updates they end on."""
