@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from distflow.collectives import all_gather_objects
-from distflow.config import Config
+from distflow.config import Config, traced_steps
 from distflow.coordinator.double_buffer import DoubleBuffer
 from distflow.coordinator.layout import Layout
 from distflow.coordinator.placement import Placement
@@ -54,7 +54,7 @@ from distflow.runtime.roles import Roles, split_roles
 from distflow.trainer import checkpoint, nodes
 from distflow.trainer.loop import (PromptSource, RefillPrompts, StatusFile, Trainer, close_reward_runners,
                                    fit_and_close, make_episode_runner, make_reward_runners, make_rollout_engine,
-                                   resolve_overlap, worker_device)
+                                   resolve_overlap, worker_device, write_trace)
 from distflow.trainer.metrics import MeanAccumulator, StageTimer
 from distflow.trainer.recipes import ROLLOUT_ROLES, build_graph
 
@@ -145,6 +145,7 @@ class RolloutWorker:
         import torch.distributed as dist
 
         self.cfg, self.run_dir, self.roles = cfg, run_dir, roles
+        self.trace_steps = traced_steps(cfg)
         self._status = StatusFile(run_dir, roles.world_rank, " (rollout worker)")  # under its rank in the job
         self.rank, self.world = dist.get_rank(), dist.get_world_size()  # within the rollout workers
         self.graph = build_graph(cfg).split(ROLLOUT_ROLES)[0]
@@ -204,6 +205,8 @@ class RolloutWorker:
             store.clear()
             store.put(sources)
             spans = self.scheduler.run(self.ctx, store, step)
+            if step in self.trace_steps:  # under its rank in the job, beside the train workers' traces
+                write_trace(self.run_dir, step, self.roles.world_rank, spans)
             batch = self._rows_to_send(store)
             batch.tensors["weight_version"] = sample_versions(batch, self.engine.weight_version)
             busy += time.perf_counter() - t0

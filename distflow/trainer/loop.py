@@ -92,6 +92,14 @@ def set_aside_earlier_run(run_dir: Path) -> None:
     (run_dir / "summary.json").unlink(missing_ok=True)
 
 
+def write_trace(run_dir: Path, step: int, rank: int, spans) -> None:
+    """trainer.trace_steps: the step's node spans on this worker as a Chrome trace,
+    run_dir/traces/step_<step>_rank_<rank>.json (the job's rank)."""
+    path = run_dir / "traces" / f"step_{step}_rank_{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(chrome_trace(spans, rank)))
+
+
 def lora_settings(cfg: Config) -> LoraSettings | None:
     """The run's LoRA settings; None without actor.lora_rank."""
     a = cfg.actor
@@ -543,9 +551,7 @@ class Trainer:
         if self.device.type == "cuda":  # torch's allocations in this worker (vLLM's pool is its own)
             acc.add_max("perf/gpu_peak_allocated_gb", torch.cuda.max_memory_allocated(self.device) / 2**30)
         if step in self.trace_steps:
-            path = self.run_dir / "traces" / f"step_{step}_rank_{self.rank}.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(chrome_trace(spans, self.rank)))
+            write_trace(self.run_dir, step, self.rank, spans)
         rollout_side = self.stream.record(step, store.all(), acc) if self.stream is not None else {}
         return acc.reduce() | rollout_side
 

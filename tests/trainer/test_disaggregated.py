@@ -187,7 +187,11 @@ def test_multi_turn_episodes_train_apart_from_their_rollout_and_drop_failed_grou
     distflow_train([*SMALL, *DISAGGREGATED, "algorithm.max_staleness=1", "rollout.max_turns=2",
                     "rollout.tools=calculator", f"rollout.env={tmp_path / 'env.py'}:FailsOneInEight",
                     f"reward.custom_fn={tmp_path / 'env.py'}:by_length", "rollout.max_total_tokens=96",
-                    f"trainer.output_dir={out}"], tmp_path)
+                    "trainer.trace_steps=2", f"trainer.output_dir={out}"], tmp_path)
+    # both sides' traces (the rollout worker, job rank 1, wrote none)
+    assert sorted(p.name for p in (out / "traces").iterdir()) == ["step_2_rank_0.json", "step_2_rank_1.json"]
+    assert any(e.get("cat") == "rollout" for e in json.loads((out / "traces" / "step_2_rank_1.json").read_text())
+               ["traceEvents"])
     records = run_metrics(out)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert sum(r["env/failed"] for r in records[1:]) >= sum(r["env/dropped_groups"] for r in records[1:]) > 0
