@@ -132,6 +132,13 @@ def record_config(run_dir: Path, cfg: Config) -> None:
     path.write_text(text)
 
 
+def record_eval_config(run_dir: Path, cfg: Config) -> None:
+    """An evaluation's config as eval-config.json: the settings its numbers depend on (top_p,
+    max_new_tokens, the seed, val_max_samples...), under a name of its own, so that an
+    evaluation in a training run's folder leaves that run's config.json as it is."""
+    (run_dir / "eval-config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+
+
 def changed_settings(before: dict, now: dict, shown: int = 8) -> list[str]:
     """`section.key before -> now` for every setting of two configs' dicts that differs
     (one missing from either is shown as -), at most `shown` of them and a count of the rest."""
@@ -480,9 +487,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     except ConfigError as e:  # a folder another launch holds
         return _fail(str(e))
     cfg.trainer.output_dir = str(run_dir)
-    # the settings its numbers depend on (top_p, max_new_tokens, the seed, val_max_samples...), under a name of its
-    # own: an evaluation in a training run's folder leaves that run's config.json as it is
-    (run_dir / "eval-config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    record_eval_config(run_dir, cfg)
     report = run_dir / "eval.json"
     if cfg.runtime.launcher == "torchrun":
         return _exec_torchrun(cfg, [f"--eval-k={args.k}", *_config_argv(args)])

@@ -90,7 +90,7 @@ def _take_folder(cfg, rank: int, folder: list[str], kind: str | None = None) -> 
     where another launch holds it. Rank 0 records the config there as `distflow train`
     and `distflow eval` do, where they did not launch this (their torchrun path records it
     before it starts the workers)."""
-    from distflow.cli import HELD_FOLDER_ENV, new_run_dir, record_config
+    from distflow.cli import HELD_FOLDER_ENV, new_run_dir, record_config, record_eval_config
 
     holder: list = [None]
     if rank == 0:
@@ -99,10 +99,7 @@ def _take_folder(cfg, rank: int, folder: list[str], kind: str | None = None) -> 
             holder[0] = str(run_dir)
             if os.environ.get(HELD_FOLDER_ENV) != str(run_dir):  # started by torchrun itself
                 cfg.trainer.output_dir = str(run_dir)
-                if kind == "eval":
-                    (run_dir / "eval-config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-                else:
-                    record_config(run_dir, cfg)
+                (record_eval_config if kind == "eval" else record_config)(run_dir, cfg)
         except ConfigError as e:
             holder[0] = e
     dist.broadcast_object_list(holder, src=0)

@@ -201,7 +201,8 @@ if own_uid:  # an unused uid: no access to anyone's private files, and a process
 check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl")
 limit(spec["cpu_s"], spec["memory_mb"], spec["processes"], spec["file_mb"], own_uid)
 env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": "/tmp" if isolate else workdir, "LANG": "C.UTF-8"}
-argv = [spec["python"], "-I", "-S", "-B", "-c", spec["guard"] if not isolate else spec["run_main"], workdir]
+runs_main = spec["run_main"] if isolate else spec["guard"] + spec["run_main"]  # without namespaces: the guard first
+argv = [spec["python"], "-I", "-S", "-B", "-c", runs_main, workdir]
 os.set_inheritable(status.fileno(), False)
 child = os.fork()
 if child == 0:
@@ -322,7 +323,7 @@ def _run(code: str, stdin: str, limits: Limits, mode: str) -> Result:
             spec = {"program": os.path.join(tmp, "main.py"), "root": os.path.join(tmp, "root"), "python": python,
                     "mode": mode, "binds": _binds(), "status_fd": files["status"].fileno(),
                     "uid": uid,
-                    "cpu_s": int(limits.time_s) + 1, "guard": _GUARD + _RUN_MAIN, "run_main": _RUN_MAIN} | asdict(limits)
+                    "cpu_s": int(limits.time_s) + 1, "guard": _GUARD, "run_main": _RUN_MAIN} | asdict(limits)
             start = time.perf_counter()
             proc = subprocess.Popen([python, "-I", "-S", "-B", "-c", _LAUNCHER, json.dumps(spec)],
                                     stdin=files["stdin"], stdout=files["stdout"], stderr=files["stderr"],
