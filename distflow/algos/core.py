@@ -37,8 +37,6 @@ __all__ = [
     "get_policy_loss",
     "masked_sum",
     "masked_mean",
-    "masked_var",
-    "masked_whiten",
     "batch_whiten",
     "compute_grpo_advantage",
     "compute_dr_grpo_advantage",
@@ -128,28 +126,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return masked_sum(x, mask, dim) / count.clamp(min=_WHITEN_EPS)
 
 
-def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance of ``x`` over all masked-in entries (a scalar)."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
-    if not unbiased:
-        return var
-    count = float(mask.to(x.dtype).sum())
-    if count <= 1:
-        raise ValueError(f"unbiased masked_var needs at least 2 valid entries, got {count:g}")
-    return var * (count / (count - 1))
-
-
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """Normalise ``x`` to unit (unbiased) variance over valid entries.
-
-    With ``shift_mean=False`` the mean is added back, i.e. only the scale changes.
-    Masked positions are transformed too; callers multiply by the mask.
-    """
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask)
-    whitened = (x - mean) * torch.rsqrt(var + _WHITEN_EPS)
-    return whitened if shift_mean else whitened + mean
+Whiten = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x (B, T), mask (B, T)) -> (B, T), 0 where masked
 
 
 def local_sums(*values: float) -> list[float]:
@@ -165,9 +142,9 @@ def batch_whiten(
     The batch may be spread over processes: ``sum_fn`` sums numbers over all of them
     (an all-reduce in a distributed run, injected by the caller so that this module
     stays free of collectives), called twice on every process: (sum x, count), then
-    the sum of squared deviations from the mean. Two passes in float64, as
-    ``masked_var``: the one-pass sum of squares cancels where the mean is large
-    against the spread (a reward model's offset). A batch with one valid token has
+    the sum of squared deviations from the mean. Two passes in float64: the one-pass
+    sum of squares cancels where the mean is large against the spread (a reward
+    model's offset). A batch with one valid token has
     variance 0 and whitens to 0.
     """
     valid = mask.bool()
@@ -194,9 +171,12 @@ def _check_seq_inputs(rewards: torch.Tensor, mask: torch.Tensor, group_ids: torc
 def _group_stats(
     rewards: torch.Tensor, group_ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sample group (count, sum, mean, unbiased std), each (B,)."""
+    """Per-sample group (count, sum, mean, unbiased std), each (B,), in float64: float32
+    sums of equal rewards (1.1 sixteen times) miss their mean by an ulp, and dividing that
+    by a std of an ulp gave a group of identical rewards advantages up to 0.9."""
     _, inverse = torch.unique(group_ids, return_inverse=True)  # (B,)
     n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    rewards = rewards.double()
     zeros = rewards.new_zeros(n_groups)  # (G,)
     count = zeros.index_add(0, inverse, torch.ones_like(rewards))
     total = zeros.index_add(0, inverse, rewards)
@@ -226,13 +206,14 @@ def compute_grpo_advantage(
     """
     _check_seq_inputs(rewards, mask, group_ids)
     rewards = _as_float(rewards)
-    count, _, mean, std = _group_stats(rewards, group_ids)  # (B,)
+    count, _, mean, std = _group_stats(rewards, group_ids)  # (B,), float64
     singleton = count < 2
     mean = torch.where(singleton, torch.zeros_like(mean), mean)
     std = torch.where(singleton, torch.ones_like(std), std)
-    scores = rewards - mean
+    scores = rewards.double() - mean
     if norm_by_std:
         scores = scores / (std + eps)
+    scores = scores.to(rewards.dtype)
     adv = scores.unsqueeze(-1) * mask.to(scores.dtype)  # (B, T)
     return adv, adv
 
@@ -259,9 +240,9 @@ def compute_rloo_advantage(
     """
     _check_seq_inputs(rewards, mask, group_ids)
     rewards = _as_float(rewards)
-    count, total, _, _ = _group_stats(rewards, group_ids)  # (B,)
-    baseline = (total - rewards) / (count - 1).clamp(min=1)
-    scores = torch.where(count > 1, rewards - baseline, torch.zeros_like(rewards))
+    count, total, _, _ = _group_stats(rewards, group_ids)  # (B,), float64
+    baseline = (total - rewards.double()) / (count - 1).clamp(min=1)
+    scores = torch.where(count > 1, rewards.double() - baseline, torch.zeros_like(baseline)).to(rewards.dtype)
     adv = scores.unsqueeze(-1) * mask.to(scores.dtype)  # (B, T)
     return adv, adv
 
@@ -284,31 +265,32 @@ def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: f
 
 
 def compute_reinforce_plus_plus_advantage(
-    token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0
+    token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, *, whiten: Whiten = batch_whiten
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ advantage: discounted return-to-go, whitened over the batch.
 
     Signature: ``(token_rewards (B, T), mask (B, T), gamma=1.0) ->
     (advantages (B, T), returns (B, T))``; ``returns`` is the un-whitened
-    return-to-go. Rewards on masked positions are ignored.
+    return-to-go. Rewards on masked positions are ignored. ``whiten``: over this
+    process's batch by default; the estimator passes one all-reduced over every worker.
     """
     returns = discounted_returns(_as_float(token_rewards), mask, gamma)  # (B, T)
-    adv = masked_whiten(returns, mask) * mask.to(returns.dtype)
-    return adv, returns
+    return whiten(returns, mask), returns
 
 
 def compute_reinforce_plus_plus_baseline_advantage(
-    rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor
+    rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor, *, whiten: Whiten = batch_whiten
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline: subtract the group mean, then whiten over the batch.
 
     Signature: ``(rewards (B,), mask (B, T), group_ids (B,)) ->
     (advantages (B, T), returns (B, T))``; returns == advantages. The
     whitening statistics are taken over all valid tokens, so long responses
-    weigh more, as in verl. Singleton groups use mean 0 (as GRPO).
+    weigh more, as in verl. Singleton groups use mean 0 (as GRPO). ``whiten``: as
+    in :func:`compute_reinforce_plus_plus_advantage`.
     """
     centred, _ = compute_grpo_advantage(rewards, mask, group_ids, norm_by_std=False)  # (B, T)
-    adv = masked_whiten(centred, mask) * mask.to(centred.dtype)
+    adv = whiten(centred, mask)
     return adv, adv
 
 
@@ -318,27 +300,28 @@ def compute_gae_advantage(
     mask: torch.Tensor,
     gamma: float = 1.0,
     lam: float = 1.0,
+    *,
+    whiten: Whiten = batch_whiten,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised Advantage Estimation (Schulman et al. 2016) over valid tokens.
 
     Signature: ``(token_rewards (B, T), values (B, T), mask (B, T), gamma=1.0,
     lam=1.0) -> (advantages (B, T), returns (B, T))``. ``returns`` is the
     un-whitened advantage plus ``values`` (the value-function target);
-    ``advantages`` are whitened over valid tokens. Masked tokens are skipped
+    ``advantages`` are whitened over valid tokens (``whiten``: as in
+    :func:`compute_reinforce_plus_plus_advantage`). Masked tokens are skipped
     (no reward, no value, no discount step) and are 0 in both outputs. The
     value after the last valid token is taken as 0 (terminal).
     """
     raw_adv, returns = gae_returns(token_rewards, values, mask, gamma, lam)
-    adv = masked_whiten(raw_adv, mask) * mask.to(returns.dtype)
-    return adv, returns
+    return whiten(raw_adv * mask.to(raw_adv.dtype), mask), returns
 
 
 def gae_returns(
     token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE before any whitening: ``(raw advantages, returns)``, both ``(B, T)``;
-    ``returns`` is 0 on masked positions. The estimator whitens over the whole batch
-    itself (estimators.py), so it needs these and not a shard-local whitening."""
+    ``returns`` is 0 on masked positions."""
     token_rewards, values = _as_float(token_rewards), _as_float(values)
     valid = mask.bool()
     raw_adv = torch.zeros_like(values)  # (B, T)

@@ -29,9 +29,8 @@ from typing import Callable
 import torch
 
 from distflow.algos import core
-from distflow.algos.core import lookup, register
+from distflow.algos.core import Whiten, lookup, register
 
-Whiten = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x (B, T), mask (B, T)) -> (B, T), 0 where masked
 OPTIONAL_INPUTS = ("values", "baseline")
 
 
@@ -119,25 +118,23 @@ def rloo(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
 @register_adv_est("reinforce_plus_plus", batch_whitened=True)
 def reinforce_plus_plus(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Discounted return-to-go, whitened over the whole step's batch."""
-    returns = core.discounted_returns(inputs.token_rewards, inputs.mask, inputs.gamma)
-    return inputs.whiten(returns, inputs.mask), returns
+    return core.compute_reinforce_plus_plus_advantage(inputs.token_rewards, inputs.mask, inputs.gamma,
+                                                      whiten=inputs.whiten)
 
 
 @register_adv_est("reinforce_plus_plus_baseline", batch_whitened=True)
 def reinforce_plus_plus_baseline(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-mean baseline, then whitened over the whole step's batch."""
-    centred, _ = core.compute_grpo_advantage(inputs.outcome(), inputs.mask, inputs.group_ids, norm_by_std=False)
-    adv = inputs.whiten(centred, inputs.mask)
-    return adv, adv
+    return core.compute_reinforce_plus_plus_baseline_advantage(inputs.outcome(), inputs.mask, inputs.group_ids,
+                                                               whiten=inputs.whiten)
 
 
 @register_adv_est("gae", needs=("values",), batch_whitened=True)
 def gae(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over the critic's values; ``returns`` (the value target) un-whitened, the
     advantages whitened over the whole step's batch."""
-    _, returns = core.gae_returns(inputs.token_rewards, inputs.values, inputs.mask, inputs.gamma, inputs.lam)
-    m = inputs.mask.to(returns.dtype)
-    return inputs.whiten(returns - inputs.values * m, inputs.mask), returns
+    return core.compute_gae_advantage(inputs.token_rewards, inputs.values, inputs.mask, inputs.gamma, inputs.lam,
+                                      whiten=inputs.whiten)
 
 
 @register_adv_est("remax", needs=("baseline",))
