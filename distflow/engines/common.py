@@ -104,13 +104,38 @@ def causal_lm_skeleton(path: str):
     folder = resolve_model_path(path)
     folder = adapter_base(folder) if is_adapter_folder(folder) else folder
     config = AutoConfig.from_pretrained(folder)
-    with torch.device("meta"):
-        skeleton = _model_class(config).from_config(config)
+    with torch.device("meta"):  # float32, as the weights it writes (the config records the dtype it is built in)
+        skeleton = _model_class(config).from_config(config, dtype=torch.float32)
     if os.path.isfile(os.path.join(folder, "generation_config.json")):  # its stop tokens and defaults, kept
         from transformers import GenerationConfig
 
         skeleton.generation_config = GenerationConfig.from_pretrained(folder)
     return skeleton
+
+
+WEIGHTS_FILE, WEIGHTS_INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+
+
+def index_single_weights_file(folder: str | Path) -> None:
+    """Write `model.safetensors.index.json` for a folder whose weights are one
+    `model.safetensors` beside other `.safetensors` files (a checkpoint's optimizer and
+    RNG states), where it has none: without an index vLLM loads every `.safetensors`
+    file of a folder as the model's weights; with one, only the files it names
+    (transformers reads `model.safetensors` first either way)."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    weights, index = folder / WEIGHTS_FILE, folder / WEIGHTS_INDEX_FILE
+    if index.exists() or not weights.is_file() or not any(f != weights for f in folder.glob("*.safetensors")):
+        return
+    with safe_open(weights, "pt") as f:
+        names = sorted(f.keys())
+    with open(weights, "rb") as f:  # the tensors' bytes: the file less its 8-byte length and its JSON header
+        total = weights.stat().st_size - 8 - int.from_bytes(f.read(8), "little")
+    written = index.with_name(f"{index.name}.{os.getpid()}")  # whole or not at all, whoever writes it too
+    written.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": {k: WEIGHTS_FILE for k in names}},
+                                  indent=2))
+    os.replace(written, index)
 
 
 IMAGE_PROCESSOR_FILE = "preprocessor_config.json"  # what AutoImageProcessor reads from a model folder

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from distflow.data.batch import Batch
+from distflow.engines.common import index_single_weights_file
 from distflow.engines.rollout import SamplingParams, left_pad, response_mask_from, stop_token_ids
 
 INSTALL_HINT = ("rollout.engine=vllm: vLLM is not importable in this Python; install it as the README's "
@@ -91,6 +92,8 @@ class VLLMRolloutEngine:
         # vLLM's CPU platform sets LOCAL_WORLD_SIZE to the engine's TP size; the launcher's count of this host's
         # workers, which scheduler.overlap=auto and a critic's strategy=auto read later, is put back after it
         workers_here = os.environ.get("LOCAL_WORLD_SIZE")
+        if os.path.isdir(model_path):  # a checkpoint written before its index was: vLLM would load its optimizer
+            index_single_weights_file(model_path)
         self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
                        tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="external_launcher",
                        max_model_len=max_model_len, enforce_eager=not on_gpu, logprobs_mode=logprobs_mode,

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from distflow.collectives import all_gather_objects
+from distflow.engines.common import index_single_weights_file
 from distflow.engines.lora import LoraSettings, is_lora
 
 STATE_FILE = "trainer_state.json"
@@ -114,6 +115,7 @@ def save(path: Path, *, hf_skeleton, tokenizer, actor, critic, step: int, loader
             (tmp / "critic_optimizer.json").write_text(json.dumps(meta))
         save_file({f"{device}rank_{r}": torch.tensor(state, dtype=torch.uint8)
                    for r, states in enumerate(rngs) for device, state in states.items()}, tmp / "rng.safetensors")
+        index_single_weights_file(tmp)  # vLLM loads the model's weights alone, not the files above
         if metrics_file is not None and metrics_file.exists():
             shutil.copyfile(metrics_file, tmp / "metrics.jsonl")
         _fault_point(f"checkpoint:{step}")

@@ -157,8 +157,9 @@ def test_vllm_tensor_parallel_engine_splits_the_layers_and_samples_like_one_rank
 
 def test_distflow_train_on_vllm_raises_held_out_accuracy(tmp_path):
     """`distflow train rollout.engine=vllm` on 2 Ray workers, 10 steps of the default GRPO
-    run (its held-out accuracy peaks by step 10 on the HF engine): the held-out accuracy rises, the rollout correction is on (token TIS) and the
-    engine's probabilities stay close to the trainer's."""
+    run (its held-out accuracy peaks by step 10 on the HF engine): the held-out accuracy rises, the rollout
+    correction is on (token TIS) and the engine's probabilities stay close to the trainer's; then
+    `distflow eval` on vLLM of the final checkpoint gives the final held-out accuracy again."""
     out = tmp_path / "run"
     env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
     proc = subprocess.run([sys.executable, "-m", "distflow.cli", "train", "rollout.engine=vllm",
@@ -170,6 +171,18 @@ def test_distflow_train_on_vllm_raises_held_out_accuracy(tmp_path):
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "rollout_correction/mismatch_kl" in m]
     assert len(steps) == 10 and max(m["rollout_correction/mismatch_kl"] for m in steps) < 1e-3
+    # the final checkpoint, a whole model beside its optimizer and RNG states, on vLLM again: vLLM loads
+    # every .safetensors file of a folder without a weight index, which a checkpoint written before it
+    # had one lacks; the engine writes it
+    final = out / "checkpoints" / "final"
+    (final / "model.safetensors.index.json").unlink()
+    proc = subprocess.run([sys.executable, "-m", "distflow.cli", "eval", "--k", "0", "rollout.engine=vllm",
+                           f"model.path={final}", f"trainer.output_dir={tmp_path / 'eval'}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (final / "model.safetensors.index.json").is_file()
+    accuracy = json.loads((tmp_path / "eval" / "eval.json").read_text())["metrics"]["accuracy"]
+    assert accuracy == pytest.approx(summary["heldout_accuracy_final"], abs=0.02), (accuracy, summary)
 
 
 def _train(out, *overrides: str) -> list[dict]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from distflow.engines.actor import Actor, OptimConfig
-from distflow.engines.common import load_causal_lm
+from distflow.engines.common import causal_lm_skeleton, load_causal_lm
 from distflow.trainer import checkpoint
 from helpers import distflow_sweep, run_gloo
 
@@ -158,8 +158,13 @@ def test_export_keeps_the_trained_weights_or_casts_them_on_request(tmp_path, ran
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # the model's folder says bfloat16 (most hub models do); the checkpoint holds, and says, float32
+    halved = tmp_path / "bf16-model"
+    shutil.copytree(random_model_dir, halved)
+    config = json.loads((halved / "config.json").read_text())
+    (halved / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
     actor = Actor(load_causal_lm(random_model_dir), OptimConfig(lr=1e-2), torch.device("cpu"))
-    checkpoint.save(tmp_path / "step_1", hf_skeleton=actor.model,
+    checkpoint.save(tmp_path / "step_1", hf_skeleton=causal_lm_skeleton(str(halved)),
                     tokenizer=AutoTokenizer.from_pretrained(random_model_dir), actor=actor, critic=None, step=1,
                     loader_state={"epoch": 0, "offset": 0}, metrics_file=None, keep_last=0)
     trained = load_file(tmp_path / "step_1" / "model.safetensors")
@@ -170,8 +175,16 @@ def test_export_keeps_the_trained_weights_or_casts_them_on_request(tmp_path, ran
     assert all(torch.equal(cast[k], v.to(torch.bfloat16)) for k, v in trained.items())
     sizes = [(tmp_path / name / "model.safetensors").stat().st_size for name in ("as_trained", "bf16")]
     assert sizes[1] < 0.55 * sizes[0]
+    assert json.loads((tmp_path / "as_trained" / "config.json").read_text())["dtype"] == "float32"
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "as_trained").dtype == torch.float32
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
+    # a weight index beside the one weights file names its tensors alone: vLLM, which loads every
+    # .safetensors file of a folder without one, then leaves the optimizer's and the RNG's out
+    for name, dtype in (("step_1", torch.float32), ("as_trained", torch.float32), ("bf16", torch.bfloat16)):
+        index = json.loads((tmp_path / name / "model.safetensors.index.json").read_text())
+        assert index["weight_map"] == {k: "model.safetensors" for k in trained}, name
+        assert index["metadata"]["total_size"] == sum(v.numel() * dtype.itemsize for v in trained.values()), name
 
 
 def test_a_gpu_rank_s_cuda_rng_state_round_trips(tmp_path, random_model_dir, monkeypatch):
