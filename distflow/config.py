@@ -138,6 +138,9 @@ class RolloutConfig:
     agent: str | None = _spec(None, doc="module:function or file.py:function, `async def run(client, row) -> reward`: "
                                         "an agent written against an OpenAI client; its calls to the run's "
                                         "OpenAI-compatible endpoint (at most max_turns) are the sample")
+    agent_timeout_s: float = _spec(300.0, min=0.01, doc="rollout.agent: one sample's run, its calls' waits for "
+                                                        "the batched engine included; a run that takes longer is "
+                                                        "cut and fails (agent/failed)")
 
 
 @dataclass(kw_only=True)

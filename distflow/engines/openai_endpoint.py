@@ -41,6 +41,7 @@ import numbers
 import queue
 import re
 import secrets
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
@@ -58,7 +59,8 @@ from distflow.engines.tools import TOOL_CALL
 
 MODEL = "policy"
 DRAIN_LIMIT_BYTES = 16 << 20  # an oversized request body is read and dropped up to this size before its 413
-AGENT_FIELDS = ("agent_tool_calls", "agent_failed", "agent_scores")  # per sample, beside the rollout's fields
+AGENT_FIELDS = ("agent_tool_calls", "agent_failed", "agent_scores", "agent_out_of_budget")  # per sample, beside
+# the rollout's fields
 _PATH = re.compile(r"^/samples/(?P<key>[A-Za-z0-9_-]+)/v1/(?P<route>chat/completions|models)$")
 
 
@@ -86,6 +88,8 @@ class Trajectory:
     messages: list[dict] | None = None  # the previous request's messages
     calls: int = 0
     tool_calls: int = 0
+    out_of_budget: bool = False  # a call was refused: the sample had made its calls or used its tokens
+    agent_running: bool = True  # its agent has not returned (ChatEndpoint.agent_ended)
     collected: bool = False  # the rollout has taken it: no request of it runs any more
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -160,10 +164,16 @@ class _Server(ThreadingHTTPServer):
 
 class ChatEndpoint:
     def __init__(self, engine: RolloutEngine, tokenizer, params: SamplingParams, max_total_tokens: int,
-                 max_calls: int, max_request_bytes: int = 1 << 20, batch_wait_s: float = 0.01):
+                 max_calls: int, max_request_bytes: int = 1 << 20, batch_gap_s: float = 0.1,
+                 batch_wait_s: float = 0.5):
+        """A batch of requests goes to the engine once every sample whose agent still runs
+        has a request waiting, or when none has come for `batch_gap_s`, or `batch_wait_s`
+        after its first."""
         self.engine, self.tokenizer, self.params = engine, tokenizer, params
         self.max_total_tokens, self.max_calls = max_total_tokens, max_calls
-        self.max_request_bytes, self.batch_wait_s = max_request_bytes, batch_wait_s
+        self.max_request_bytes, self.batch_gap_s, self.batch_wait_s = max_request_bytes, batch_gap_s, batch_wait_s
+        self.agents_running = 0  # samples whose agent has not returned (`open` and `agent_ended`)
+        self.counting = threading.Lock()
         self.token = secrets.token_urlsafe(32)
         self.trajectories: dict[str, Trajectory] = {}
         self.pending: queue.Queue[_Pending | None] = queue.Queue()
@@ -182,12 +192,23 @@ class ChatEndpoint:
         keys = [secrets.token_hex(8) for _ in prompts]
         for i, (key, prompt) in enumerate(zip(keys, prompts)):
             self.trajectories[key] = Trajectory(list(prompt), None if seeds is None else seeds[i])
+        with self.counting:
+            self.agents_running += len(keys)
         return keys
+
+    def agent_ended(self, key: str) -> None:
+        """Sample `key`'s agent returned (or raised): no batch waits for its requests any more."""
+        trajectory = self.trajectories[key]
+        with self.counting:
+            if trajectory.agent_running:
+                trajectory.agent_running = False
+                self.agents_running -= 1
 
     def collect(self, key: str) -> Trajectory:
         """Sample `key`'s trajectory, once no request of it runs: an agent cut by its timeout
         may have left one generating (kept, in full), and the rollout must not return while
         the engine still generates on weights the next nodes train. Later requests get 404."""
+        self.agent_ended(key)
         trajectory = self.trajectories.pop(key)
         with trajectory.lock:
             trajectory.collected = True
@@ -218,12 +239,14 @@ class ChatEndpoint:
             if trajectory.collected:  # it waited behind another request of its sample past the rollout's end
                 raise _not_running(key)
             if trajectory.calls >= self.max_calls:
+                trajectory.out_of_budget = True
                 raise RequestError(400, f"this sample has made its {self.max_calls} calls (rollout.max_turns)",
                                    "too_many_calls")
             prompt = self._prompt(trajectory, messages, request.get("tools"))
             room = self.max_total_tokens - (len(prompt) - len(trajectory.prompt_ids))
             limit = min(asked or self.params.max_new_tokens, self.params.max_new_tokens, room)
             if limit < 1:
+                trajectory.out_of_budget = True
                 raise RequestError(400, f"this sample has used its {self.max_total_tokens} tokens "
                                         "(rollout.max_total_tokens)", "context_length_exceeded")
             seed = None if trajectory.seed is None else sample_seed(trajectory.seed, trajectory.calls)
@@ -303,13 +326,14 @@ class ChatEndpoint:
         return item.result
 
     def _generate_loop(self) -> None:
-        """One engine call for every request that arrives within batch_wait_s of the first."""
+        """One engine call for the requests that arrive together: until every running
+        agent has one waiting, none has come for batch_gap_s, or batch_wait_s have passed."""
         while (first := self.pending.get()) is not None:
             items = [first]
             deadline = time.perf_counter() + self.batch_wait_s
-            while (left := deadline - time.perf_counter()) > 0:
+            while len(items) < self.agents_running and (left := deadline - time.perf_counter()) > 0:
                 try:
-                    nxt = self.pending.get(timeout=left)
+                    nxt = self.pending.get(timeout=min(left, self.batch_gap_s))
                 except queue.Empty:
                     break
                 if nxt is None:
@@ -366,11 +390,14 @@ def _handler(endpoint: ChatEndpoint):
 
         def _send(self, status: int, body: dict) -> None:
             data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):  # the agent gave up on it (its timeout): nobody reads
+                self.close_connection = True
 
         def _discard(self, size: int) -> None:
             """Read an oversized body in chunks and drop it: a reply sent over an unread
@@ -440,7 +467,7 @@ def _handler(endpoint: ChatEndpoint):
 class AgentSettings:
     max_total_tokens: int  # response tokens of a sample: completions and what the agent sent back
     max_calls: int  # requests one sample may make (rollout.max_turns)
-    timeout_s: float = 300.0  # one sample's run
+    timeout_s: float  # one sample's run (rollout.agent_timeout_s)
 
 
 class AgentRunner:
@@ -455,7 +482,10 @@ class AgentRunner:
     def generate(self, prompts: list[list[int]], seeds: list[int] | None, params: SamplingParams,
                  rows: list[dict]) -> Batch:
         """The samples (`trajectory_batch` fields) plus `agent_scores` (what `run` returned;
-        0 where it raised, which `agent_failed` counts)."""
+        0 where it raised, which `agent_failed` counts, or `agent_out_of_budget` where the
+        endpoint had refused a call of the sample for its turns or tokens: a budget the
+        policy used up is the policy's doing, trained and scored 0, as an episode cut at
+        its budget is)."""
         if self.endpoint is None or self.endpoint.params != params:
             if self.endpoint is not None:
                 self.endpoint.close()
@@ -464,10 +494,16 @@ class AgentRunner:
         keys = self.endpoint.open(prompts, seeds)
         outcomes = asyncio.run(self._all(keys, rows))
         trajectories = [self.endpoint.collect(k) for k in keys]
-        scores, failed = [], []
-        for outcome in outcomes:
+        scores, failed, out_of_budget = [], [], []
+        for outcome, trajectory in zip(outcomes, trajectories):
             # a finite real number of any kind (numpy's too), not a bool, NaN or an infinity
             ok = isinstance(outcome, numbers.Real) and not isinstance(outcome, bool) and math.isfinite(outcome)
+            ended = not ok and isinstance(outcome, Exception) and trajectory.out_of_budget
+            out_of_budget.append(1.0 if ended else 0.0)
+            if ended:
+                scores.append(0.0)
+                failed.append(0.0)
+                continue
             if not ok and self.first_error is None:
                 self.first_error = f"{type(outcome).__name__}: {outcome}"
                 print(f"distflow: rollout.agent failed on a sample (scored 0, counted in agent/failed): "
@@ -479,21 +515,31 @@ class AgentRunner:
                                  self.tokenizer.pad_token_id)
         batch.tensors |= {"num_turns": torch.tensor([t.calls for t in trajectories], dtype=torch.float32),
                           "agent_tool_calls": torch.tensor([t.tool_calls for t in trajectories], dtype=torch.float32),
-                          "agent_failed": torch.tensor(failed), "agent_scores": torch.tensor(scores)}
+                          "agent_failed": torch.tensor(failed), "agent_scores": torch.tensor(scores),
+                          "agent_out_of_budget": torch.tensor(out_of_budget)}
         return batch
 
     async def _all(self, keys: list[str], rows: list[dict]) -> list:
+        import httpx
         from openai import AsyncOpenAI
 
-        async def one(key: str, row: dict):
-            client = AsyncOpenAI(base_url=self.endpoint.base_url(key), api_key=self.endpoint.token, max_retries=0,
-                                 timeout=self.settings.timeout_s)
-            try:
-                return await asyncio.wait_for(self.run(client, row), self.settings.timeout_s)
-            finally:
-                await client.close()
+        # each sample's own client and connection, made before any runs, on one SSL context (the endpoint is
+        # plain http; a client making its own loads the CA bundle, 30 ms here, which spread a turn's requests
+        # over several engine calls; one pool for all costs its pool's scan of every connection per request)
+        tls = ssl.create_default_context()
+        pools = [httpx.AsyncClient(verify=tls, timeout=self.settings.timeout_s) for _ in keys]
+        clients = [AsyncOpenAI(base_url=self.endpoint.base_url(k), api_key=self.endpoint.token, max_retries=0,
+                               timeout=self.settings.timeout_s, http_client=pool) for k, pool in zip(keys, pools)]
+        try:
+            async def one(key: str, client, row: dict):
+                try:
+                    return await asyncio.wait_for(self.run(client, row), self.settings.timeout_s)
+                finally:
+                    self.endpoint.agent_ended(key)
 
-        return await asyncio.gather(*(one(k, r) for k, r in zip(keys, rows)), return_exceptions=True)
+            return await asyncio.gather(*(one(*args) for args in zip(keys, clients, rows)), return_exceptions=True)
+        finally:
+            await asyncio.gather(*(pool.aclose() for pool in pools))
 
     def close(self) -> None:
         if self.endpoint is not None:

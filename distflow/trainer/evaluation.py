@@ -27,7 +27,7 @@ from distflow.engines.agent import FAILED_EPISODE_FIELDS, EpisodeRunner
 from distflow.engines.reward import RewardRunner, rule_reads
 from distflow.engines.reward_model import RewardModel
 from distflow.engines.rollout import RolloutEngine, SamplingParams, sample_seed
-from distflow.trainer.nodes import score_responses
+from distflow.trainer.nodes import score_responses, task
 
 Tally = dict[str, list[float]]  # metric -> [sum, count]; summed over workers
 _EVAL_STREAM = 7_340_033  # seeds of evaluation samples never equal a training step's
@@ -68,8 +68,7 @@ def _scored(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[l
     if not rows and engine.tensor_parallel_size == 1:
         return nothing
     if episodes is not None:
-        tasks = [{"prompt": r.messages, "ground_truth": r.ground_truth, "data_source": r.data_source,
-                  "extra_info": r.extra_info} for r in rows]
+        tasks = [task(r.messages, r.ground_truth, r.data_source, r.extra_info) for r in rows]
         out = episodes.generate(ids, seeds, params, tasks)
     else:  # a tensor-parallel replica generates together, rows or not
         out = engine.generate(ids, seeds, params)

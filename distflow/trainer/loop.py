@@ -257,7 +257,7 @@ def make_episode_runner(cfg: Config, engine: RolloutEngine, tokenizer) -> Episod
     budget = response_token_budget(cfg)
     if r.agent is not None:
         return AgentRunner(engine, tokenizer, load_callable(r.agent, "rollout.agent"),
-                           AgentSettings(max_total_tokens=budget, max_calls=r.max_turns))
+                           AgentSettings(max_total_tokens=budget, max_calls=r.max_turns, timeout_s=r.agent_timeout_s))
     if r.max_turns == 1:
         return None
     toolbox, env_workers = Toolbox(tool_names(cfg), r.tool_timeout_s, r.max_tool_calls_per_turn), r.env_workers

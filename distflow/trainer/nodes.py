@@ -24,6 +24,7 @@ Fields (one row per response, n rows per prompt):
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
 from typing import Any, Callable, Iterator, NamedTuple
@@ -134,11 +135,18 @@ def sample_seeds(cfg: Config, step: int, batch: Batch) -> list[int]:
             for uid, k, draw in zip(batch["uid"], batch["sample_k"], batch["draw"])]
 
 
+def task(messages: list[dict], ground_truth, data_source: str, extra_info: dict) -> dict:
+    """What an environment's reset (or an agent) sees of one sample: its own copies of the
+    row's messages and extra_info (one list serves the row's whole group, and a held-out
+    row every evaluation: an agent appending to its prompt must not change the others')."""
+    return {"prompt": copy.deepcopy(messages), "ground_truth": ground_truth, "data_source": data_source,
+            "extra_info": copy.deepcopy(extra_info)}
+
+
 def tasks_of(batch: Batch) -> list[dict]:
-    """What an environment's reset (or an agent) sees of each row."""
-    return [{"prompt": p, "ground_truth": g, "data_source": d, "extra_info": e}
-            for p, g, d, e in zip(batch["prompt_messages"], batch["ground_truth"], batch["data_source"],
-                                  batch["extra_info"])]
+    """`task` of each row of `batch`."""
+    return [task(*row) for row in zip(batch["prompt_messages"], batch["ground_truth"], batch["data_source"],
+                                      batch["extra_info"])]
 
 
 def unpad_prompts(batch: Batch) -> list[list[int]]:
@@ -532,6 +540,6 @@ def record_rollout_metrics(batch: Batch, acc: MeanAccumulator, episodes: bool = 
                                                       for f in IMAGE_FIELDS)))
     if episodes:  # multi-turn: turns (or an agent's calls) per sample, tool calls, errors and timeouts of the step
         acc.add("turns/mean", float(batch["num_turns"].sum()) if n else 0.0, n)
-        for name in (*EPISODE_COUNTS, "agent_tool_calls"):
+        for name in (*EPISODE_COUNTS, "agent_tool_calls", "agent_out_of_budget"):
             if name in batch and name not in FAILED_EPISODE_FIELDS:  # counted as they happen (rollout)
                 acc.add_total(name.replace("_", "/", 1), float(batch[name].sum()) if n else 0.0)

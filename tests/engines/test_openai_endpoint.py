@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from distflow.config import BUILTIN_MODEL
+from distflow.data.batch import Batch
 from distflow.engines.agent import observation_ids
 from distflow.engines.common import load_causal_lm, load_tokenizer, render_prompt
 from distflow.engines.openai_endpoint import AgentRunner, AgentSettings, ChatEndpoint
-from distflow.engines.rollout import HFRolloutEngine, SamplingParams, sample_seed
+from distflow.engines.rollout import HFRolloutEngine, SamplingParams, response_mask_from, sample_seed
 from helpers import ScriptedEngine
 
 QUESTION = [{"role": "user", "content": "Q: Tom has 3 apples and buys 4 more. How many apples does he have?"}]
@@ -275,7 +276,7 @@ async def _agent(client, row):
 
 def test_the_agent_runner_runs_every_sample_at_once_and_scores_what_run_returns(tiny):
     engine, tok = tiny
-    runner = AgentRunner(engine, tok, _agent, AgentSettings(max_total_tokens=32, max_calls=2))
+    runner = AgentRunner(engine, tok, _agent, AgentSettings(max_total_tokens=32, max_calls=2, timeout_s=60))
     calls = []
     generate = engine.generate
     engine.generate = lambda prompts, seeds, params: calls.append(len(prompts)) or generate(prompts, seeds, params)
@@ -326,3 +327,78 @@ def test_an_agent_cut_by_its_timeout_returns_only_once_its_generation_has_ended(
         runner.close()
     assert out["agent_failed"].tolist() == [1.0] and out["agent_scores"].tolist() == [0.0]
     assert out["num_turns"].tolist() == [1.0] and int(out["response_mask"].sum()) > 0
+
+
+class _SameAnswer:
+    """An engine whose every completion is `text` (then EOS), recording each call's size."""
+
+    weight_version, tensor_parallel_size, batches_continuously = 0, 1, False
+
+    def __init__(self, tok, text: str):
+        self.tok, self.sizes = tok, []
+        self.ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        self.stop_token_ids = (tok.eos_token_id,)
+
+    def generate(self, prompts, seeds, params):
+        self.sizes.append(len(prompts))
+        resp = torch.full((len(prompts), params.max_new_tokens), self.tok.pad_token_id, dtype=torch.long)
+        resp[:, :len(self.ids)] = torch.tensor(self.ids[:params.max_new_tokens])
+        mask = response_mask_from(resp, [self.tok.eos_token_id])
+        return Batch({"responses": resp, "response_mask": mask, "rollout_log_probs": -0.5 * mask.float()})
+
+
+async def _until_answered(client, row):
+    """A ReAct-style loop: asks again until the reply holds an answer, which it never does."""
+    messages = list(row["prompt"])
+    while True:
+        reply = await client.chat.completions.create(model="policy", messages=messages)
+        if "####" in reply.choices[0].message.content:
+            return 1.0
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": "wrong, think again"}]
+
+
+@pytest.mark.parametrize("calls, tokens", [(3, 1000), (50, 40)])
+def test_an_agent_that_uses_up_its_calls_or_tokens_is_trained_and_scored_0_not_failed(calls, tokens):
+    """The endpoint refuses the call past rollout.max_turns or rollout.max_total_tokens, and
+    an agent loop raises on it: that sample ran out of its budget, the policy's doing (as an
+    episode cut at its budget), not a failure that would drop its group."""
+    tok = load_tokenizer(BUILTIN_MODEL)
+    runner = AgentRunner(_SameAnswer(tok, "try again"), tok, _until_answered,
+                         AgentSettings(max_total_tokens=tokens, max_calls=calls, timeout_s=60))
+    try:
+        rows = [{"prompt": QUESTION, "ground_truth": "7", "data_source": "arith", "extra_info": {}}]
+        out = runner.generate([_prompt(tok)], [11], PARAMS, rows)
+    finally:
+        runner.close()
+    assert out["agent_out_of_budget"].tolist() == [1.0] and out["agent_failed"].tolist() == [0.0]
+    assert out["agent_scores"].tolist() == [0.0] and runner.first_error is None
+    assert out["num_turns"].item() == (3 if calls == 3 else 2) and int(out["response_mask"].sum()) > 0
+
+
+def test_a_batch_waits_for_every_running_agent_and_not_for_those_that_returned():
+    """Each turn of 32 agents is one engine call (the batch goes when every running agent has
+    a request waiting), and the agents that returned after one turn are not waited for: with
+    the gap and the wait far longer than their runs' timeout, a batch waiting for them would
+    time the others out."""
+    tok = load_tokenizer(BUILTIN_MODEL)
+    engine = _SameAnswer(tok, "maybe")
+
+    async def turns(client, row):
+        messages = list(row["prompt"])
+        for _ in range(row["extra_info"]["turns"]):
+            reply = await client.chat.completions.create(model="policy", messages=messages)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                         {"role": "user", "content": "again"}]
+        return 1.0
+
+    runner = AgentRunner(engine, tok, turns, AgentSettings(max_total_tokens=64, max_calls=3, timeout_s=20))
+    runner.endpoint = ChatEndpoint(engine, tok, PARAMS, 64, 3, batch_gap_s=60, batch_wait_s=60)
+    try:
+        rows = [{"prompt": QUESTION, "ground_truth": "7", "data_source": "arith", "extra_info": {"turns": 1 + i % 3}}
+                for i in range(32)]
+        out = runner.generate([_prompt(tok)] * 32, list(range(32)), PARAMS, rows)
+    finally:
+        runner.close()
+    assert out["agent_failed"].sum() == 0 and out["num_turns"].tolist() == [1.0 + i % 3 for i in range(32)]
+    assert engine.sizes == [32, 21, 10]

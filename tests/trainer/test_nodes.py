@@ -408,3 +408,22 @@ def test_the_trainer_s_placement_balances_each_mini_batch_over_the_ranks():
 
     assert run_gloo(_move_to_train, 2, 2) == [[52, 52], [52, 52]]
     assert run_gloo(_move_to_train, 2, 4) == [[88, 16], [16, 88]]  # one mini-batch: nothing moves
+
+
+def test_each_sample_s_task_has_its_own_prompt_and_extra_info():
+    """The n samples of a prompt share its row: an agent or environment appending to its
+    `prompt` (or writing into `extra_info`) must not change the other samples' or the row's
+    (a held-out row serves every evaluation)."""
+    from distflow.data.dataset import PromptRow
+
+    cfg = load_config(None, ["algorithm.group_size=4"])
+    row = PromptRow(index=0, messages=[{"role": "user", "content": "3+4"}], ground_truth="7", data_source="arith",
+                    extra_info={"level": 1})
+    tasks = nodes.tasks_of(nodes.source_batch([(0, (0, 0), row, [5, 6, 7])], cfg, pad_id=0))
+    assert len(tasks) == 4
+    tasks[0]["prompt"].append({"role": "assistant", "content": "7"})
+    tasks[0]["prompt"][0]["content"] = "changed"
+    tasks[0]["extra_info"]["level"] = 9
+    assert [t["prompt"] for t in tasks[1:]] == [[{"role": "user", "content": "3+4"}]] * 3
+    assert row.messages == [{"role": "user", "content": "3+4"}] and row.extra_info == {"level": 1}
+    assert [t["extra_info"] for t in tasks[1:]] == [{"level": 1}] * 3
