@@ -214,6 +214,13 @@ def check_inputs(cfg: Config, training: bool = True) -> None:
             schemas(tool_names(cfg), cfg.rollout.tool_schemas)
         except ValueError as e:
             raise ConfigError(f"rollout.tool_schemas: {e}") from None
+    if cfg.rollout.max_turns > 1 or cfg.rollout.agent is not None:
+        from distflow.engines.common import has_chat_template
+
+        if not has_chat_template(cfg.model.path):
+            raise ConfigError(f"model.path={cfg.model.path!r}: its tokenizer has no chat template, which multi-turn "
+                              "episodes (rollout.max_turns > 1) and rollout.agent render every turn's messages with; "
+                              "use a model whose tokenizer has one, or add one to it (tokenizer.chat_template)")
     if training and cfg.actor.lora_rank:
         from distflow.engines.common import resolve_model_path
         from distflow.engines.lora import is_adapter_folder

@@ -246,6 +246,25 @@ def test_what_the_launcher_checks_passes_where_the_inputs_are_there(tmp_path):
     check_inputs(load_config(None, ["reward.custom_fn=json:loads"]))
 
 
+def test_episodes_and_agents_need_a_tokenizer_with_a_chat_template(tmp_path):
+    """Each turn's observation is rendered by the chat template: without one every episode
+    that called a tool failed (a base model's tokenizer), so it is refused before the start."""
+    import shutil
+
+    from distflow.cli import check_inputs
+    from distflow.engines.common import resolve_model_path
+
+    plain = tmp_path / "plain"
+    shutil.copytree(resolve_model_path("builtin:tiny-arith-tools"), plain)
+    (plain / "chat_template.jinja").unlink()
+    check_inputs(load_config(None, [f"model.path={plain}"]))  # one turn: its prompt is the messages joined
+    for overrides in (["rollout.max_turns=2", "rollout.tools=calculator"], ["rollout.agent=json:loads"]):
+        with pytest.raises(ConfigError, match=r"^model.path='.*plain': its tokenizer has no chat template, which "
+                                              r"multi-turn episodes"):
+            check_inputs(load_config(None, [f"model.path={plain}", *overrides]))
+    check_inputs(load_config(None, ["model.path=builtin:tiny-arith-tools", "rollout.max_turns=2", "rollout.tools=calculator"]))
+
+
 def test_held_out_files_default_to_the_builtin_tasks_test_split_and_own_data_needs_its_own(tmp_path):
     """An empty data.val_files is the test split of the built-in task being trained on;
     with your own training files it is one line before anything starts (the held-out

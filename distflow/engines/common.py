@@ -49,6 +49,22 @@ def load_tokenizer(path: str):
     return tok
 
 
+def has_chat_template(path: str) -> bool:
+    """Whether the model folder's tokenizer has a chat template (a `chat_template.jinja`
+    or `.json` beside it, or one in its tokenizer_config.json), read from its files; True
+    where `path` is not a folder here (loading it says what is wrong)."""
+    folder = resolve_model_path(path)
+    if not os.path.isdir(folder):
+        return True
+    if any(os.path.isfile(os.path.join(folder, name)) for name in ("chat_template.jinja", "chat_template.json")):
+        return True
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json")) as f:
+            return bool(json.load(f).get("chat_template"))
+    except (OSError, ValueError):
+        return False
+
+
 def is_vision_language(config) -> bool:
     """Whether a model config is a vision-language model's (Qwen2-VL's has a vision_config)."""
     return hasattr(config, "vision_config")

@@ -187,5 +187,7 @@ class Toolbox:
             return ToolResult(_cut(str(tool(**arguments))), "ok")
         except ToolTimeout as e:
             return ToolResult(f"error: timed out: {e}", "timeout")
+        except sandbox.SandboxError:  # the sandbox itself failed, not the model's program: the episode fails
+            raise  # (env/failed, rollout.on_failed_episode), it is no evidence about the policy
         except Exception as e:  # what the tool raised is the model's to see
             return ToolResult(f"error: {type(e).__name__}: {e}", "error")

@@ -208,12 +208,12 @@ def score_responses(tokenizer, batch: Batch, reward_fn: RewardRunner | RewardMod
     is OK, FAILED (raised or not a number) or TIMED_OUT per sample; a failed sample scores 0
     and the run goes on. A reward model scores the batch at once, from the prompts'
     messages and the responses (an episode's: its turns and observations, `episode_messages`)."""
-    texts = tokenizer.batch_decode(batch["responses"] * batch["response_mask"]
-                                   + tokenizer.pad_token_id * (1 - batch["response_mask"]),
+    shown = batch["response_mask"] + (batch["observation_mask"] if "observation_mask" in batch else 0)
+    texts = tokenizer.batch_decode(batch["responses"] * shown + tokenizer.pad_token_id * (1 - shown),
                                    skip_special_tokens=True)
     learned = isinstance(reward_fn, RewardModel)
     rewards, correct, status = [], [], []
-    for text, gt, src, extra in zip(texts, batch["ground_truth"], batch["data_source"], batch["extra_info"]):
+    for text, gt, src, extra in zip(texts, batch["ground_truth"], batch["data_source"], reward_extra_info(batch)):
         value, state = (0.0, OK) if learned else reward_fn(src, text, gt, extra)
         rewards.append(value)
         status.append(state)
@@ -234,6 +234,25 @@ def score_responses(tokenizer, batch: Batch, reward_fn: RewardRunner | RewardMod
         bad = ~torch.isfinite(scores)
         scores, status = scores.masked_fill(bad, 0.0), status.masked_fill(bad, FAILED)
     return scores, torch.tensor(correct, dtype=torch.float32), status
+
+
+def reward_extra_info(batch: Batch) -> list:
+    """Each row's extra_info as a reward function sees it: a copy with what verl's reward
+    managers add, `num_turns` (as verl counts them: the prompt, each assistant turn and each
+    observation between them; 2 for one turn) and `rollout_reward_scores` (what the rollout
+    scored: {"env": the environment's rewards} or {"agent": what rollout.agent returned});
+    an extra_info that is not a mapping is passed as it is."""
+    n = len(batch["extra_info"])
+    assistant = batch["num_turns"].tolist() if "num_turns" in batch else [1] * n
+    observations = [0] * n
+    if "observation_mask" in batch:  # the runs of observation tokens
+        starts = batch["observation_mask"].diff(dim=1, prepend=torch.zeros_like(batch["observation_mask"][:, :1]))
+        observations = (starts == 1).sum(dim=1).tolist()
+    given = next(((name, batch[f"{name}_scores"].tolist()) for name in ("env", "agent") if f"{name}_scores" in batch),
+                 None)
+    return [{**extra, "num_turns": 1 + int(a) + int(o),
+             "rollout_reward_scores": {} if given is None else {given[0]: given[1][i]}} if isinstance(extra, dict)
+            else extra for i, (extra, a, o) in enumerate(zip(batch["extra_info"], assistant, observations))]
 
 
 def reward(ctx: WorkerContext, batch: Batch) -> Batch:

@@ -116,13 +116,17 @@ def recipe_graph(cfg: Config) -> Graph:
                     else ())
     # what scoring a response reads besides it
     reward_inputs = (("ground_truth", "data_source", "extra_info")
-                     + (("prompt_messages",) if cfg.reward.model_path else ()) + episode_messages)
+                     + (("prompt_messages",) if cfg.reward.model_path else ()) + episode_messages
+                     # an episode's text holds its observations, and its extra_info verl's num_turns and the
+                     # rollout's own scores (nodes.reward_extra_info)
+                     + (("observation_mask", "num_turns", "agent_scores" if agent else "env_scores")
+                        if episodes else ()))
     rollout_in = ("prompts", "prompt_mask", "uid", "draw", "sample_k", *images)
     rollout_in += ("ground_truth", "data_source", "extra_info", "prompt_messages") if episodes else ()
     built = [
         _node("rollout", "rollout", rollout_in, rollout_out, stream=True),
-        _node("reward", "reward", ("responses", "response_mask", *reward_inputs)
-              + tuple(filter(None, [rollout_reward_field(cfg)])),
+        _node("reward", "reward", ("responses", "response_mask", *dict.fromkeys(
+            reward_inputs + tuple(filter(None, [rollout_reward_field(cfg)])))),
               ("scores", "accuracy", "reward_status")),
     ]
     reward_field = "scores"

@@ -73,6 +73,21 @@ def test_python_runs_in_the_sandbox_prints_raises_and_times_out():
     assert loud.status == "ok" and loud.text == "x" * 8192 + "\n[91809 more characters cut]"
 
 
+def test_a_sandbox_that_does_not_start_fails_the_call_instead_of_answering_the_model():
+    """The program never ran: an error observation would be trained as the policy's
+    evidence; raised, its episode fails (env/failed) as an environment's failure does."""
+    from distflow.engines.sandbox import SandboxError
+
+    box = Toolbox(["python"])
+
+    def not_started(code):
+        raise SandboxError("the sandbox did not start: unshare: Operation not permitted")
+
+    box.tools["python"] = not_started
+    with pytest.raises(SandboxError, match="did not start"):
+        box.run('{"name": "python", "arguments": {"code": "print(1)"}}')
+
+
 def test_an_unknown_tool_in_the_config_is_one_line():
     with pytest.raises(ValueError, match=r"^unknown tool 'browser'; built in: calculator, python$"):
         Toolbox(["calculator", "browser"])

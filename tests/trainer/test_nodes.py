@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -427,3 +429,38 @@ def test_each_sample_s_task_has_its_own_prompt_and_extra_info():
     assert [t["prompt"] for t in tasks[1:]] == [[{"role": "user", "content": "3+4"}]] * 3
     assert row.messages == [{"role": "user", "content": "3+4"}] and row.extra_info == {"level": 1}
     assert [t["extra_info"] for t in tasks[1:]] == [{"level": 1}] * 3
+
+
+def test_a_reward_function_sees_an_episode_as_verl_s_reward_managers_show_it(tmp_path):
+    """The response text holds the observations between the turns (verl decodes the whole
+    response), and extra_info (a copy) verl's `num_turns` (the prompt, each assistant turn
+    and each observation: 2 for one turn) and the rollout's own scores."""
+    from distflow.config import BUILTIN_MODEL
+    from distflow.engines.common import load_tokenizer
+    from distflow.engines.reward import RewardRunner
+
+    tok = load_tokenizer(BUILTIN_MODEL)
+    (tmp_path / "seen.py").write_text(
+        "import json\n"
+        "def score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    with open(ground_truth, 'a') as f:\n"
+        "        f.write(json.dumps([solution_str, extra_info]) + '\\n')\n"
+        "    return 1.0\n")
+    pieces = ["A", " B", " C", " D", " E"]
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in pieces]
+    width = sum(map(len, ids)) + 2
+    responses = torch.full((2, width), tok.pad_token_id)
+    responses[:, :sum(map(len, ids))] = torch.tensor([t for piece in ids for t in piece])
+    kinds = [k for k, piece in zip([1, 0, 1, 0, 1], ids) for _ in piece] + [0, 0]  # turn, observation, turn, ...
+    response_mask = torch.tensor([kinds, [1] * len(ids[0]) + [0] * (width - len(ids[0]))])
+    observation_mask = torch.tensor([[1 - k if i < width - 2 else 0 for i, k in enumerate(kinds)], [0] * width])
+    log = tmp_path / "log.jsonl"
+    extra = [{"level": 1}, {"level": 2}]
+    batch = Batch({"responses": responses, "response_mask": response_mask, "observation_mask": observation_mask,
+                   "num_turns": torch.tensor([3.0, 1.0]), "env_scores": torch.tensor([0.5, 0.0])},
+                  {"ground_truth": [str(log)] * 2, "data_source": ["x"] * 2, "extra_info": extra})
+    nodes.score_responses(tok, batch, RewardRunner(f"{tmp_path / 'seen.py'}:score", 0), None)
+    seen = [json.loads(line) for line in log.read_text().splitlines()]
+    assert seen == [["A B C D E", {"level": 1, "num_turns": 6, "rollout_reward_scores": {"env": 0.5}}],
+                    ["A", {"level": 2, "num_turns": 2, "rollout_reward_scores": {"env": 0.0}}]]
+    assert extra == [{"level": 1}, {"level": 2}]  # the batch's own, unchanged
