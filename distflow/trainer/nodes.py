@@ -208,7 +208,10 @@ def score_responses(tokenizer, batch: Batch, reward_fn: RewardRunner | RewardMod
     is OK, FAILED (raised or not a number) or TIMED_OUT per sample; a failed sample scores 0
     and the run goes on. A reward model scores the batch at once, from the prompts'
     messages and the responses (an episode's: its turns and observations, `episode_messages`)."""
-    shown = batch["response_mask"] + (batch["observation_mask"] if "observation_mask" in batch else 0)
+    shown = batch["response_mask"].bool()
+    if "observation_mask" in batch:
+        shown = shown | batch["observation_mask"].bool()
+    shown = shown.long()
     texts = tokenizer.batch_decode(batch["responses"] * shown + tokenizer.pad_token_id * (1 - shown),
                                    skip_special_tokens=True)
     learned = isinstance(reward_fn, RewardModel)
@@ -257,9 +260,9 @@ def reward_extra_info(batch: Batch) -> list:
 
 def reward(ctx: WorkerContext, batch: Batch) -> Batch:
     scores, correct, status = score_responses(ctx.tokenizer, batch, ctx.reward_fn, ctx.accuracy_fn)
-    for given in ("agent_scores", "env_scores"):  # rollout.agent's return value / reward.from_env's sum of
-        if given in batch:                       # the environment's rewards is the reward; accuracy as always
-            scores, status = batch[given], torch.zeros_like(status)
+    given = ctx.params.get("scores_from")  # rollout.agent's return value / reward.from_env's sum of the
+    if given is not None:                   # environment's rewards is the reward; accuracy as always
+        scores, status = batch[given], torch.zeros_like(status)
     if ctx.counts_rows:  # every sample scored, a refill round's and those a filter drops later too
         ctx.acc.add_total("reward/scored", float(len(status)))
         ctx.acc.add_total("reward/failed", float((status == FAILED).sum()))

@@ -127,7 +127,7 @@ def recipe_graph(cfg: Config) -> Graph:
         _node("rollout", "rollout", rollout_in, rollout_out, stream=True),
         _node("reward", "reward", ("responses", "response_mask", *dict.fromkeys(
             reward_inputs + tuple(filter(None, [rollout_reward_field(cfg)])))),
-              ("scores", "accuracy", "reward_status")),
+              ("scores", "accuracy", "reward_status"), params={"scores_from": rollout_reward_field(cfg)}),
     ]
     reward_field = "scores"
     gate: tuple[str, ...] = ()  # after a filter, everything sees only the kept groups

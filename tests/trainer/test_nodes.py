@@ -453,7 +453,7 @@ def test_a_reward_function_sees_an_episode_as_verl_s_reward_managers_show_it(tmp
     responses[:, :sum(map(len, ids))] = torch.tensor([t for piece in ids for t in piece])
     kinds = [k for k, piece in zip([1, 0, 1, 0, 1], ids) for _ in piece] + [0, 0]  # turn, observation, turn, ...
     response_mask = torch.tensor([kinds, [1] * len(ids[0]) + [0] * (width - len(ids[0]))])
-    observation_mask = torch.tensor([[1 - k if i < width - 2 else 0 for i, k in enumerate(kinds)], [0] * width])
+    observation_mask = torch.tensor([[1.0 - k if i < width - 2 else 0.0 for i, k in enumerate(kinds)], [0.0] * width])
     log = tmp_path / "log.jsonl"
     extra = [{"level": 1}, {"level": 2}]
     batch = Batch({"responses": responses, "response_mask": response_mask, "observation_mask": observation_mask,
