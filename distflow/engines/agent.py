@@ -165,6 +165,9 @@ class EpisodeSettings:
     # each episode's messages after its prompt (its turns as the assistant's, then what the environment answered),
     # as the batch's `episode_messages`: what a reward model reads
     keep_messages: bool = False
+    # one episode from its environment's making to its closing before the next is made (an environment whose
+    # sessions may not be alive at once: OpenEnv's SUPPORTS_CONCURRENT_SESSIONS unset); each turn one generate
+    one_episode_at_a_time: bool = False
 
 
 _FAILED = object()  # what an environment call that raised gives
@@ -252,7 +255,15 @@ class EpisodeRunner:
         """`prompts` (token ids) with their `tasks`; greedy when `seeds` is None. The
         environments of different episodes are made, reset, stepped and closed
         concurrently, on settings.env_workers threads; each episode's on one thread, one
-        call at a time; each is closed when its episode ends."""
+        call at a time; each is closed when its episode ends (with one_episode_at_a_time,
+        before the next episode's is made)."""
+        if self.settings.one_episode_at_a_time and len(prompts) > 1:
+            return Batch.concat([self._episodes([p], None if seeds is None else [seeds[i]], params, [tasks[i]])
+                                 for i, p in enumerate(prompts)])
+        return self._episodes(prompts, seeds, params, tasks)
+
+    def _episodes(self, prompts: list[list[int]], seeds: list[int] | None, params: SamplingParams,
+                  tasks: list[dict]) -> Batch:
         s, n = self.settings, len(prompts)
         envs: list[Environment | None] = [None] * n
         tokens, trained, log_probs = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]

@@ -92,8 +92,8 @@ class OpenEnvEnvironment:
     def concurrent(env_class: type) -> bool:
         """Whether the class says its instances may run at once (OpenEnv's
         SUPPORTS_CONCURRENT_SESSIONS, False unless set, and not REQUIRES_SINGLE_THREAD_EXECUTOR,
-        which OpenEnv's server honours with one thread for every session); if not, episodes
-        step one after another, on one thread."""
+        which OpenEnv's server honours with one thread for every session); if not, one
+        episode runs at a time, from its reset to its close (EpisodeSettings)."""
         return (bool(getattr(env_class, "SUPPORTS_CONCURRENT_SESSIONS", False))
                 and not getattr(env_class, "REQUIRES_SINGLE_THREAD_EXECUTOR", False))
 

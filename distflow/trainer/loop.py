@@ -260,21 +260,20 @@ def make_episode_runner(cfg: Config, engine: RolloutEngine, tokenizer) -> Episod
                            AgentSettings(max_total_tokens=budget, max_calls=r.max_turns, timeout_s=r.agent_timeout_s))
     if r.max_turns == 1:
         return None
-    toolbox, env_workers = Toolbox(tool_names(cfg), r.tool_timeout_s, r.max_tool_calls_per_turn), r.env_workers
+    toolbox, one_at_a_time = Toolbox(tool_names(cfg), r.tool_timeout_s, r.max_tool_calls_per_turn), False
     if r.env is not None and r.env.startswith("openenv:"):
         from distflow.engines.openenv_env import OpenEnvEnvironment
 
         env_class = load_callable(r.env.removeprefix("openenv:"), "rollout.env")
         make_env = OpenEnvEnvironment.episodes_of(env_class)
-        if not OpenEnvEnvironment.concurrent(env_class):  # OpenEnv's own server would not run two at once either
-            env_workers = 1
+        one_at_a_time = not OpenEnvEnvironment.concurrent(env_class)  # OpenEnv's server runs one session of it
     else:
         make_env = (partial(load_callable(r.env, "rollout.env"), toolbox) if r.env else
                     partial(ToolEnvironment, toolbox, tool_result_form(tokenizer)))
     model_config = getattr(getattr(engine, "model", None), "config", None)  # the HF engine's (VLMs run on it)
     return EpisodeRunner(engine, tokenizer, make_env, EpisodeSettings(
-        max_turns=r.max_turns, max_total_tokens=budget, step_last_turn=cfg.reward.from_env, env_workers=env_workers,
-        env_timeout_s=r.env_timeout_s,
+        max_turns=r.max_turns, max_total_tokens=budget, step_last_turn=cfg.reward.from_env, env_workers=r.env_workers,
+        env_timeout_s=r.env_timeout_s, one_episode_at_a_time=one_at_a_time,
         keep_messages=cfg.reward.model_path is not None,  # the reward model reads the episode's conversation
         dropped_ids=frozenset(vision_token_ids(model_config) if model_config is not None else ())))
 

@@ -82,6 +82,21 @@ class OneThread(Steps):
     REQUIRES_SINGLE_THREAD_EXECUTOR = True
 
 
+class OneSession(Steps):
+    """Unmarked (OpenEnv's default: one session at a time), and counts its live sessions."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = False
+    live = {"now": 0, "most": 0}  # sessions alive at once, now and at most
+
+    def reset(self, seed=None, episode_id=None, **kwargs) -> GuessObservation:
+        self.live["now"] += 1
+        self.live["most"] = max(self.live["most"], self.live["now"])
+        return GuessObservation()
+
+    def close(self) -> None:
+        self.live["now"] -= 1
+
+
 class NumpySeeded(Steps):
     def reset(self, seed=None, episode_id=None, **kwargs) -> GuessObservation:
         import numpy as np
@@ -133,11 +148,20 @@ def test_episodes_run_at_once_only_where_the_class_says_its_sessions_may(game, t
 
     _, path = game
     tok = build_tokenizer()
-    workers = {}
+    one_at_a_time = {}
     for name in ("GuessDigit", "Steps", "OneThread"):  # unmarked; sharing nothing; sharing nothing on one thread
         cfg = load_config(None, [f"rollout.env=openenv:{path}:{name}", "rollout.max_turns=2", "rollout.env_workers=4"])
-        workers[name] = make_episode_runner(cfg, ScriptedEngine(tok, {}), tok).settings.env_workers
-    assert workers == {"GuessDigit": 1, "Steps": 4, "OneThread": 1}
+        one_at_a_time[name] = make_episode_runner(cfg, ScriptedEngine(tok, {}), tok).settings.one_episode_at_a_time
+    assert one_at_a_time == {"GuessDigit": True, "Steps": False, "OneThread": True}
+    # one session alive at a time, from its reset to its close: each episode's turns alone, one generate each
+    prompts = [_ids(tok, f"{c}?") for c in "ABCD"]
+    engine = ScriptedEngine(tok, {p[0]: ["1", "2"] for p in prompts})
+    cfg = load_config(None, [f"rollout.env=openenv:{path}:OneSession", "rollout.max_turns=2", "reward.from_env=true"])
+    runner = make_episode_runner(cfg, engine, tok)
+    live = type(runner.make_env().env).live  # the class as the run loaded it
+    out = runner.generate(prompts, [1, 2, 3, 4], SamplingParams(max_new_tokens=8), [{}] * 4)
+    assert live == {"now": 0, "most": 1} and out["env_scores"].tolist() == [1.0] * 4
+    assert [len(call) for call in engine.calls] == [1] * 8
 
 
 def test_an_episode_s_seed_is_one_numpy_takes(game):
