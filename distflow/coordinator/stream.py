@@ -178,13 +178,13 @@ def _flatten(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | N
     """One flat buffer per dtype and the index to cut it back: {name: [dtype, offset, shape]};
     with `dtype`, the floating-point tensors cast to it, but those whose name holds one of
     `keep_in_fp32` (the model's `_keep_in_fp32_modules`, which HF keeps in fp32 in any dtype)."""
-    index, pieces = {}, {}
+    index, pieces, ends = {}, {}, {}
     for name, tensor in weights:
         cast = dtype is not None and tensor.is_floating_point() and not any(m in name for m in keep_in_fp32)
         t = tensor.detach().to("cpu", dtype=dtype if cast else None).contiguous()
         key = str(t.dtype).removeprefix("torch.")
-        offset = sum(p.numel() for p in pieces.get(key, []))
-        index[name] = [key, offset, list(t.shape)]
+        index[name] = [key, ends.get(key, 0), list(t.shape)]
+        ends[key] = ends.get(key, 0) + t.numel()
         pieces.setdefault(key, []).append(t.view(-1))
     order = sorted(pieces)
     return {"order": order, "tensors": index}, [torch.cat(pieces[k]) for k in order]
