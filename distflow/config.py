@@ -94,7 +94,9 @@ class RolloutConfig:
     temperature: float = _spec(1.0, min=1e-4)
     top_p: float = _spec(1.0, min=1e-4, max=1.0)
     max_new_tokens: int = _spec(32, min=1)
-    micro_batch_size: int = _spec(128, min=1, doc="sequences generated per generate() call")
+    micro_batch_size: int = _spec(128, min=1, doc="the HF engine: sequences generated per generate() call (where "
+                                                   "the scheduler overlaps, each call is one stream chunk, at most "
+                                                   "scheduler.stream_chunk_size)")
     replica_size: int = _spec(1, min=1, doc="ranks that share one rollout replica: each generates every k-th of "
                                            "its sequences and all of them then hold its output (the layout a "
                                            "tensor-parallel engine leaves; the HF engine splits no tensor)")

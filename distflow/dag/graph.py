@@ -54,6 +54,14 @@ _ROLE_DEFAULTS = {
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+_DOT_SOURCE = '"source:prompts"'  # the prompts' pseudo-node: a colon, so no node's name
+
+
+def _dot_id(name: str | None) -> str:
+    """A node's id in DOT, quoted; None: the prompts' pseudo-node."""
+    return _DOT_SOURCE if name is None else f'"{name}"'
+
+
 class GraphError(ValueError):
     """An invalid graph; the message is one line naming the node and the problem."""
 
@@ -225,28 +233,31 @@ class Graph:
 
     def to_dot(self, title: str = "") -> str:
         colours = {"local": "#dbeafe", "groups": "#fef3c7", "train": "#dcfce7"}
+        # ids quoted (a node may be named `node` or `graph`); the source's id no node name can be
         lines = ["digraph distflow {", "  rankdir=LR;", f'  label="{title}";',
                  '  node [shape=box, style="rounded,filled", fontname="Helvetica"];',
-                 '  prompts [shape=ellipse, fillcolor="#eeeeee"];']
+                 f'  {_dot_id(None)} [label="prompts", shape=ellipse, fillcolor="#eeeeee"];']
         for name in self.order:
             n = self.by_name[name]
             extra = " stream" if n.stream else (" collective" if n.collective else "")
-            lines.append(f'  {name} [label="{name}\\n{n.role} · {n.layout}{extra}", fillcolor="{colours[n.layout]}"];')
+            lines.append(f'  "{name}" [label="{name}\\n{n.role} · {n.layout}{extra}", '
+                         f'fillcolor="{colours[n.layout]}"];')
         for name in self.order:
-            for parent in self.parents[name] or ["prompts"]:
+            for parent in self.parents[name] or [None]:
                 fields = [f for f in self.by_name[name].inputs if self.producer.get(f) == parent]
                 label = f' [label="{", ".join(fields)}"]' if fields else ""
-                lines.append(f"  {parent} -> {name}{label};")
+                lines.append(f'  {_dot_id(parent)} -> "{name}"{label};')
         return "\n".join(lines + ["}"]) + "\n"
 
     def to_mermaid(self) -> str:
-        lines = ["flowchart LR", "  prompts([prompts])"]
+        # every node's id prefixed (a node may be named `end`), the source's not: no name can take it
+        lines = ["flowchart LR", "  source([prompts])"]
         for name in self.order:
             n = self.by_name[name]
-            lines.append(f'  {name}["{name}<br/>{n.role} · {n.layout}"]')
+            lines.append(f'  n_{name}["{name}<br/>{n.role} · {n.layout}"]')
         for name in self.order:
-            for parent in self.parents[name] or ["prompts"]:
-                lines.append(f"  {parent} --> {name}")
+            for parent in self.parents[name] or [None]:
+                lines.append(f"  {'source' if parent is None else 'n_' + parent} --> n_{name}")
         return "\n".join(lines) + "\n"
 
     def describe(self) -> str:

@@ -113,9 +113,26 @@ def test_pictures_name_every_node():
     g = recipe_graph(load_config(None, ["algorithm.name=ppo"]))
     dot, mermaid = g.to_dot("ppo"), g.to_mermaid()
     for name in g.order:
-        assert f"  {name} [" in dot and f"  {name}[" in mermaid
-    assert "critic_values -> advantage" in dot and "rollout --> reward" in mermaid
+        assert f'  "{name}" [' in dot and f"  n_{name}[" in mermaid
+    assert '"critic_values" -> "advantage"' in dot and "n_rollout --> n_reward" in mermaid
+    assert '"source:prompts" -> "rollout"' in dot and "source --> n_rollout" in mermaid
     assert "critic_update" in g.describe()
+
+
+def test_pictures_take_nodes_named_as_the_languages_keywords_or_as_the_source():
+    """`node`, `graph` are DOT's keywords, `end` Mermaid's, `prompts` the source's label:
+    written bare they broke the pictures (dot failed) or merged with the source."""
+    from distflow.dag.graph import Graph, Node
+
+    def f(ctx, batch):
+        return batch
+
+    g = Graph([Node(name="node", role="custom", fn=f, inputs=("x",), outputs=("a",)),
+               Node(name="end", role="custom", fn=f, inputs=("a",), outputs=("b",)),
+               Node(name="prompts", role="custom", fn=f, inputs=("b",), outputs=("c",))], sources=("x",))
+    dot, mermaid = g.to_dot(), g.to_mermaid()
+    assert '"source:prompts" -> "node"' in dot and '"node" -> "end"' in dot and '"end" -> "prompts"' in dot
+    assert "source --> n_node" in mermaid and "n_node --> n_end" in mermaid and "n_end --> n_prompts" in mermaid
 
 
 @pytest.mark.parametrize("graph_text, fragment", [
