@@ -71,8 +71,9 @@ class DataConfig:
                             doc="a malformed row: stop naming file and row, or skip it (counted, replaced)")
     on_long_prompt: str = _spec("error", choices=("error", "skip", "truncate"),
                                 doc="a prompt over max_prompt_length: stop, skip it, or keep its last tokens")
-    max_image_pixels: int = _spec(12_845_056, min=1, doc="an image of more pixels is a bad row (on_bad_row); "
-                                                        "Qwen2-VL's processor's own largest size by default")
+    max_image_pixels: int = _spec(12_845_056, min=1, max=178_956_970,
+                                  doc="an image of more pixels is a bad row (on_bad_row); Qwen2-VL's processor's own "
+                                      "largest size by default; at most Pillow's decompression-bomb limit")
 
 
 @dataclass(kw_only=True)

@@ -70,6 +70,9 @@ def decode_image(entry: Any, max_pixels: int | None):
             width, height = image.size
             if not max_pixels or width * height <= max_pixels:
                 return _rgb(image)
+    except Image.DecompressionBombError:  # Pillow's own limit, which data.max_image_pixels does not pass
+        raise DatasetError(f"image ({what}) is over data.max_image_pixels={max_pixels} (over Pillow's "
+                           f"decompression-bomb limit too)") from None
     except (UnidentifiedImageError, OSError, ValueError) as e:  # PIL's errors for truncated or foreign data
         raise DatasetError(f"image ({what}) cannot be decoded ({type(e).__name__})") from None
     raise DatasetError(f"image of {width}x{height} pixels is over data.max_image_pixels={max_pixels}")

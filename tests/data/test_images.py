@@ -54,8 +54,22 @@ def _png(width, height):
     return out.getvalue()
 
 
+def _png_claiming(width: int, height: int) -> bytes:
+    """A small PNG whose header claims another size (its pixels are never decoded)."""
+    import struct
+    import zlib
+
+    data = bytearray(_png(2, 2))
+    header = struct.pack(">II", width, height) + bytes(data[24:29])  # IHDR's data starts at byte 16
+    data[16:29] = header
+    data[29:33] = struct.pack(">I", zlib.crc32(b"IHDR" + header))
+    return bytes(data)
+
+
 @pytest.mark.parametrize("entry, fragment", [
     (b"\x89PNG not really", "image (15 bytes) cannot be decoded"),
+    # over Pillow's decompression-bomb limit, which raised before the size was compared
+    ({"bytes": _png_claiming(20000, 20000)}, "is over data.max_image_pixels=1000 (over Pillow's decompression-bomb"),
     ({"path": "/nonexistent/cat.png"}, "image file /nonexistent/cat.png does not exist"),
     (7, "an image must be bytes, a path"),
     ({"bytes": _png(40, 30)}, "image of 40x30 pixels is over data.max_image_pixels=1000"),
