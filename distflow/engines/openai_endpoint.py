@@ -59,8 +59,8 @@ from distflow.engines.tools import TOOL_CALL
 
 MODEL = "policy"
 DRAIN_LIMIT_BYTES = 16 << 20  # an oversized request body is read and dropped up to this size before its 413
-AGENT_FIELDS = ("agent_tool_calls", "agent_failed", "agent_scores", "agent_out_of_budget")  # per sample, beside
-# the rollout's fields
+# per sample, beside the rollout's fields
+AGENT_FIELDS = ("agent_tool_calls", "agent_failed", "agent_scores", "agent_out_of_budget")
 _PATH = re.compile(r"^/samples/(?P<key>[A-Za-z0-9_-]+)/v1/(?P<route>chat/completions|models)$")
 
 
