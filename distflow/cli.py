@@ -14,6 +14,7 @@
     distflow bench async [--quick] [--json FILE] [--results-md FILE]
     distflow bench checkpointing [--quick] [--json FILE] [--results-md FILE]
     distflow bench tools [--episodes 64] [--env-workers 1 8] [--json FILE] [--results-md FILE]
+    distflow bench agents [--agents 64 256] [--turns 3] [--json FILE] [--results-md FILE]
     distflow cluster up|down|status [--hosts 5] [--rate-mbit 400] [--delay-ms 0]
     distflow dag show [RECIPE] [--out PATH] [--config FILE] [section.key=value ...]
     distflow dag recipes
@@ -605,6 +606,7 @@ BENCHMARKS = {
     "checkpointing": ("checkpointing", "an actor update's kept activations, peak memory and time with and without "
                                        "gradient checkpointing"),
     "tools": ("tools", "episodes calling the python tool: environments stepped one after another vs on threads"),
+    "agents": ("agents", "rollout.agent's endpoint: the engine calls a step's agents make, against one per turn"),
 }
 
 
