@@ -72,8 +72,10 @@ class DataConfig:
     on_long_prompt: str = _spec("error", choices=("error", "skip", "truncate"),
                                 doc="a prompt over max_prompt_length: stop, skip it, or keep its last tokens")
     max_image_pixels: int = _spec(12_845_056, min=1, max=178_956_970,
-                                  doc="an image of more pixels is a bad row (on_bad_row); Qwen2-VL's processor's own "
-                                      "largest size by default; at most Pillow's decompression-bomb limit")
+                                  doc="an image of more pixels is scaled down to this many, its aspect ratio kept "
+                                      "(as qwen-vl-utils and the Qwen2-VL processor scale down to their max_pixels, "
+                                      "the default); at most Pillow's decompression-bomb limit, over which an image "
+                                      "is a bad row")
 
 
 @dataclass(kw_only=True)

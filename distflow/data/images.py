@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import math
 import os
 import urllib.parse
 from typing import Any
@@ -67,15 +68,11 @@ def decode_image(entry: Any, max_pixels: int | None):
                            f"not {type(entry).__name__}")
     try:
         with Image.open(source) as image:  # reads the header; pixels are decoded by convert
-            width, height = image.size
-            if not max_pixels or width * height <= max_pixels:
-                return _rgb(image)
-    except Image.DecompressionBombError:  # Pillow's own limit, which data.max_image_pixels does not pass
-        raise DatasetError(f"image ({what}) is over data.max_image_pixels={max_pixels} (over Pillow's "
-                           f"decompression-bomb limit too)") from None
+            return _rgb(image, max_pixels)
+    except Image.DecompressionBombError as e:  # Pillow's own limit on what it decodes
+        raise DatasetError(f"image ({what}) is over Pillow's decompression-bomb limit ({e})") from None
     except (UnidentifiedImageError, OSError, ValueError) as e:  # PIL's errors for truncated or foreign data
         raise DatasetError(f"image ({what}) cannot be decoded ({type(e).__name__})") from None
-    raise DatasetError(f"image of {width}x{height} pixels is over data.max_image_pixels={max_pixels}")
 
 
 def _data_uri_bytes(uri: str) -> bytes:
@@ -88,13 +85,32 @@ def _data_uri_bytes(uri: str) -> bytes:
         raise DatasetError(f"image {uri[:40]}...: its base64 data cannot be decoded") from None
 
 
-def _rgb(image):
+def _within(size: tuple[int, int], max_pixels: int) -> tuple[int, int]:
+    """`size` scaled down to at most `max_pixels` pixels, its aspect ratio kept."""
+    scale = math.sqrt(max_pixels / (size[0] * size[1]))
+    width, height = (max(1, math.floor(side * scale + 1e-9)) for side in size)  # 400 x 0.1 is 40, not 39.99...
+    while width * height > max_pixels and max(width, height) > 1:  # that margin never takes it over
+        width, height = (width - 1, height) if width >= height else (width, height - 1)
+    return width, height
+
+
+def _rgb(image, max_pixels: int | None = None):
     """RGB as the picture is seen: turned upright by its EXIF orientation (a phone's photo;
     as transformers' `load_image`), transparency on white (a diagram's transparent
-    background turned black; as qwen-vl-utils and vLLM read images)."""
-    from PIL import Image, ImageOps
+    background turned black; as qwen-vl-utils and vLLM read images); with more than
+    `max_pixels`, scaled down to at most that many, its aspect ratio kept (qwen-vl-utils
+    and the Qwen2-VL processor scale a larger image down to their max_pixels too)."""
+    from PIL import ExifTags, Image, ImageOps
 
+    target = None
+    if max_pixels and image.width * image.height > max_pixels:
+        target = _within(image.size, max_pixels)
+        image.draft(None, target)  # a JPEG decodes at a smaller scale (at least `target`) straight away
+        if image.getexif().get(ExifTags.Base.Orientation) in (5, 6, 7, 8):  # turned a quarter upright below
+            target = target[::-1]
     image = ImageOps.exif_transpose(image)
+    if target is not None and image.size != target:
+        image = image.resize(target, Image.Resampling.BICUBIC)
     if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:  # an alpha channel, or a colour key
         rgba = image.convert("RGBA")
         white = Image.new("RGB", rgba.size, (255, 255, 255))

@@ -257,19 +257,27 @@ class EpisodeRunner:
         concurrently, on settings.env_workers threads; each episode's on one thread, one
         call at a time; each is closed when its episode ends (with one_episode_at_a_time,
         before the next episode's is made)."""
-        if self.settings.one_episode_at_a_time and len(prompts) > 1:
-            return Batch.concat([self._episodes([p], None if seeds is None else [seeds[i]], params, [tasks[i]])
+        s = self.settings
+        if not s.one_episode_at_a_time:
+            lanes = _Lanes(max(1, min(s.env_workers, len(prompts))), s.env_timeout_s)
+            try:
+                return self._episodes(prompts, seeds, params, tasks, lanes)
+            finally:
+                lanes.close()
+        lanes = _Lanes(1, s.env_timeout_s)  # one thread for all of them (OpenEnv's REQUIRES_SINGLE_THREAD_EXECUTOR)
+        try:
+            return Batch.concat([self._episodes([p], None if seeds is None else [seeds[i]], params, [tasks[i]], lanes)
                                  for i, p in enumerate(prompts)])
-        return self._episodes(prompts, seeds, params, tasks)
+        finally:
+            lanes.close()
 
     def _episodes(self, prompts: list[list[int]], seeds: list[int] | None, params: SamplingParams,
-                  tasks: list[dict]) -> Batch:
+                  tasks: list[dict], lanes: "_Lanes") -> Batch:
         s, n = self.settings, len(prompts)
         envs: list[Environment | None] = [None] * n
         tokens, trained, log_probs = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
         turns, counts, rewards = [0] * n, [Counter() for _ in range(n)], [0.0] * n
         messages: list[list[dict]] = [[] for _ in range(n)]  # with settings.keep_messages
-        lanes = _Lanes(max(1, min(s.env_workers, n)), s.env_timeout_s)
 
         def start(i: int) -> None:
             envs[i] = self.make_env()
@@ -373,7 +381,6 @@ class EpisodeRunner:
             gave_up(lanes.map(close, left), left, failing=False)
             stuck = sorted(left_to_lane)  # queued behind what holds their lane: closed if it ever returns
             lanes.map(close, stuck, after_stuck=True)
-            lanes.close()
         batch = self._batch(tokens, trained, log_probs, turns, counts, rewards)
         if s.keep_messages:
             batch.meta["episode_messages"] = messages

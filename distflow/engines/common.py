@@ -9,6 +9,7 @@ import functools
 import inspect
 import json
 import os
+import tempfile
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -148,10 +149,20 @@ def index_single_weights_file(folder: str | Path) -> None:
         names = sorted(f.keys())
     with open(weights, "rb") as f:  # the tensors' bytes: the file less its 8-byte length and its JSON header
         total = weights.stat().st_size - 8 - int.from_bytes(f.read(8), "little")
-    written = index.with_name(f"{index.name}.{os.getpid()}")  # whole or not at all, whoever writes it too
-    written.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": {k: WEIGHTS_FILE for k in names}},
-                                  indent=2))
-    os.replace(written, index)
+    text = json.dumps({"metadata": {"total_size": total}, "weight_map": {k: WEIGHTS_FILE for k in names}}, indent=2)
+    written = None
+    try:  # whole or not at all, whichever rank (of however many, on however many hosts) writes it too
+        fd, written = tempfile.mkstemp(prefix=f".{WEIGHTS_INDEX_FILE}.", dir=folder)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(written, index)
+    except OSError as e:
+        if written is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(written)
+        if not index.is_file():
+            raise OSError(f"{folder}: cannot write {WEIGHTS_INDEX_FILE}, which vLLM needs to load this folder's "
+                          f"weights alone and not its other .safetensors files ({e.strerror or e})") from None
 
 
 IMAGE_PROCESSOR_FILE = "preprocessor_config.json"  # what AutoImageProcessor reads from a model folder

@@ -40,7 +40,7 @@ class EvalSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int = 1
-    # the rollout's field that is the reward, as in training (recipes.rollout_reward_field)
+    # the rollout's field that is the reward, as in training (nodes.rollout_reward_field)
     reward_field: str | None = None
 
 

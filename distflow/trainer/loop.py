@@ -54,7 +54,7 @@ from distflow.runtime.process_group import DEVICE_ENV
 from distflow.trainer import checkpoint, nodes
 from distflow.trainer.evaluation import EvalSettings, evaluate, write_report
 from distflow.trainer.metrics import MeanAccumulator, MetricsWriter, StageTimer, progress_postfix
-from distflow.trainer.recipes import ROLLOUT_ROLES, build_graph, rollout_reward_field
+from distflow.trainer.recipes import ROLLOUT_ROLES, build_graph
 from distflow.trainer.report import write_plot
 from distflow.trainer.tracking import RUN_IDS, TENSORBOARD_DIR, Trackers
 
@@ -572,7 +572,7 @@ class Trainer:
         report = evaluate(self.rollout, self.tokenizer, [row for row, _ in self.val], [ids for _, ids in self.val],
                           self.ctx.reward_fn, self.ctx.accuracy_fn,
                           EvalSettings(max_new_tokens=self.cfg.rollout.max_new_tokens,
-                                       reward_field=rollout_reward_field(self.cfg)), episodes=self.ctx.episodes)
+                                       reward_field=nodes.rollout_reward_field(self.cfg)), episodes=self.ctx.episodes)
         return {f"val/{name}": value for name, value in report.items() if name.startswith("accuracy")
                 or name in ("reward", "failed_episodes")}
 
@@ -797,7 +797,7 @@ def run_eval_worker(cfg_dict: dict, report_path: str, k: int) -> dict | None:
         report = evaluate(engine, tokenizer, [row for row, _ in taken], [ids for _, ids in taken], reward_fn,
                           accuracy_fn, EvalSettings(max_new_tokens=r.max_new_tokens, k=k, temperature=r.temperature,
                                                     top_p=r.top_p, seed=cfg.trainer.seed,
-                                                    reward_field=rollout_reward_field(cfg)), by_source=True,
+                                                    reward_field=nodes.rollout_reward_field(cfg)), by_source=True,
                           episodes=episodes)
     if rank != 0:
         return None

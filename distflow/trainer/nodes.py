@@ -240,7 +240,7 @@ def score_responses(tokenizer, batch: Batch, reward_fn: RewardRunner | RewardMod
 
 
 def reward_extra_info(batch: Batch) -> list:
-    """Each row's extra_info as a reward function sees it: a copy with what verl's reward
+    """Each row's extra_info as a reward function sees it: a deep copy with what verl's reward
     managers add, `num_turns` (as verl counts them: the prompt, each assistant turn and each
     observation between them; 2 for one turn) and `rollout_reward_scores` (what the rollout
     scored: {"env": the environment's rewards} or {"agent": what rollout.agent returned});
@@ -253,15 +253,22 @@ def reward_extra_info(batch: Batch) -> list:
         observations = (starts == 1).sum(dim=1).tolist()
     given = next(((name, batch[f"{name}_scores"].tolist()) for name in ("env", "agent") if f"{name}_scores" in batch),
                  None)
-    return [{**extra, "num_turns": 1 + int(a) + int(o),
+    return [{**copy.deepcopy(extra), "num_turns": 1 + int(a) + int(o),
              "rollout_reward_scores": {} if given is None else {given[0]: given[1][i]}} if isinstance(extra, dict)
             else extra for i, (extra, a, o) in enumerate(zip(batch["extra_info"], assistant, observations))]
 
 
+def rollout_reward_field(cfg: Config) -> str | None:
+    """The rollout's field that is the reward, where the run takes it from the rollout:
+    what rollout.agent's `run` returned, or with reward.from_env the sum of the
+    environment's rewards (the reward node, and held-out evaluation, read it)."""
+    return "agent_scores" if cfg.rollout.agent is not None else "env_scores" if cfg.reward.from_env else None
+
+
 def reward(ctx: WorkerContext, batch: Batch) -> Batch:
     scores, correct, status = score_responses(ctx.tokenizer, batch, ctx.reward_fn, ctx.accuracy_fn)
-    given = ctx.params.get("scores_from")  # rollout.agent's return value / reward.from_env's sum of the
-    if given is not None:                   # environment's rewards is the reward; accuracy as always
+    given = rollout_reward_field(ctx.cfg)  # rollout.agent's return value / reward.from_env's sum of the
+    if given is not None:                  # environment's rewards is the reward; accuracy as always
         scores, status = batch[given], torch.zeros_like(status)
     if ctx.counts_rows:  # every sample scored, a refill round's and those a filter drops later too
         ctx.acc.add_total("reward/scored", float(len(status)))

@@ -126,8 +126,8 @@ def recipe_graph(cfg: Config) -> Graph:
     built = [
         _node("rollout", "rollout", rollout_in, rollout_out, stream=True),
         _node("reward", "reward", ("responses", "response_mask", *dict.fromkeys(
-            reward_inputs + tuple(filter(None, [rollout_reward_field(cfg)])))),
-              ("scores", "accuracy", "reward_status"), params={"scores_from": rollout_reward_field(cfg)}),
+            reward_inputs + tuple(filter(None, [nodes.rollout_reward_field(cfg)])))),
+              ("scores", "accuracy", "reward_status")),
     ]
     reward_field = "scores"
     gate: tuple[str, ...] = ()  # after a filter, everything sees only the kept groups
@@ -179,13 +179,6 @@ def recipe_graph(cfg: Config) -> Graph:
         built.append(_node("critic_update", "critic_train", [*scoring, "values", "returns", "mini_batch"], ()))
     built.append(_node("actor_update", "actor_train", train_inputs, (), params={"policy_loss": a.policy_loss}))
     return Graph(built, SOURCES + images)
-
-
-def rollout_reward_field(cfg: Config) -> str | None:
-    """The rollout's field that is the reward, where the run takes it from the rollout:
-    what rollout.agent's `run` returned, or with reward.from_env the sum of the
-    environment's rewards (the reward node, and held-out evaluation, read it)."""
-    return "agent_scores" if cfg.rollout.agent is not None else "env_scores" if cfg.reward.from_env else None
 
 
 def build_graph(cfg: Config) -> Graph:

@@ -68,11 +68,10 @@ def _png_claiming(width: int, height: int) -> bytes:
 
 @pytest.mark.parametrize("entry, fragment", [
     (b"\x89PNG not really", "image (15 bytes) cannot be decoded"),
-    # over Pillow's decompression-bomb limit, which raised before the size was compared
-    ({"bytes": _png_claiming(20000, 20000)}, "is over data.max_image_pixels=1000 (over Pillow's decompression-bomb"),
+    # over Pillow's decompression-bomb limit (it said "cannot be encoded")
+    ({"bytes": _png_claiming(20000, 20000)}, "is over Pillow's decompression-bomb limit"),
     ({"path": "/nonexistent/cat.png"}, "image file /nonexistent/cat.png does not exist"),
     (7, "an image must be bytes, a path"),
-    ({"bytes": _png(40, 30)}, "image of 40x30 pixels is over data.max_image_pixels=1000"),
     ("data:image/png,abc", "image data:image/png,abc...: a data URI must be base64"),
     ("data:image/png;base64,@@", "its base64 data cannot be decoded"),
     ({"image": "https://example.com/a.png"}, "a URL is not fetched (nothing is downloaded)"),
@@ -80,6 +79,24 @@ def _png_claiming(width: int, height: int) -> bytes:
 def test_bad_images_are_one_line_errors(entry, fragment):
     with pytest.raises(DatasetError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         decode_image(entry, max_pixels=1000)
+
+
+def test_an_image_of_more_than_max_pixels_is_scaled_down_to_them_as_qwen_vl_utils_does():
+    """It was a bad row: a 12 MP photo stopped the run that verl and TRL train on (the
+    processor's max_pixels is what it scales down to, not what it refuses)."""
+    import io
+
+    assert decode_image({"bytes": _png(40, 30)}, max_pixels=1000).size == (36, 27)  # 972 pixels, 4:3 kept
+    out = io.BytesIO()
+    Image.new("RGB", (400, 300), "red").save(out, format="JPEG")
+    scaled = decode_image(out.getvalue(), max_pixels=1200)
+    assert scaled.size == (40, 30) and scaled.mode == "RGB" and scaled.getpixel((20, 15))[0] > 200
+    turned = Image.new("RGB", (400, 300), "red")  # a phone's photo, upright a quarter turn away
+    exif = turned.getexif()
+    exif[0x0112] = 6
+    out = io.BytesIO()
+    turned.save(out, format="JPEG", exif=exif.tobytes())
+    assert decode_image(out.getvalue(), max_pixels=1200).size == (30, 40)
 
 
 def test_images_decode_from_bytes_paths_and_verl_dicts(tmp_path):

@@ -87,8 +87,12 @@ class OneSession(Steps):
 
     SUPPORTS_CONCURRENT_SESSIONS = False
     live = {"now": 0, "most": 0}  # sessions alive at once, now and at most
+    threads = set()  # the threads its sessions ran on
 
     def reset(self, seed=None, episode_id=None, **kwargs) -> GuessObservation:
+        import threading
+
+        self.threads.add(threading.get_ident())
         self.live["now"] += 1
         self.live["most"] = max(self.live["most"], self.live["now"])
         return GuessObservation()
@@ -158,9 +162,10 @@ def test_episodes_run_at_once_only_where_the_class_says_its_sessions_may(game, t
     engine = ScriptedEngine(tok, {p[0]: ["1", "2"] for p in prompts})
     cfg = load_config(None, [f"rollout.env=openenv:{path}:OneSession", "rollout.max_turns=2", "reward.from_env=true"])
     runner = make_episode_runner(cfg, engine, tok)
-    live = type(runner.make_env().env).live  # the class as the run loaded it
+    loaded = type(runner.make_env().env)  # the class as the run loaded it
     out = runner.generate(prompts, [1, 2, 3, 4], SamplingParams(max_new_tokens=8), [{}] * 4)
-    assert live == {"now": 0, "most": 1} and out["env_scores"].tolist() == [1.0] * 4
+    assert loaded.live == {"now": 0, "most": 1} and out["env_scores"].tolist() == [1.0] * 4
+    assert len(loaded.threads) == 1  # one thread for all of them, as OpenEnv runs a single-thread class
     assert [len(call) for call in engine.calls] == [1] * 8
 
 
