@@ -10,6 +10,7 @@ counted skip, or truncation).
 from __future__ import annotations
 
 import bisect
+import datetime
 import decimal
 import json
 import math
@@ -82,6 +83,9 @@ def _row(raw: Any, index: int, where: str, folder: str | None = None) -> PromptR
         raise DatasetError(f"{where}: 'reward_model.ground_truth' must be a string, a number, or a list or mapping "
                            f"of JSON values, not {type(truth).__name__}")
     extra = raw.get("extra_info")
+    if raw.get("videos") is not None and len(raw["videos"]):  # verl's video column: none is read here
+        raise DatasetError(f"{where}: 'videos' holds videos, which DistFlow does not read (images only): the row "
+                           "would train on its text alone; drop the rows or the column")
     images = raw.get("images")
     if images is not None and not isinstance(images, (list, tuple)):
         raise DatasetError(f"{where}: 'images' must be a list of images, not {type(images).__name__}")
@@ -110,10 +114,20 @@ def _json_values(value: Any, where: str, key: str = "extra_info") -> Any:
     keys as strings): rows that move between workers travel as JSON, so every row, moved
     or kept, reaches the reward function alike. A value JSON cannot hold is a bad row."""
     try:
-        return json.loads(json.dumps(value))
+        return json.loads(json.dumps(value, default=_as_json))
     except (TypeError, ValueError) as e:
         raise DatasetError(f"{where}: '{key}' must hold JSON values (strings, numbers, booleans, lists, "
                            f"mappings): {e}") from None
+
+
+def _as_json(value: Any) -> Any:
+    """What parquet holds beyond JSON, as JSON: dates and times as ISO text, decimals as
+    their text (exact); anything else stays refused."""
+    if isinstance(value, (datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 def parse_builtin(spec: str) -> tuple[str, str, int]:
@@ -157,7 +171,7 @@ class _ParquetSource:
     and of those only the columns a row is made of; the last group read is kept as Arrow
     columns, and only the rows asked for become Python objects."""
 
-    COLUMNS = ("prompt", "reward_model", "data_source", "extra_info", "images")
+    COLUMNS = ("prompt", "reward_model", "data_source", "extra_info", "images", "videos")
 
     def __init__(self, path: str):
         import pyarrow.parquet as pq

@@ -286,10 +286,28 @@ def test_a_dataset_of_only_bad_rows_stops_with_a_clear_error_under_skip(tmp_path
         PromptReader(ShardedDataset(str(path)), max_len=8, on_bad_row="skip").take([0], _words)
 
 
+def test_a_row_with_videos_is_a_bad_row_not_one_trained_on_its_text_alone(tmp_path):
+    """verl's `videos` column: DistFlow reads images only; a video row trained on its
+    text with a literal <video> in it, and nothing said so."""
+    path = tmp_path / "videos.parquet"
+    pq.write_table(pa.Table.from_pylist([_verl_row(0, videos=[{"video": "/data/clip.mp4", "fps": 2}]),
+                                         _verl_row(1, videos=[])]), path)
+    with pytest.raises(DatasetError, match=r"videos.parquet: row 0: 'videos' holds videos, which DistFlow does not "
+                                           r"read \(images only\)"):
+        load_rows(str(path))
+    from distflow.data.dataset import PromptReader, ShardedDataset
+
+    rows, counts = PromptReader(ShardedDataset(str(path)), max_len=64, on_bad_row="skip").take([0, 1], _words,
+                                                                                               replace=False)
+    assert [row.index for row, _ in rows] == [1] and counts["skipped_rows"] == 1  # an empty list is no video
+
+
 def test_extra_info_reaches_every_worker_as_json_gives_it_back_and_other_values_are_bad_rows(tmp_path):
     """Rows that move between workers travel as JSON: a kept row must not differ from a
-    moved one (tuples become lists, keys strings), and what JSON cannot hold is a bad row."""
+    moved one (tuples become lists, keys strings), dates and decimals become their text (a
+    date in a parquet extra_info made every row bad), and what JSON cannot hold is a bad row."""
     import datetime
+    import decimal
 
     mapped = tmp_path / "map.parquet"
     pairs = pa.array([[(1, "a"), (2, "b")]], type=pa.map_(pa.int64(), pa.string()))
@@ -298,9 +316,13 @@ def test_extra_info_reaches_every_worker_as_json_gives_it_back_and_other_values_
     (row,) = load_rows(str(mapped))
     assert row.extra_info == {"labels": [[1, "a"], [2, "b"]]}
     dated = tmp_path / "dated.parquet"
-    pq.write_table(pa.Table.from_pylist([_verl_row(0, extra_info={"when": datetime.date(2026, 12, 6)})]), dated)
-    with pytest.raises(DatasetError, match=r"dated.parquet: row 0: 'extra_info' must hold JSON values .*date"):
-        load_rows(str(dated))
+    pq.write_table(pa.Table.from_pylist([_verl_row(0, extra_info={"when": datetime.date(2026, 12, 6),
+                                                                   "price": decimal.Decimal("1.10")})]), dated)
+    assert load_rows(str(dated))[0].extra_info == {"when": "2026-12-06", "price": "1.10"}
+    binary = tmp_path / "binary.parquet"
+    pq.write_table(pa.Table.from_pylist([_verl_row(0, extra_info={"blob": b"\x00\x01"})]), binary)
+    with pytest.raises(DatasetError, match=r"binary.parquet: row 0: 'extra_info' must hold JSON values .*bytes"):
+        load_rows(str(binary))
     # an extra_info that is not a mapping reaches the reward function as it is, as verl passes it (it was {})
     texts = tmp_path / "texts.jsonl"
     texts.write_text("\n".join(json.dumps(_verl_row(i, extra_info=v)) for i, v in
