@@ -36,8 +36,9 @@ _MAX_RAY_TEMP_LEN = 40
 # workers run (rank 0 logs to W&B or MLflow from its node; their keys travel in the job's
 # runtime_env, which Ray's dashboard shows). Networking (NCCL_*, GLOO_*) and what names a
 # host (DISTFLOW_HOST_ID) are each node's own, as `ray start` set them there.
-FORWARDED_ENV_PREFIXES = ("HF_", "TRANSFORMERS_", "TORCH_", "VLLM_", "WANDB_", "MLFLOW_")
-FORWARDED_ENV_NAMES = ("DISTFLOW_SANDBOX", "CUDA_LAUNCH_BLOCKING")
+FORWARDED_ENV_PREFIXES = ("HF_", "TRANSFORMERS_", "TORCH_", "TORCHINDUCTOR_", "TRITON_", "PYTORCH_", "VLLM_",
+                          "WANDB_", "MLFLOW_")
+FORWARDED_ENV_NAMES = ("DISTFLOW_SANDBOX", "CUDA_LAUNCH_BLOCKING", "CUDA_DEVICE_MAX_CONNECTIONS")
 
 
 def forwarded_env(environ: dict[str, str]) -> dict[str, str]:

@@ -94,6 +94,12 @@ def test_cluster_workers_get_the_launchers_library_settings_not_its_host_identit
 
     launcher = {"PYTHONPATH": "/home/me/rewards", "HF_HOME": "/shared/hf", "WANDB_MODE": "offline",
                 "DISTFLOW_SANDBOX": "own-uid", "DISTFLOW_HOST_ID": "login-node", "DISTFLOW_NETNS": "loopback",
-                "GLOO_SOCKET_IFNAME": "eth9", "NCCL_IB_HCA": "mlx5_0", "HOME": "/home/me"}
+                "GLOO_SOCKET_IFNAME": "eth9", "NCCL_IB_HCA": "mlx5_0", "HOME": "/home/me",
+                # what a local run's memory and compilers use (a setting that avoided OOM locally applies there too)
+                "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "TORCHINDUCTOR_CACHE_DIR": "/shared/ind",
+                "TRITON_CACHE_DIR": "/shared/triton", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     assert forwarded_env(launcher) == {"PYTHONPATH": "/home/me/rewards:${PYTHONPATH}",  # before the node's own
-                                       "HF_HOME": "/shared/hf", "WANDB_MODE": "offline", "DISTFLOW_SANDBOX": "own-uid"}
+                                       "HF_HOME": "/shared/hf", "WANDB_MODE": "offline", "DISTFLOW_SANDBOX": "own-uid",
+                                       "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                                       "TORCHINDUCTOR_CACHE_DIR": "/shared/ind", "TRITON_CACHE_DIR": "/shared/triton",
+                                       "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
