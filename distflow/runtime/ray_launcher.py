@@ -149,9 +149,13 @@ def gpu_index(assigned, visible: str | None) -> int:
 def check_ray_address(address: str, timeout_s: float = 10.0) -> str:
     """The local address this machine reaches the Ray head `host:port` from; a one-line
     ValueError when nothing answers there within `timeout_s`."""
+    if "://" in address:  # a Ray client's ray:// or the dashboard's (jobs API) http:// address, as RAY_ADDRESS may be
+        raise ValueError(f"runtime.ray_address={address!r}: a {address.split('://')[0]}:// address; give the cluster's "
+                         "GCS address, host:port (what `ray start --head` prints, port 6379 by default)")
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"runtime.ray_address={address!r}: expected host:port, e.g. 198.18.0.1:6379")
+    host = host.removeprefix("[").removesuffix("]")  # an IPv6 address, [::1]:6379
     try:
         with socket.create_connection((host, int(port)), timeout=timeout_s) as s:
             return s.getsockname()[0]

@@ -103,3 +103,20 @@ def test_cluster_workers_get_the_launchers_library_settings_not_its_host_identit
                                        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
                                        "TORCHINDUCTOR_CACHE_DIR": "/shared/ind", "TRITON_CACHE_DIR": "/shared/triton",
                                        "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+def test_a_ray_address_that_is_not_the_clusters_gcs_says_so():
+    """RAY_ADDRESS often holds the Ray client's ray:// or the jobs API's http:// address: each
+    was 'nothing answers there'; an IPv6 address in brackets is reached."""
+    import socket
+
+    from distflow.runtime.ray_launcher import check_ray_address
+
+    for address, scheme in (("ray://head:10001", "ray"), ("http://head:8265", "http")):
+        with pytest.raises(ValueError, match=rf"^runtime.ray_address='{scheme}://head:\d+': a {scheme}:// address; "
+                                             r"give the cluster's GCS address, host:port"):
+            check_ray_address(address)
+    with socket.socket(socket.AF_INET6) as server:
+        server.bind(("::1", 0))
+        server.listen()
+        assert check_ray_address(f"[::1]:{server.getsockname()[1]}", timeout_s=5) == "::1"
