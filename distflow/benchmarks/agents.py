@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from distflow.benchmarks.records import command_line, save_results
+from distflow.benchmarks.records import command_line, publish
 from distflow.data.batch import Batch
 from distflow.engines.common import render_prompt
 from distflow.engines.openai_endpoint import AgentRunner, AgentSettings
@@ -113,9 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", f"{os.cpu_count()} cores; every engine call takes {args.engine_seconds:g} s whatever its size, "
                   "so what is above the least is the endpoint's and the clients' own time and the turns "
                   "split over more calls."]
-    page = "\n".join(lines) + "\n"
-    print(page, end="")
-    save_results(args, records, page)
+    publish(args, records, lines)
     return 0
 
 

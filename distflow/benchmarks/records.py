@@ -18,6 +18,13 @@ def command_line(program: str, argv: Sequence[str] | None) -> str:
     return f"{program} {shlex.join(args)}".rstrip()
 
 
+def publish(args: argparse.Namespace, records: Sequence[dict], lines: Sequence[str]) -> None:
+    """The results page of `lines` printed, and saved with `records` (`save_results`)."""
+    page = "\n".join(lines) + "\n"
+    print(page, end="")
+    save_results(args, records, page)
+
+
 def save_results(args: argparse.Namespace, records: Sequence[dict], page: str) -> None:
     """`records`, one JSON object a line, into `args.json`, and `page` into
     `args.results_md`, each where given; either replaces what the file held."""

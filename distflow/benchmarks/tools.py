@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from distflow.benchmarks.records import command_line, save_results
+from distflow.benchmarks.records import command_line, publish
 from distflow.data.batch import Batch
 from distflow.engines.agent import EpisodeRunner, EpisodeSettings, ToolEnvironment
 from distflow.engines.rollout import SamplingParams, response_mask_from
@@ -97,9 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {r['env_workers']} | {r['episodes']} | {r['tool_calls']:.0f} | {r['median_seconds']:.3f} | "
                      f"{r['tool_calls'] / r['median_seconds']:.1f} | {r['x_first']:.2f}x |")
     lines += ["", f"{os.cpu_count()} cores; the engine's turns are fixed answers, so the time is the environments'."]
-    page = "\n".join(lines) + "\n"
-    print(page, end="")
-    save_results(args, records, page)
+    publish(args, records, lines)
     return 0
 
 
