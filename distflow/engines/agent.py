@@ -258,14 +258,12 @@ class EpisodeRunner:
         call at a time; each is closed when its episode ends (with one_episode_at_a_time,
         before the next episode's is made)."""
         s = self.settings
-        if not s.one_episode_at_a_time:
-            lanes = _Lanes(max(1, min(s.env_workers, len(prompts))), s.env_timeout_s)
-            try:
-                return self._episodes(prompts, seeds, params, tasks, lanes)
-            finally:
-                lanes.close()
-        lanes = _Lanes(1, s.env_timeout_s)  # one thread for all of them (OpenEnv's REQUIRES_SINGLE_THREAD_EXECUTOR)
+        one_at_a_time = s.one_episode_at_a_time and len(prompts) > 1
+        # one at a time: one thread for all of them (OpenEnv runs a REQUIRES_SINGLE_THREAD_EXECUTOR class on one)
+        lanes = _Lanes(1 if one_at_a_time else max(1, min(s.env_workers, len(prompts))), s.env_timeout_s)
         try:
+            if not one_at_a_time:
+                return self._episodes(prompts, seeds, params, tasks, lanes)
             return Batch.concat([self._episodes([p], None if seeds is None else [seeds[i]], params, [tasks[i]], lanes)
                                  for i, p in enumerate(prompts)])
         finally:
