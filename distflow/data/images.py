@@ -52,7 +52,8 @@ def decode_image(entry: Any, max_pixels: int | None):
     if isinstance(entry, str) and entry.startswith("data:"):  # data:image/png;base64,...
         entry = _data_uri_bytes(entry)
     elif isinstance(entry, str) and entry.startswith("file://"):
-        entry = urllib.parse.unquote(urllib.parse.urlparse(entry).path)
+        url = urllib.parse.urlparse(entry)  # file://imgs/a.png: a relative path, as qwen-vl-utils reads it
+        entry = urllib.parse.unquote(url.path if url.netloc in ("", "localhost") else url.netloc + url.path)
     elif isinstance(entry, str) and entry.startswith(("http://", "https://")):
         raise DatasetError(f"image {entry[:80]}: a URL is not fetched (nothing is downloaded); store the image's "
                            "bytes or a local path")

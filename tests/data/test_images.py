@@ -107,15 +107,20 @@ def test_images_decode_from_bytes_paths_and_verl_dicts(tmp_path):
         assert image.size == (8, 6) and image.mode == "RGB"
 
 
-def test_images_decode_from_qwen_vl_utils_entries_data_uris_and_file_urls(tmp_path):
+def test_images_decode_from_qwen_vl_utils_entries_data_uris_and_file_urls(tmp_path, monkeypatch):
     """qwen-vl-utils' and verl's `{"image": ...}` holds a data: URI or a file:// URL; each
-    was read as a path that does not exist."""
+    was read as a path that does not exist (a relative file://imgs/a.png as /a.png)."""
     path = tmp_path / "a b.png"
     path.write_bytes(_png(8, 6))
     uri = "data:image/png;base64," + base64.b64encode(_png(8, 6)).decode()
     wrapped = "data:image/png;base64," + base64.encodebytes(_png(8, 6)).decode()  # MIME's 76-column lines
-    for entry in (uri, wrapped, {"image": uri}, f"file://{tmp_path}/a%20b.png", {"image": f"file://{path}"}):
+    for entry in (uri, wrapped, {"image": uri}, f"file://{tmp_path}/a%20b.png", {"image": f"file://{path}"},
+                  f"file://localhost{tmp_path}/a%20b.png"):
         assert decode_image(entry, max_pixels=None).size == (8, 6)
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "c.png").write_bytes(_png(4, 2))
+    monkeypatch.chdir(tmp_path)
+    assert decode_image({"image": "file://imgs/c.png"}, max_pixels=None).size == (4, 2)
 
 
 def test_transparency_is_on_white_and_exif_orientation_is_applied():
