@@ -118,16 +118,15 @@ def recipe_graph(cfg: Config) -> Graph:
     reward_inputs = (("ground_truth", "data_source", "extra_info")
                      + (("prompt_messages",) if cfg.reward.model_path else ()) + episode_messages
                      # an episode's text holds its observations, and its extra_info verl's num_turns and the
-                     # rollout's own scores (nodes.reward_extra_info)
+                     # rollout's own scores (nodes.reward_extra_info), which with reward.from_env or an agent are
+                     # the reward (nodes.rollout_reward_field)
                      + (("observation_mask", "num_turns", "agent_scores" if agent else "env_scores")
                         if episodes else ()))
     rollout_in = ("prompts", "prompt_mask", "uid", "draw", "sample_k", *images)
     rollout_in += ("ground_truth", "data_source", "extra_info", "prompt_messages") if episodes else ()
     built = [
         _node("rollout", "rollout", rollout_in, rollout_out, stream=True),
-        _node("reward", "reward", ("responses", "response_mask", *dict.fromkeys(
-            reward_inputs + tuple(filter(None, [nodes.rollout_reward_field(cfg)])))),
-              ("scores", "accuracy", "reward_status")),
+        _node("reward", "reward", ("responses", "response_mask", *reward_inputs), ("scores", "accuracy", "reward_status")),
     ]
     reward_field = "scores"
     gate: tuple[str, ...] = ()  # after a filter, everything sees only the kept groups
