@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from distflow.config import BUILTIN_MODEL, Config, ConfigError, load_config, relocated_file_spec, tool_names
+from distflow.config import BUILTIN_MODEL, Config, ConfigError, load_config, relocated_file_spec, tool_names, validate
 from distflow.data.dataset import BUILTIN_TASKS, write_builtin_parquet
 from distflow.runtime import netns
 
@@ -365,9 +365,26 @@ def _config_argv(args: argparse.Namespace) -> list[str]:
     return [*(["--config", args.config] if args.config else []), *args.overrides]
 
 
+def in_ray_job(cfg: Config, training: bool = True) -> Config:
+    """Under `ray job submit` the run joins the job's cluster, as verl's `ray.init()` does: Ray
+    gives the entrypoint that cluster's GCS address as $RAY_ADDRESS, and its job config, where
+    `runtime.ray_address` is not set. Elsewhere an exported $RAY_ADDRESS is left alone (a
+    private Ray starts; verl users often have one set for other tools)."""
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    if cfg.runtime.ray_address is not None or cfg.runtime.launcher != "ray" or not address:
+        return cfg
+    from distflow.runtime.ray_launcher import RAY_JOB_CONFIG_ENV
+
+    if RAY_JOB_CONFIG_ENV not in os.environ:
+        return cfg
+    cfg.runtime.ray_address = address
+    print(f"distflow: a Ray job: joining its cluster at {address} (runtime.ray_address)", file=sys.stderr)
+    return validate(cfg, training)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = in_ray_job(load_config(args.config, args.overrides))
         check_inputs(cfg)
     except ValueError as e:  # ConfigError
         return _fail(str(e))
@@ -482,7 +499,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     try:
         if args.k < 0:
             raise ConfigError(f"--k={args.k}: must be >= 0 (0 = greedy only)")
-        cfg = load_config(args.config, args.overrides, training=False)
+        cfg = in_ray_job(load_config(args.config, args.overrides, training=False), training=False)
         check_inputs(cfg, training=False)
         _check_cluster(cfg)
     except ValueError as e:

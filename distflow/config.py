@@ -350,7 +350,8 @@ class RuntimeConfig:
                                                    "checkpoint included; at the end the rollout side waits "
                                                    "max_staleness + 2 times it for the trainers' last steps)")
     ray_address: str | None = _spec(None, doc="host:port of a running Ray cluster to join (opt-in); "
-                                              "default: a private Ray on this machine")
+                                              "default: a private Ray on this machine, or, for a `ray job "
+                                              "submit` entrypoint, the job's cluster ($RAY_ADDRESS)")
     network: str = _spec("auto", choices=("auto", "loopback", "host"),
                          doc="loopback: run in a network namespace whose only interface is the loopback, "
                              "so no port of Ray or torch.distributed is reachable from outside; "

@@ -39,6 +39,9 @@ _MAX_RAY_TEMP_LEN = 40
 FORWARDED_ENV_PREFIXES = ("HF_", "TRANSFORMERS_", "TORCH_", "TORCHINDUCTOR_", "TRITON_", "PYTORCH_", "VLLM_",
                           "WANDB_", "MLFLOW_")
 FORWARDED_ENV_NAMES = ("DISTFLOW_SANDBOX", "CUDA_LAUNCH_BLOCKING", "CUDA_DEVICE_MAX_CONNECTIONS")
+# Set by Ray's job supervisor for a `ray job submit` entrypoint (ray._private.runtime_env.constants):
+# the job's runtime_env, which Ray merges with the one `ray.init` is given
+RAY_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
 
 def forwarded_env(environ: dict[str, str]) -> dict[str, str]:
@@ -206,6 +209,8 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
     # the launcher's `forwarded_env`, through Ray's runtime_env.
     worker_env = WORKER_ENV | env
     set_here = worker_env if ray_address is None else env
+    if RAY_JOB_CONFIG_ENV in os.environ:  # the job's env_vars reach the workers too: where both name one, ours
+        set_here = set_here | {"RAY_OVERRIDE_JOB_RUNTIME_ENV": "1"}  # (Ray refuses the launch otherwise)
     before = {k: os.environ.get(k) for k in set_here}
     os.environ.update(set_here)
     try:

@@ -100,18 +100,25 @@ def score(data_source, solution_str, ground_truth, extra_info=None):
 @needs_root
 @pytest.mark.slow
 def test_a_run_on_a_ray_cluster_across_hosts_places_one_worker_per_host(tmp_path):
+    """The first run is a Ray job's entrypoint, the others name the cluster."""
     spec = ClusterSpec(hosts=3, rate_mbit=400, name="dfe")
     (tmp_path / "probe.py").write_text(PROBE)  # a module on the launcher's PYTHONPATH, not the nodes'
     out = tmp_path / "run"
+    # as `ray job submit` starts an entrypoint: $RAY_ADDRESS the cluster's GCS address, the job's config, whose
+    # env_vars the workers get too (WANDB_MODE: the launcher forwards it as well, which Ray refuses unless told)
+    job = {"RAY_ADDRESS": spec.ray_address,
+           "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps({"runtime_env": {"env_vars": {"WANDB_MODE": "offline"}},
+                                                      "metadata": {}})}
     with EmulatedCluster(spec) as c:
-        proc = c.run(0, [sys.executable, "-m", "distflow.cli", "train", f"runtime.ray_address={spec.ray_address}",
+        proc = c.run(0, [sys.executable, "-m", "distflow.cli", "train",
                          "runtime.num_workers=2", "trainer.total_steps=1", "data.train_batch_size=4",
                          "actor.ppo_mini_batch_size=4", "algorithm.group_size=4", "data.val_max_samples=4",
                          "rollout.max_new_tokens=16", "trainer.progress=false", "trainer.save_final=false",
                          "reward.custom_fn=probe:score", f"trainer.output_dir={out}"],
-                     env={"PYTHONPATH": str(tmp_path), "WANDB_MODE": "offline"},
+                     env={"PYTHONPATH": str(tmp_path), "WANDB_MODE": "offline"} | job,
                      capture_output=True, text=True, timeout=400, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-4000:]
+        assert f"a Ray job: joining its cluster at {spec.ray_address}" in proc.stderr
         # the data-plane benchmark on the same cluster: the driver's link carries the batch, the coordinator's don't
         from distflow.benchmarks.dataplane import Spec
         from distflow.benchmarks.dataplane_cluster import measure
@@ -152,3 +159,20 @@ def test_a_run_on_a_ray_cluster_across_hosts_places_one_worker_per_host(tmp_path
     assert central["driver_link_bytes"] > 2 * central["batch_bytes"]  # in and out through host 0
     assert coordinator["driver_link_bytes"] < central["driver_link_bytes"] / 4
     assert too_many.returncode == 2 and "runtime.num_workers=4: the Ray cluster at" in too_many.stderr
+
+
+def test_a_ray_jobs_entrypoint_joins_its_cluster_and_an_exported_address_alone_does_not(monkeypatch, capsys):
+    from distflow.cli import in_ray_job
+    from distflow.config import ConfigError, load_config
+
+    monkeypatch.setenv("RAY_ADDRESS", "198.18.0.1:6379")
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    assert in_ray_job(load_config()).runtime.ray_address is None  # exported for other tools: a private Ray
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")
+    assert in_ray_job(load_config()).runtime.ray_address == "198.18.0.1:6379"
+    assert "a Ray job: joining its cluster at 198.18.0.1:6379" in capsys.readouterr().err
+    named = in_ray_job(load_config(overrides=["runtime.ray_address=198.18.0.9:6379"]))
+    assert named.runtime.ray_address == "198.18.0.9:6379"  # the user's own choice stands
+    assert in_ray_job(load_config(overrides=["runtime.launcher=torchrun"])).runtime.ray_address is None
+    with pytest.raises(ConfigError, match="cannot be loopback-only"):
+        in_ray_job(load_config(overrides=["runtime.network=loopback"]))
