@@ -16,8 +16,9 @@ import shutil
 import signal
 import socket
 import sys
-import threading
 import tempfile
+import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -79,6 +80,23 @@ def _record(signum: int, _frame) -> None:
 def _stop_if_signalled() -> None:
     if _signals_received:
         raise Stopped(_signals_received[-1])
+
+
+def _get_or_stop(ref, timeout_s: float, poll_s: float = 0.5):
+    """ray.get(ref, timeout=timeout_s) that a signal stops within poll_s (`Stopped`)
+    instead of at the timeout; GetTimeoutError at the timeout, as ray.get."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _stop_if_signalled()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise GetTimeoutError(f"not ready within {timeout_s:.0f} s")
+        ready, _ = ray.wait([ref], timeout=min(poll_s, left))
+        if ready:
+            return ray.get(ref, timeout=60)
 
 
 class ClusterTooSmall(ValueError):
@@ -241,7 +259,7 @@ def launch_ray(entry: str, args: tuple, *, run_dir: Path, num_workers: int, devi
             group, strategies, workers_on_node = _packed_by_node(num_workers, use_gpu, ray_address)
         actors = [actor_cls.options(name=f"distflow-worker-{r}", **strategies[r]).remote() for r in range(num_workers)]
         master, port = ("127.0.0.1", free_port()) if ray_address is None else \
-            meter.received(ray.get(actors[0].rendezvous.remote(), timeout=120), "rendezvous")
+            meter.received(_get_or_stop(actors[0].rendezvous.remote(), 120), "rendezvous")
         if centralized is not None:
             from distflow.coordinator.layout import Layout
             from distflow.coordinator.placement import Placement
@@ -344,7 +362,7 @@ def _packed_by_node(num_workers: int, use_gpu: bool, ray_address: str, timeout_s
 
     group = placement_group([{"CPU": 1} | ({"GPU": 1} if use_gpu else {})] * num_workers, strategy="PACK")
     try:
-        ray.get(group.ready(), timeout=timeout_s)
+        _get_or_stop(group.ready(), timeout_s)  # a busy cluster is waited for; Ctrl-C stops the wait
         node_of = placement_group_table(group)["bundles_to_node_id"]
     except GetTimeoutError:
         ray.util.remove_placement_group(group)

@@ -120,3 +120,42 @@ def test_a_ray_address_that_is_not_the_clusters_gcs_says_so():
         server.bind(("::1", 0))
         server.listen()
         assert check_ray_address(f"[::1]:{server.getsockname()[1]}", timeout_s=5) == "::1"
+
+
+WAIT_FOR_ROOM = """
+import json, os, shutil, signal, sys, threading, time
+from pathlib import Path
+import ray
+from distflow.runtime.ray_launcher import Stopped, _packed_by_node, _record, ray_temp_dir
+
+temp, cleanup = ray_temp_dir(Path(sys.argv[1]))
+ray.init(address="local", num_cpus=1, include_dashboard=False, _temp_dir=temp, configure_logging=False)
+try:
+    signal.signal(signal.SIGINT, _record)  # as launch_ray sets it
+    threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C while the cluster is too busy
+    start = time.monotonic()
+    try:
+        _packed_by_node(2, use_gpu=False, ray_address="local", timeout_s=120)
+        stopped = None
+    except Stopped as e:
+        stopped = e.signum
+    groups = [g["state"] for g in ray.util.placement_group_table().values()]
+    print(json.dumps({"stopped": stopped, "seconds": time.monotonic() - start, "groups": groups}))
+finally:
+    ray.shutdown()
+    if cleanup:
+        shutil.rmtree(cleanup, ignore_errors=True)
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_waiting_for_room_on_a_cluster_stops_the_wait_and_frees_the_placement_group(tmp_path):
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", WAIT_FOR_ROOM, str(tmp_path)], capture_output=True, text=True,
+                          timeout=200, env=os.environ | {"RAY_USAGE_STATS_ENABLED": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["stopped"] == 2  # SIGINT, within a poll of it: it waited the whole 120 s before
+    assert out["seconds"] < 60
+    assert out["groups"] == ["REMOVED"]
