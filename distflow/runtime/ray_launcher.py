@@ -390,11 +390,13 @@ def _root_cause(rank: int, error: Exception, pending: dict, run_dir: Path, meter
                 grace_s: float = 5.0) -> str:
     """When one worker fails the others usually fail right after it (their collectives
     lose a peer). Collect what fails within a short grace period and report a worker
-    that *died* first, since a surviving worker's 'connection closed' is only an echo."""
+    that *died* first, since a surviving worker's 'connection closed' is only an echo.
+    Workers still running then are named with their stage: where a worker hangs, the
+    others fail at the collective timeout waiting for it, and the hung one is the cause."""
     import ray
 
     failures = {rank: meter.received(error, "worker error")}
-    done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=grace_s) if pending else ([], [])
+    done, running = ray.wait(list(pending), num_returns=len(pending), timeout=grace_s) if pending else ([], [])
     for ref in done:
         try:
             meter.received(ray.get(ref, timeout=10), "result")
@@ -404,6 +406,9 @@ def _root_cause(rank: int, error: Exception, pending: dict, run_dir: Path, meter
     first = died[0] if died else rank
     others = len(failures) - 1
     suffix = f"; {others} other worker(s) failed after it" if others else ""
+    if running:
+        suffix += "; still running: " + ", ".join(f"worker {r}{_where(run_dir, r, meter)}"
+                                                  for r in sorted(pending[ref] for ref in running))
     return _describe(first, failures[first], run_dir, meter) + suffix
 
 

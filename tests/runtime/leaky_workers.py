@@ -1,8 +1,9 @@
-"""Worker programs for the launcher-meter test: one that keeps its data to itself (and
-tells the environment it was started with), and one that leaks batch data to the
-launcher in each way the launcher can receive it."""
+"""Worker programs for the launcher's tests: one that keeps its data to itself (and
+tells the environment it was started with), one that leaks batch data to the launcher in
+each way the launcher can receive it, and one whose rank 1 hangs."""
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -36,3 +37,15 @@ def leaky(run_dir: str) -> dict:
     if dist.get_rank() == 0:
         return {"steps": 1, "responses": torch.zeros(4, 8, dtype=torch.long)}
     return {"steps": 1, "responses": [[1, 2, 3], [4, 5, 6]]}
+
+
+def one_hangs(run_dir: str) -> dict:
+    """Rank 1 hangs in a stage (its status file says which, as a trainer's does); rank 0
+    waits for it in a barrier until the collective timeout fails it."""
+    if dist.get_rank() == 1:
+        status = Path(run_dir) / "status"
+        status.mkdir(exist_ok=True)
+        (status / "rank-1.json").write_text(json.dumps({"rank": 1, "step": 3, "stage": "generate"}))
+        time.sleep(600)
+    dist.barrier()
+    return {"steps": 1}

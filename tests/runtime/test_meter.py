@@ -111,3 +111,18 @@ def test_a_resumed_run_replaces_the_earlier_runs_ray_temp_link(tmp_path):
     second, cleanup = ray_temp_dir(run_dir)
     assert (run_dir / "ray").resolve() == Path(second).resolve() and Path(second).is_dir()
     shutil.rmtree(cleanup)
+
+
+@pytest.mark.slow
+def test_a_hung_worker_is_named_when_the_others_time_out_waiting_for_it(tmp_path, monkeypatch):
+    """Rank 0 fails at the collective timeout in a barrier that rank 1, hung in its
+    'generate' stage, never reaches: the launcher's line names rank 1 and its stage too."""
+    from distflow.runtime.ray_launcher import WorkerFailed, launch_ray
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    with pytest.raises(WorkerFailed) as failed:
+        launch_ray("leaky_workers:one_hangs", (str(tmp_path),), run_dir=tmp_path, num_workers=2, device="cpu",
+                   collective_timeout_s=3, threads=1, poll_s=0.2)
+    line = str(failed.value)
+    assert line.startswith("worker 0 failed: ") and "\n" not in line, line
+    assert line.endswith("; still running: worker 1 in stage 'generate' of step 3"), line
