@@ -55,7 +55,10 @@ _NUMBER = re.compile(
     # Such a form is no answer at all rather than a guess at one part of it.
     rf"(?![.^/{_SEPS}]?\d| \d{{3}}(?!\d)|[eE][-+]?\d|[_:]\d|[\u00b2\u00b3\u00b9\u2070-\u2079]|\s?[\u00d7x]\s?\d"
     rf"| \d+/\d|{_SIGN}\d)")
+# a numbered markdown heading: "#### 2. Add the pears", "#### 3) Count"
+_NUMBERED_HEADING = re.compile(r"####[ \t]*\d+[.)][ \t]+\S")
 _MARKUP = re.compile(r"[\s*`_]*")  # before the number: spaces, **bold**, `code`, _italics_
+_NUMBER_START = re.compile(rf"{_SIGN}?\\?[$€£]|{_SIGN}?\.?\d")  # what a number (or a try at one) starts with
 # A candidate number anywhere in a text (flexible mode): not glued to a word ('H2O',
 # 'x-5' is a difference, not -5), nor the second part of a time, a range or a mixed number
 # ('1:30', '10-20', '3 1/2': the whole is refused where it starts, with no part to fall back
@@ -116,10 +119,25 @@ def number_value(number: str | None) -> Fraction | None:
         return None
 
 
+def answer_slot(text: str) -> int:
+    """Where the last `####` that gives an answer starts: one with a number, or what
+    starts like one, right after it (`#### 72`, `#### -3`, `#### **$5**`, and `#### 7,2`,
+    which then reads as no answer). A later `####` without one is no answer slot: a
+    closing `####`, a heading (`#### Final Answer`, a numbered `#### 2. Add`), as verl's
+    strict mode skips it. -1 where no `####` gives one."""
+    at = len(text)
+    while (at := text.rfind("####", 0, at)) >= 0:
+        after = _MARKUP.match(text, at + 4).end()
+        if _NUMBER_START.match(text, after) and not _NUMBERED_HEADING.match(text, at):
+            return at
+    return -1
+
+
 def extract_hash_answer(text: str) -> str | None:
-    """The number after the *last* `####` (a response that corrects itself is graded on
-    its final answer); None if there is no `####` or no readable number right after it."""
-    at = text.rfind("####")
+    """The number in the last answer slot (`answer_slot`; a response that corrects itself,
+    `#### 72 ... #### 73`, is graded on its final answer); None where there is none or its
+    number is ambiguous (no falling back to an earlier slot)."""
+    at = answer_slot(text)
     return None if at < 0 else read_number(text[at + 4:])
 
 
@@ -178,18 +196,13 @@ def rule_reads(data_source: str, ground_truth: Any) -> bool:
     return isinstance(ground_truth, (str, int, float)) or _is_code(data_source)
 
 
-# a numbered markdown heading: "#### 2. Add the pears", "#### 3) Count"
-_NUMBERED_HEADING = re.compile(r"####[ \t]*\d+[.)][ \t]+\S")
-
-
 def _answers_after_hashes(solution_str: str, ground_truth: Any) -> bool:
-    """A response to score by the GSM8K rule whatever its data source: its last `####` is
-    followed by a number ("#### 72", "#### -3", "#### $5"; not a "#### Step 1", "#### Final
-    answer" or numbered "#### 2. Add" heading), it boxes no answer (a heading's number is not
-    its answer), and the ground truth is one number (not MATH's 2\\sqrt{3})."""
-    last = solution_str.rfind("####")
+    """A response to score by the GSM8K rule whatever its data source: a `####` gives a
+    number (`answer_slot`: "#### 72", "#### -3", "#### $5"; a "#### Step 1", "#### Final
+    answer" or numbered "#### 2. Add" heading gives none), it boxes no answer (a heading's
+    number is not its answer), and the ground truth is one number (not MATH's 2\\sqrt{3})."""
     return ("\\boxed" not in solution_str and extract_hash_answer(solution_str) is not None
-            and not _NUMBERED_HEADING.match(solution_str, last) and is_one_number(str(ground_truth)))
+            and is_one_number(str(ground_truth)))
 
 
 def default_compute_score(data_source: str, solution_str: str, ground_truth: str,

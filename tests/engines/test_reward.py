@@ -276,6 +276,8 @@ ANSWER_FORMS = [
     ("plain", "#### 72", "72", ("72", 1), ("72", 1), 1),
     ("corrected answer: the last `####` counts", "#### 72 ... no, wait. #### 73", "73", ("73", 1), ("73", 1), 1),
     ("corrected answer, ground truth the first one", "#### 72 ... no, wait. #### 73", "72", ("73", 0), ("73", 0), 0),
+    ("a closing `####` after the answer", "#### 72 ####", "72", ("72", 1), ("72", 1), 1),
+    ("a heading after the answer", "#### 72 #### Final Answer", "72", ("72", 1), ("72", 1), 1),
     ("dollar sign", "#### $72", "72", ("72", 1), ("72", 1), 1),
     ("euro sign", "#### €72", "72", ("72", 1), ("72", 1), 1),
     ("pound sign, minus before it", "#### -£5", "-5", ("-5", 1), ("-5", 1), 0),
@@ -350,8 +352,13 @@ def test_docs_table_matches_the_functions():
 @pytest.mark.parametrize("response, truth, mode, score", [
     ("#### 73 wait no #### 72", "72", "strict", 1.0),  # the correction is the answer
     ("#### 73 wait no #### 72", "73", "strict", 0.0),
-    ("#### 72 wait, #### seventy-three", "72", "strict", 0.0),  # the last `####` has no number: no answer
-    ("#### 72 wait, #### seventy-three", "72", "flexible", 0.0),  # ... and no number after it either
+    # a `####` with no number after it gives no answer and is skipped, as verl's strict mode skips it (a heading,
+    # a closing `####`; also a correction in words, which verl credits alike): this scored 0 before
+    ("#### 72 wait, #### seventy-three", "72", "strict", 1.0),
+    ("#### 72\n#### Final Answer\nIt is 72.", "72", "strict", 1.0),
+    ("#### 72\n\nHuman: next question ####", "72", "flexible", 1.0),
+    ("#### 72 wait, #### 7,2", "72", "strict", 0.0),  # an ambiguous last answer: none, no falling back
+    ("#### 72\n#### 2. Add the pears", "72", "strict", 1.0),  # a numbered heading is no answer slot (read 2 before)
     ("#### $72", "73", "strict", 0.0),
     ("#### $ 72.50", "72.5", "strict", 1.0),
     ("#### \\$72", "72", "strict", 1.0),
