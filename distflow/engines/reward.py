@@ -4,13 +4,14 @@ The reward function contract is verl's `compute_score`:
 
     fn(data_source: str, solution_str: str, ground_truth: str, extra_info: dict) -> float
 
-(or a dict with a "score", or a tuple whose first item is it, as verl reads them).
+(or a dict with a "score", or a tuple whose first item is it, as verl reads them; an
+`async def` one is awaited).
 The default dispatches on the data source and the answer style: code datasets (APPS,
 CodeContests, TACO ...: test cases as JSON) run the response's program in the sandbox
 (`engines/sandbox.py`); GSM8K-style data (a `####` answer in the response, a `gsm8k` or
 `distflow/arith` data source) is scored by the GSM8K rule; anything else goes through
 math-verify (`\\boxed{...}` answers), configured as verl's default scorer. The GSM8K rule
-reads the number the way a grader would (the last `####`, currency, units, markup,
+reads the number the way a grader would (the last `####` with one, currency, units, markup,
 thousands separators, fractions) and has verl's two modes, strict and flexible; the
 choices for ambiguous forms are in docs/REWARDS.md. A custom function is named as
 `package.module:function` or `path/to/file.py:function`.
@@ -18,6 +19,7 @@ choices for ambiguous forms are in docs/REWARDS.md. A custom function is named a
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import json
@@ -251,8 +253,23 @@ def _takes_verl_keywords(fn: RewardFn, spec: str) -> RewardFn:
 
 
 def _scored(fn: RewardFn, args) -> float:
-    """`fn` called on one sample's (data_source, solution_str, ground_truth, extra_info), by keyword as verl does."""
-    return score_of(fn(**dict(zip(REWARD_ARGUMENTS, args))))
+    """`fn` called on one sample's (data_source, solution_str, ground_truth, extra_info), by
+    keyword as verl does; an `async def` function's result awaited, as verl awaits it."""
+    result = fn(**dict(zip(REWARD_ARGUMENTS, args)))
+    return score_of(_event_loop().run_until_complete(result) if inspect.isawaitable(result) else result)
+
+
+_loops = threading.local()
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """This thread's event loop for async reward functions, kept from call to call (not
+    `asyncio.run`'s, closed after each: a module-level async client, an LLM judge's, is
+    bound to the loop it first ran on)."""
+    loop = getattr(_loops, "loop", None)
+    if loop is None or loop.is_closed():
+        loop = _loops.loop = asyncio.new_event_loop()
+    return loop
 
 
 # ---------------------------------------------------------------------------- running rewards safely

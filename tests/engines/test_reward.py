@@ -85,6 +85,19 @@ def any_keywords(**kwargs):
 
 def positional(a, b, c, d):
     return 1.0
+
+import asyncio
+_judge_loop = None
+
+async def judged(data_source, solution_str, ground_truth, extra_info=None):
+    # an LLM judge's shape: it awaits its client, which is bound to the loop it first ran on
+    global _judge_loop
+    loop = asyncio.get_running_loop()
+    _judge_loop = _judge_loop or loop
+    if loop is not _judge_loop:
+        raise RuntimeError("the judge's client is bound to another event loop")
+    await asyncio.sleep(0)
+    return {"score": float(solution_str == ground_truth)}
 """
 
 
@@ -93,7 +106,8 @@ def test_a_reward_function_gets_verl_s_keyword_arguments(tmp_path, timeout_s):
     """verl calls compute_score(data_source=..., solution_str=..., ground_truth=...,
     extra_info=...): a function with its parameters in another order, or taking **kwargs,
     scores as it does there (called by position, the first scored every sample 0 as a
-    success and the second failed every sample). One whose parameters are named otherwise
+    success and the second failed every sample), and an `async def` one is awaited, call
+    after call on one event loop (its coroutine failed every sample). One whose parameters are named otherwise
     is refused at start-up in one line."""
     from distflow.engines.reward import OK, RewardRunner
 
@@ -101,6 +115,8 @@ def test_a_reward_function_gets_verl_s_keyword_arguments(tmp_path, timeout_s):
     reordered = RewardRunner(f"{tmp_path / 'verl_style.py'}:reordered", timeout_s)
     assert reordered("src", "42", "42", {}) == (1.0, OK) and reordered("src", "41", "42", {}) == (0.0, OK)
     assert RewardRunner(f"{tmp_path / 'verl_style.py'}:any_keywords", timeout_s)("s", "7", "7", {"k": 1}) == (1.0, OK)
+    judged = RewardRunner(f"{tmp_path / 'verl_style.py'}:judged", timeout_s)  # async def, awaited as verl does
+    assert [judged("s", answer, "7", {}) for answer in ("7", "8", "7")] == [(1.0, OK), (0.0, OK), (1.0, OK)]
     with pytest.raises(ValueError, match=r"reward.custom_fn=.*:positional'?: positional\(a, b, c, d\) cannot be "
                                          r"called with verl's keyword arguments"):
         RewardRunner(f"{tmp_path / 'verl_style.py'}:positional", timeout_s)
