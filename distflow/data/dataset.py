@@ -41,7 +41,7 @@ class DatasetError(ValueError):
 class PromptRow:
     index: int  # position in the concatenated dataset: the prompt's stable id
     messages: list[dict[str, str]]
-    ground_truth: Any  # text (a number is read as text), or a JSON list or mapping, passed to a reward function whole
+    ground_truth: Any  # text, a number, or a JSON list or mapping: passed to a reward function as it is
     data_source: str
     extra_info: Any = field(default_factory=dict)  # a mapping in verl's datasets; any JSON value passes
     images: list[Any] = field(default_factory=list)  # verl's `images` column, decoded when the row is encoded
@@ -94,19 +94,11 @@ def _row(raw: Any, index: int, where: str, folder: str | None = None) -> PromptR
         messages=[{"role": str(m["role"]), "content": m["content"]} for m in messages],
         # a structure (verl's search data: {"target": [...]}) as JSON gives it back, as extra_info
         ground_truth=_json_values(truth, where, "reward_model.ground_truth") if isinstance(truth, (list, tuple, dict))
-        else _as_text(truth),
+        else truth,
         data_source=str(raw.get("data_source") or "unknown"),
         extra_info={} if extra is None else _json_values(extra, where),  # as verl passes it: any JSON value
         images=[_beside_data_file(entry, folder) for entry in images or []],
     )
-
-
-def _as_text(truth: Any) -> str:
-    """A ground truth as text; a float in positional notation ('0.00001', not '1e-05',
-    which no answer reader takes for a number)."""
-    if isinstance(truth, float) and math.isfinite(truth):
-        return format(decimal.Decimal(repr(truth)), "f")
-    return str(truth)
 
 
 def _json_values(value: Any, where: str, key: str = "extra_info") -> Any:
@@ -197,7 +189,8 @@ class _ParquetSource:
                 self._table = self.file.read_row_group(group, columns=self.columns)  # keep one group
                 self._group = group
                 self.rows_read += self._table.num_rows
-            return self._table.slice(index - self.starts[group], 1).to_pylist()[0]
+            # a map column (Spark's MapType) as a dict, as a struct reads: to_pylist gives a list of pairs
+            return self._table.slice(index - self.starts[group], 1).to_pylist(maps_as_pydicts="strict")[0]
 
 
 class _JsonlSource:

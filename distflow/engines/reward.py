@@ -20,6 +20,7 @@ choices for ambiguous forms are in docs/REWARDS.md. A custom function is named a
 from __future__ import annotations
 
 import asyncio
+import decimal
 import functools
 import inspect
 import json
@@ -163,9 +164,18 @@ def extract_gsm8k_answer(text: str, mode: str = "strict") -> str | None:
     return answer
 
 
-def gsm8k_score(solution_str: str, ground_truth: str, mode: str = "strict") -> float:
+def truth_text(truth: Any) -> str:
+    """A ground truth as the rules read it: text as it is, a number (a dataset may store 72 or
+    1e-05) as text, a float in positional notation ('0.00001', not '1e-05', which no answer
+    reader takes for a number)."""
+    if isinstance(truth, float) and math.isfinite(truth):
+        return format(decimal.Decimal(repr(truth)), "f")
+    return str(truth)
+
+
+def gsm8k_score(solution_str: str, ground_truth: str | int | float, mode: str = "strict") -> float:
     answer = number_value(extract_gsm8k_answer(solution_str, mode))
-    truth = number_value(read_number(str(ground_truth)))
+    truth = number_value(read_number(truth_text(ground_truth)))
     return 1.0 if answer is not None and answer == truth else 0.0
 
 
@@ -178,7 +188,7 @@ def math_verify_score(solution_str: str, ground_truth: str) -> float:
 
     # math_verify's own timeouts use SIGALRM, which only works on the main thread (reward
     # nodes run on the scheduler's threads); RewardRunner's per-call timeout replaces them.
-    gold = parse("\\boxed{" + str(ground_truth) + "}", (LatexExtractionConfig(),), parsing_timeout=None)
+    gold = parse("\\boxed{" + truth_text(ground_truth) + "}", (LatexExtractionConfig(),), parsing_timeout=None)
     pred = parse(solution_str, (ExprExtractionConfig(), LatexExtractionConfig()), parsing_timeout=None)
     return 1.0 if gold and pred and verify(gold, pred, timeout_seconds=None) else 0.0
 
@@ -204,7 +214,7 @@ def _answers_after_hashes(solution_str: str, ground_truth: Any) -> bool:
     answer" or numbered "#### 2. Add" heading gives none), it boxes no answer (a heading's
     number is not its answer), and the ground truth is one number (not MATH's 2\\sqrt{3})."""
     return ("\\boxed" not in solution_str and extract_hash_answer(solution_str) is not None
-            and is_one_number(str(ground_truth)))
+            and is_one_number(truth_text(ground_truth)))
 
 
 def default_compute_score(data_source: str, solution_str: str, ground_truth: str,

@@ -24,16 +24,29 @@ def test_jsonl_and_several_files_concatenate(tmp_path):
     assert rows[4].messages == [{"role": "user", "content": "q4"}]
 
 
-def test_a_number_as_ground_truth_is_read_as_its_positional_text(tmp_path):
-    from distflow.engines.reward import gsm8k_score
+def test_a_number_as_ground_truth_reaches_a_custom_function_as_it_is_and_the_rules_read_its_positional_text(
+        tmp_path):
+    """verl passes a stored 72 as 72: a function doing `pred == ground_truth` scored 0 on the
+    text '72' the rows held. The rules read a number as positional text ('1e-05' was no
+    number to the reader)."""
+    from distflow.engines.reward import OK, RewardRunner, default_compute_score, gsm8k_score, math_verify_score
 
     path = tmp_path / "numbers.jsonl"
-    truths = [1e-05, 2.5, 72, 1e16, "0.5"]
+    truths = [1e-05, 2.5, 72, 1e16, "0.5", True]
     path.write_text("\n".join(json.dumps({**_verl_row(i), "reward_model": {"ground_truth": t}})
                               for i, t in enumerate(truths)))
     rows = load_rows(str(path))
-    assert [r.ground_truth for r in rows] == ["0.00001", "2.5", "72", "10000000000000000", "0.5"]
-    assert gsm8k_score("#### 0.00001", rows[0].ground_truth) == 1.0  # '1e-05' was no number to the reader
+    assert [r.ground_truth for r in rows] == truths
+    assert [type(r.ground_truth) for r in rows] == [float, float, int, float, str, bool]
+    assert gsm8k_score("#### 0.00001", rows[0].ground_truth) == 1.0
+    assert math_verify_score("$\\boxed{0.00001}$", rows[0].ground_truth) == 1.0
+    assert default_compute_score("mydata", "#### 10,000,000,000,000,000", rows[3].ground_truth) == 1.0
+    (tmp_path / "typed.py").write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(int(solution_str) == ground_truth and type(ground_truth) is int)\n")
+    for timeout_s in (0.0, 30.0):  # in this process, and through the child's JSON
+        assert RewardRunner(f"{tmp_path / 'typed.py'}:score", timeout_s)("s", "72", rows[2].ground_truth, {}) == \
+            (1.0, OK)
 
 
 def test_a_structured_ground_truth_reaches_a_custom_reward_function_as_it_is(tmp_path):
@@ -314,7 +327,14 @@ def test_extra_info_reaches_every_worker_as_json_gives_it_back_and_other_values_
     pq.write_table(pa.Table.from_pylist([_verl_row(0)]).drop(["extra_info"]).append_column(
         "extra_info", pa.StructArray.from_arrays([pairs], names=["labels"])), mapped)
     (row,) = load_rows(str(mapped))
-    assert row.extra_info == {"labels": [[1, "a"], [2, "b"]]}
+    assert row.extra_info == {"labels": {"1": "a", "2": "b"}}  # a map (Spark's MapType) is a mapping: it was pairs
+    spark = tmp_path / "spark.parquet"  # every dict column a map: a map reward_model was "missing" its ground truth
+    pq.write_table(pa.table({"prompt": pa.array([[{"role": "user", "content": "q"}]]),
+                             "reward_model": pa.array([[("ground_truth", "4")]], type=pa.map_(pa.string(), pa.string())),
+                             "extra_info": pa.array([[("split", "train")]], type=pa.map_(pa.string(), pa.string()))}),
+                   spark)
+    (row,) = load_rows(str(spark))
+    assert (row.ground_truth, row.extra_info) == ("4", {"split": "train"})
     dated = tmp_path / "dated.parquet"
     pq.write_table(pa.Table.from_pylist([_verl_row(0, extra_info={"when": datetime.date(2026, 12, 6),
                                                                    "price": decimal.Decimal("1.10")})]), dated)
