@@ -62,17 +62,39 @@ def _beside_data_file(entry: Any, folder: str | None) -> Any:
     return entry | {key: beside} if isinstance(entry, dict) else beside
 
 
+# The roles chat templates render (OpenAI's, with developer; Llama 3.1's ipython and the
+# older function for tool results)
+ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")
+
+
+def _json_messages(text: str) -> bool:
+    """`text` is a JSON list of chat messages ('[{"role": "user", "content": ...}]')."""
+    if not text.lstrip().startswith("[{"):
+        return False
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
 def _row(raw: Any, index: int, where: str, folder: str | None = None) -> PromptRow:
     if not isinstance(raw, dict):
         raise DatasetError(f"{where}: row is not a mapping")
     messages = raw.get("prompt")
     if isinstance(messages, str):
+        if _json_messages(messages):
+            raise DatasetError(f"{where}: 'prompt' is chat messages written as JSON text; store them as a list "
+                               "of {role, content} (it would be trained on as one user message holding the JSON)")
         messages = [{"role": "user", "content": messages}]
     if not isinstance(messages, list) or not messages:
         raise DatasetError(f"{where}: 'prompt' must be a non-empty list of chat messages")
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
             raise DatasetError(f"{where}: each prompt message needs 'role' and a string 'content'")
+        if m["role"] not in ROLES:  # a chat template renders nothing of another role: the prompt would lose it
+            raise DatasetError(f"{where}: a prompt message has role {m['role']!r}; expected one of "
+                               f"{', '.join(ROLES)} (ShareGPT's human and gpt are user and assistant)")
     if not any(m["content"].strip() for m in messages):
         raise DatasetError(f"{where}: the prompt is empty")
     reward_model = raw.get("reward_model")
@@ -91,7 +113,7 @@ def _row(raw: Any, index: int, where: str, folder: str | None = None) -> PromptR
         raise DatasetError(f"{where}: 'images' must be a list of images, not {type(images).__name__}")
     return PromptRow(
         index=index,
-        messages=[{"role": str(m["role"]), "content": m["content"]} for m in messages],
+        messages=[{"role": m["role"], "content": m["content"]} for m in messages],
         # a structure (verl's search data: {"target": [...]}) as JSON gives it back, as extra_info
         ground_truth=_json_values(truth, where, "reward_model.ground_truth") if isinstance(truth, (list, tuple, dict))
         else truth,

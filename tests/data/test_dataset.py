@@ -106,6 +106,12 @@ def test_limit():
     ({"reward_model": {}}, "line 2: missing 'reward_model.ground_truth'"),
     ({"prompt": [{"role": "user", "content": "  "}]}, "line 2: the prompt is empty"),
     ({"prompt": 7}, "line 2: 'prompt' must be a non-empty list"),
+    # a chat template renders no message of an unknown role: the question was dropped from the prompt, silently
+    ({"prompt": [{"role": "human", "content": "q"}]}, "line 2: a prompt message has role 'human'; expected one of "
+                                                      "system, developer, user, assistant, tool"),
+    ({"prompt": [{"role": None, "content": "q"}]}, "line 2: a prompt message has role None"),
+    ({"prompt": '[{"role": "user", "content": "What is 4+4?"}]'}, "line 2: 'prompt' is chat messages written as "
+                                                                  "JSON text"),
 ])
 def test_malformed_row_names_file_and_row(tmp_path, bad, fragment):
     path = tmp_path / "d.jsonl"
