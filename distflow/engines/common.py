@@ -251,12 +251,17 @@ def checkpoints_activations(model) -> bool:
 
 
 def render_prompt(tokenizer, messages: list[dict[str, str]], tools: list[dict] | None = None) -> str:
-    """The prompt's text: the chat template's, with the tools' JSON schemas where the run
-    has tools (a template without a tools section leaves them out)."""
+    """The prompt's text, tokenised without special tokens added: the chat template's (which
+    writes any BOS itself), with the tools' JSON schemas where the run has tools (a template
+    without a tools section leaves them out). A tokenizer without a template (a base model)
+    gets the messages' contents, a line each, after the BOS its tokenizer puts first (as TRL
+    tokenises a plain prompt: Llama-2 and Mistral base models expect it)."""
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
                                              tokenize=False)
-    return "\n".join(m["content"] for m in messages) + "\n"
+    text = "\n".join(m["content"] for m in messages) + "\n"
+    bos = tokenizer.bos_token_id
+    return tokenizer.bos_token + text if bos is not None and tokenizer("x")["input_ids"][:1] == [bos] else text
 
 
 @runtime_checkable

@@ -80,3 +80,23 @@ def test_the_tool_model_continues_from_its_base(tmp_path):
     base, tuned = load_causal_lm(str(tmp_path / "base")), load_causal_lm(str(tmp_path / "tools"))
     assert base.config.hidden_size == tuned.config.hidden_size == SMALL.hidden_size
     assert not torch.equal(base.model.layers[0].mlp.up_proj.weight, tuned.model.layers[0].mlp.up_proj.weight)
+
+
+def test_a_prompt_without_a_chat_template_starts_with_the_bos_its_tokenizer_puts_first():
+    """A base model's tokenizer (no chat template) that puts BOS first, as Llama-2's and
+    Mistral's do: its prompts start with it, as TRL tokenises a plain prompt (they had none:
+    the text is tokenised without special tokens, right after a template, which writes its
+    own). A tokenizer that puts none first gets none."""
+    from tokenizers.processors import TemplateProcessing
+
+    from distflow.data.dataset import PromptRow
+    from distflow.trainer.nodes import encode_prompt
+
+    tok = load_tokenizer(str(ASSET_DIR))
+    tok.chat_template = None
+    row = PromptRow(index=0, messages=[{"role": "user", "content": "1+2"}], ground_truth=3, data_source="x")
+    assert tok("x")["input_ids"][:1] != [tok.bos_token_id] and tok.decode(encode_prompt(tok, row)) == "1+2\n"
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single=f"{tok.bos_token} $A",
+                                                              special_tokens=[(tok.bos_token, tok.bos_token_id)])
+    ids = encode_prompt(tok, row)
+    assert ids[0] == tok.bos_token_id and ids[1:] == tok("1+2\n", add_special_tokens=False)["input_ids"]
