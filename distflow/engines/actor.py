@@ -290,7 +290,7 @@ class Actor(DataParallelTrainable):
         if is_lora(self.module):  # base + adapter delta, under the HF names
             yield from merged_weights(self.module)
             return
-        for name, tensor in first_of_tied(self.module.state_dict().items()):
+        for name, tensor in first_of_tied(self.module):
             yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
 
 

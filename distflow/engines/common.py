@@ -11,7 +11,7 @@ import json
 import os
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -210,17 +210,19 @@ def load_image_prompter(path: str, tokenizer, dtype: str = "float32") -> ImagePr
                          AutoConfig.from_pretrained(_config_folder(folder)), getattr(torch, dtype))
 
 
-def first_of_tied(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs with each storage once, under its first name: a tied weight
-    (the output head sharing the embedding) is one tensor. `state_dict()` detaches every
-    entry into a new object, so identity is the storage, not the tensor (a DTensor's local shard)."""
-    seen: set[int] = set()
-    for name, tensor in items:
-        key = (tensor.to_local() if hasattr(tensor, "to_local") else tensor).data_ptr()
-        if key in seen:
-            continue
-        seen.add(key)
-        yield name, tensor
+def first_of_tied(module) -> Iterator[tuple[str, torch.Tensor]]:
+    """`module.state_dict()`'s (name, tensor) pairs with a tied weight (the output head
+    sharing the embedding: one parameter under two names) once, under its first name. Ties
+    are read from the module's parameters, so every rank skips the same names; not from the
+    tensors' memory: an FSDP2 rank whose shard of a weight holds no row has an empty tensor
+    there, and every empty tensor's data_ptr is 0 (that rank skipped weights the others
+    gathered, and the collectives went out of step)."""
+    first: dict[int, str] = {}
+    tied = {name for name, p in module.named_parameters(remove_duplicate=False)
+            if first.setdefault(id(p), name) != name}
+    for name, tensor in module.state_dict().items():
+        if name not in tied:
+            yield name, tensor
 
 
 def unwrapped(model):

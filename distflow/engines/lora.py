@@ -126,7 +126,7 @@ def merged_weights(peft_model) -> Iterator[tuple[str, torch.Tensor]]:
 
     base = peft_model.get_base_model()
     adapted = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
-    for name, tensor in first_of_tied(base.state_dict().items()):
+    for name, tensor in first_of_tied(base):
         if ".lora_" in name:
             continue
         owner, _, leaf = name.rpartition(".base_layer.")

@@ -113,7 +113,35 @@ def _on_two_ranks(rank: int, world: int, model_dir: str) -> dict:
             "rank_1_empty": {s: _score_with_rank_1_empty(rank, world, model_dir, s) for s in EXPLICIT},
             "load": {s: _load_full_state(rank, world, model_dir, s) for s in EXPLICIT},
             "bf16": {s: _train_bf16(rank, world, model_dir, s) for s in EXPLICIT},
-            "prompt_once": _train_prompt_once(rank, world, model_dir, True)}
+            "prompt_once": _train_prompt_once(rank, world, model_dir, True),
+            "pushed": _pushed_weights()}
+
+
+def _pushed_weights() -> dict:
+    """What an FSDP2 actor hands a rollout engine, on each rank, against the model's own
+    weights: a small Qwen2-MoE, whose shared-expert gate ([1, hidden]) leaves rank 1 an
+    empty shard, with its output head tied to the embedding."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                         shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = Qwen2MoeForCausalLM(cfg)
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    actor = Actor(model, OptimConfig(lr=1e-3), torch.device("cpu"), strategy="fsdp2")
+    pushed = dict(actor.iter_full_weights())  # a collective per tensor: ranks out of step fail here
+    return {"names": sorted(pushed), "expected": sorted(set(full) - {"lm_head.weight"}),
+            "equal": all(torch.equal(pushed[k], full[k]) for k in pushed)}
+
+
+def test_fsdp2_pushes_every_weight_once_also_where_a_ranks_shard_is_empty(two_ranks):
+    """Ties are read from the module, not from the shards' memory: every empty shard's
+    data_ptr is 0, so rank 1 took its empty gate shard for a tie and skipped it (and every
+    weight after another empty shard), and the ranks' all-gathers went out of step."""
+    for ranks in two_ranks:
+        pushed = ranks["pushed"]
+        assert pushed["names"] == pushed["expected"] and pushed["equal"]
 
 
 @pytest.fixture(scope="module")
