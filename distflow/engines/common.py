@@ -475,6 +475,17 @@ def distinct_prompts(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tenso
     return unique[:, :ids.shape[1]], unique[:, ids.shape[1]:], row_prompt
 
 
+def rows_can_share(cache) -> bool:
+    """Whether each row can take its prompt's part of a prefill's `cache`: HF's
+    DynamicCache of attention keys and values alone (full or sliding-window). Not the
+    state of a linear-attention or SSM layer (Qwen3-Next, Granite-4.0-H, Jamba), nor a
+    model's own cache class (Falcon-H1): rows sharing a prompt run it each there."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+    return isinstance(cache, DynamicCache) and all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer)
+                                                   for layer in cache.layers)
+
+
 def _rows_of_prompts(cache, row_prompt: torch.Tensor):
     """The distinct prompts' cache, made to give each row its prompt's keys and values
     (`row_prompt`: each row's prompt). A layer of HF's plain `DynamicLayer` does it in its
@@ -506,8 +517,10 @@ def _states_prompt_once(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
     same function as one forward per row (a prompt's states never see what follows it),
     and autograd sums each shared prompt's gradient over its rows. With GRPO's groups of
     G samples a prompt of P tokens costs P once instead of G times. None where no two
-    rows share a prompt (then one forward per row is as cheap), and in a forward with
-    gradients through checkpointed layers, which take no cache there (HF's rule)."""
+    rows share a prompt (then one forward per row is as cheap), in a forward with
+    gradients through checkpointed layers, which take no cache there (HF's rule), and for
+    a model whose cache rows cannot share (`rows_can_share`: a hybrid linear-attention or
+    SSM model)."""
     lm = unwrapped(model)
     if lm.training and torch.is_grad_enabled() and checkpoints_activations(lm):
         return None
@@ -520,6 +533,8 @@ def _states_prompt_once(model, prompts: torch.Tensor, prompt_mask: torch.Tensor,
     # their parameters' gradients reach its hooks through the response forward's backward
     prompt_out = lm(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                     use_cache=True, **_head_arguments(lm, 1))
+    if not rows_can_share(prompt_out.past_key_values):
+        return None
     # the prompt's last position predicts the first response token
     first = _scoring_states(prompt_out, head_inputs)[:, -1:][row_prompt]
     cache = _rows_of_prompts(prompt_out.past_key_values, row_prompt)

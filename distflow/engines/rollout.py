@@ -25,7 +25,7 @@ import torch
 
 from distflow.data.batch import Batch
 from distflow.data.images import image_fields, model_inputs, vision_token_ids
-from distflow.engines.common import cache_arguments, computing_in, distinct_prompts, is_vision_language
+from distflow.engines.common import cache_arguments, computing_in, distinct_prompts, is_vision_language, rows_can_share
 
 
 def sample_seed(*parts: int) -> int:
@@ -273,7 +273,9 @@ class HFRolloutEngine:
         """The prefill of rows that share a prompt (GRPO's n samples of it), run once per
         distinct prompt: its keys and values for all but its last token, handed to each
         of its rows, so that `generate` starts from them (the last token still runs per
-        row and gives the first logits). Empty where no two rows share a prompt."""
+        row and gives the first logits). Empty where no two rows share a prompt, and for a
+        model whose cache rows cannot share (`rows_can_share`: a hybrid linear-attention
+        or SSM model)."""
         distinct, distinct_mask, row_prompt = distinct_prompts(ids, mask)
         if len(distinct) == len(ids) or ids.shape[1] < 2:
             return {}
@@ -282,6 +284,8 @@ class HFRolloutEngine:
         cache_arg, last = cache_arguments(self.model)
         cache = self.model(input_ids=head_ids, attention_mask=head_mask, position_ids=positions, use_cache=True,
                            **last).past_key_values
+        if not rows_can_share(cache):
+            return {}
         cache.batch_select_indices(row_prompt)
         return {cache_arg: cache}
 

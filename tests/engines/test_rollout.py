@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from distflow.engines.common import forward_response, load_causal_lm, load_tokenizer
@@ -253,3 +254,41 @@ def test_the_engine_on_the_actors_weights_generates_in_its_compute_dtype(random_
     assert head_dtypes and set(head_dtypes) == {torch.bfloat16}
     assert next(actor.module.parameters()).dtype == torch.float32  # the master weights stay fp32
     assert out["rollout_log_probs"].dtype == torch.float32 and torch.isfinite(out["rollout_log_probs"]).all()
+
+
+HYBRIDS = {  # tiny random models of hybrid architectures: linear attention (Qwen3-Next), Mamba (Jamba)
+    "qwen3_next": dict(head_dim=8, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
+                       num_experts_per_tok=2, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+                       linear_value_head_dim=8, full_attention_interval=2, decoder_sparse_step=1),
+    "jamba": dict(num_experts=2, num_experts_per_tok=1, attn_layer_period=2, attn_layer_offset=1,
+                  expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_dt_rank=4,
+                  use_mamba_kernels=False),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(HYBRIDS))
+def test_a_hybrid_models_rows_that_share_a_prompt_each_run_it(model_type):
+    """A linear-attention or SSM layer's cache state cannot be handed row by row as keys and
+    values can: GRPO's groups (rows sharing a prompt) failed on the first rollout and in
+    every scoring forward. Such a model's rows run their prompts each, in both places, and
+    the engine's log-probs are the trainer's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, **HYBRIDS[model_type])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    prompts = [[5, 6, 7, 8], [5, 6, 7, 8], [9, 10, 11], [9, 10, 11]]
+    ids, mask = left_pad(prompts, 0)
+
+    class Tokenizer:
+        pad_token_id, eos_token_id = 0, 1
+
+    out = HFRolloutEngine(model, Tokenizer(), shares_trainer_weights=True).generate(
+        prompts, [1, 2, 3, 4], SamplingParams(max_new_tokens=6))
+    with torch.no_grad():
+        each, _ = forward_response(model, ids, mask, out["responses"], out["response_mask"])
+        once, _ = forward_response(model, ids, mask, out["responses"], out["response_mask"], prompt_once=True)
+    generated = out["response_mask"].bool()
+    assert torch.equal(each, once)
+    assert (each - out["rollout_log_probs"])[generated].abs().max() < 1e-5
