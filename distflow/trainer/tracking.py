@@ -185,16 +185,21 @@ class Trackers:
         except ValueError:  # a file cut short: new runs
             earlier = {}
         ids = dict(earlier)  # a launch without one of the trackers keeps its id for a later one
-        for name in names:
-            if name == "tensorboard":
-                self.trackers.append(TensorBoardTracker(run_dir, info, start_step + 1 if resumed else None))
-            elif name == "wandb":
-                self.trackers.append(WandbTracker(run_dir, info, t.project_name, experiment, t.wandb_mode,
-                                                  earlier.get("wandb")))
-            elif name == "mlflow":
-                self.trackers.append(MlflowTracker(run_dir, info, t.project_name, experiment, earlier.get("mlflow")))
-            if name in ("wandb", "mlflow"):
-                ids[name] = self.trackers[-1].run_id
+        try:
+            for name in names:
+                if name == "tensorboard":
+                    self.trackers.append(TensorBoardTracker(run_dir, info, start_step + 1 if resumed else None))
+                elif name == "wandb":
+                    self.trackers.append(WandbTracker(run_dir, info, t.project_name, experiment, t.wandb_mode,
+                                                      earlier.get("wandb")))
+                elif name == "mlflow":
+                    self.trackers.append(MlflowTracker(run_dir, info, t.project_name, experiment,
+                                                       earlier.get("mlflow")))
+                if name in ("wandb", "mlflow"):
+                    ids[name] = self.trackers[-1].run_id
+        except BaseException:  # one failed to start (W&B online without a key): those started are closed, failed
+            self.close(failed=True)
+            raise
         if ids:
             ids_file.write_text(json.dumps(ids))
 

@@ -103,6 +103,20 @@ def test_a_failed_run_is_marked_failed(tmp_path):
     assert wandb_exit_code(tmp_path) == 1 and mlflow_status(tmp_path) == "FAILED"
 
 
+def test_a_tracker_that_fails_to_start_leaves_none_open(tmp_path, monkeypatch):
+    """W&B refusing to start (online without a key) after MLflow started: the MLflow run was
+    left RUNNING, an orphan the next launch did not continue either."""
+    from distflow.trainer import tracking
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("wandb: api_key not configured")
+
+    monkeypatch.setattr(tracking, "WandbTracker", refuse)
+    with pytest.raises(RuntimeError, match="api_key"):
+        Trackers(load_config(None, ["trainer.logger=jsonl,mlflow,wandb"]), tmp_path, rank=0)
+    assert mlflow_status(tmp_path) == "FAILED"
+
+
 def test_only_rank_0_tracks(tmp_path):
     trackers = Trackers(load_config(None, [ALL]), tmp_path, rank=1)
     trackers.log(RECORDS[1])
