@@ -654,17 +654,22 @@ def cmd_dag_show(args: argparse.Namespace) -> int:
     print(describe_recipe(cfg))
     print(f"\n{title}: {len(graph.nodes)} nodes, in the order every worker runs them\n{graph.describe()}")
     out = Path(args.out or f"dag-{name}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".dot").write_text(graph.to_dot(title))
-    out.with_suffix(".mmd").write_text(graph.to_mermaid())
-    written = [out.with_suffix(".dot"), out.with_suffix(".mmd")]
-    if shutil.which("dot"):
-        for fmt in ("png", "svg"):
-            subprocess.run(["dot", f"-T{fmt}", str(out.with_suffix(".dot")), "-o", str(out.with_suffix(f".{fmt}"))],
-                           check=True)
-            written.append(out.with_suffix(f".{fmt}"))
-    else:  # no Graphviz here: a PNG drawn with matplotlib
-        written.append(draw_png(graph, out.with_suffix(".png"), title))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".dot").write_text(graph.to_dot(title))
+        out.with_suffix(".mmd").write_text(graph.to_mermaid())
+        written = [out.with_suffix(".dot"), out.with_suffix(".mmd")]
+        if shutil.which("dot"):
+            for fmt in ("png", "svg"):
+                subprocess.run(["dot", f"-T{fmt}", str(out.with_suffix(".dot")), "-o",
+                                str(out.with_suffix(f".{fmt}"))], check=True, capture_output=True, text=True)
+                written.append(out.with_suffix(f".{fmt}"))
+        else:  # no Graphviz here: a PNG drawn with matplotlib
+            written.append(draw_png(graph, out.with_suffix(".png"), title))
+    except OSError as e:
+        return _fail(f"--out {out}: {e.strerror or e}{f' ({e.filename})' if e.filename else ''}")
+    except subprocess.CalledProcessError as e:
+        return _fail(f"--out {out}: Graphviz's dot failed: {(e.stderr or '').strip().splitlines()[-1:] or e}")
     print("wrote " + ", ".join(map(str, written)))
     return 0
 
@@ -720,8 +725,13 @@ def cmd_plot(args: argparse.Namespace) -> int:
     if len(set(names)) < len(names):  # sweep/a/seed0 and sweep/b/seed0: named by their whole paths
         names = [str(run) for run in args.runs]
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_overlay(dict(zip(names, histories)), out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_overlay(dict(zip(names, histories)), out)
+    except OSError as e:
+        return _fail(f"--out {out}: {e.strerror or e}{f' ({e.filename})' if e.filename else ''}")
+    except ValueError as e:  # matplotlib's: a suffix it cannot write ('Format 'xyz' is not supported ...')
+        return _fail(f"--out {out}: {e}")
     print(f"wrote {args.out}")
     return 0
 

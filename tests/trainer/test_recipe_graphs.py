@@ -165,6 +165,10 @@ def test_dag_show_writes_pictures_and_the_settings_the_run_would_have(tmp_path, 
     assert (tmp_path / "d.mmd").read_text().startswith("flowchart LR")
     assert (tmp_path / "d.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["dag", "show", "nope", "--out", str(tmp_path / "e")]) == 2
+    (tmp_path / "file").write_text("")
+    capsys.readouterr()
+    assert main(["dag", "show", "grpo", "--out", str(tmp_path / "file" / "g")]) == 2  # a traceback before
+    assert capsys.readouterr().err.startswith(f"distflow: error: --out {tmp_path / 'file' / 'g'}: ")
 
 
 def test_a_new_recipe_is_data_alone(tmp_path):

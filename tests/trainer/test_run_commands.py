@@ -61,6 +61,17 @@ def test_plot_overlays_runs_in_one_png(tmp_path):
     assert (31, 119, 180) in colours and (255, 127, 14) in colours
 
 
+def test_plot_to_a_format_or_folder_it_cannot_write_is_one_line(tmp_path, capsys):
+    _run(tmp_path / "one", [0.2, 0.3], [0.2])
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["plot", str(tmp_path / "one"), "--out", str(tmp_path / "x.xyz")]) == 2  # a traceback before
+    assert main(["plot", str(tmp_path / "one"), "--out", str(blocker / "x.png")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].startswith(f"distflow: error: --out {tmp_path / 'x.xyz'}: Format 'xyz' is not")
+    assert err[1].startswith(f"distflow: error: --out {blocker / 'x.png'}: ")
+
+
 def test_progress_shows_reward_heldout_and_tokens_per_second():
     assert progress_postfix({"reward/mean": 0.4219, "perf/tokens_per_second": 6298.9}, 0.52) == \
         {"reward": "0.422", "heldout": "0.520", "tok_s": "6,299"}
