@@ -393,9 +393,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         return code
     try:
         graph = check_graph(cfg)
-        if cfg.runtime.mode == "centralized" and any(n.role == "filter" for n in graph.nodes):
-            raise ConfigError(f"runtime.mode='centralized': the graph of {cfg.algorithm.name} has a filter "
-                              f"(dynamic sampling); filters run in distributed mode only")
+        filters = [n.name for n in graph.nodes if n.role == "filter"]
+        if cfg.runtime.mode == "centralized" and filters:
+            why = {"dynamic_sampling": "algorithm.dynamic_sampling=false",
+                   "drop_failed_groups": "rollout.on_failed_episode=score_zero"}
+            ways = [why[n] for n in filters if n in why]
+            raise ConfigError(f"runtime.mode='centralized': the graph of {cfg.algorithm.name} has the filter node(s) "
+                              f"{', '.join(filters)}; filters run in distributed mode only"
+                              + (f" (without them: {', '.join(ways)})" if ways else ""))
         if cfg.runtime.mode == "centralized":
             from distflow.runtime.centralized import make_wire
 

@@ -165,7 +165,12 @@ def test_yaml_unknown_key(tmp_path):
     ("trainer.total_steps=-3", "trainer.total_steps=-3"),
     ("model.path=/does/not/exist", "/does/not/exist"),
     ("data.train_files=/no/such.parquet", "/no/such.parquet"),
-    ("algorithm.name=dapo runtime.mode=centralized", "filters run in distributed mode only"),
+    ("algorithm.name=dapo runtime.mode=centralized", "filters run in distributed mode only (without them: "
+                                                      "algorithm.dynamic_sampling=false)"),
+    # the multi-turn run's filter is the failed episodes' (it was called dynamic sampling)
+    ("rollout.max_turns=2 rollout.tools=calculator rollout.max_total_tokens=256 runtime.mode=centralized",
+     "has the filter node(s) drop_failed_groups; filters run in distributed mode only (without them: "
+     "rollout.on_failed_episode=score_zero)"),
     ("algorithm.name=rloo algorithm.group_size=1", "the 'rloo' estimator needs at least 2 responses per prompt"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(override, fragment, tmp_path):
