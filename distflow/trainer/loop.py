@@ -536,7 +536,7 @@ class Trainer:
             else:  # to the rollout workers; the evaluation engine here takes them when it evaluates
                 self.stream.publish(self.actor, version=step)
         seconds = node_seconds(spans) | timer.seconds
-        nodes.record_rollout_metrics(store.all(), acc, episodes=self.ctx.episodes is not None)
+        nodes.record_rollout_metrics(store.all(), acc, response_token_budget(self.cfg), self.ctx.episodes is not None)
         counts = self.prompts.take_counts(step)
         for name in ("skipped_rows", "truncated_prompts"):
             acc.add_total(f"data/{name}", counts[name])
@@ -573,8 +573,8 @@ class Trainer:
                           self.ctx.reward_fn, self.ctx.accuracy_fn,
                           EvalSettings(max_new_tokens=self.cfg.rollout.max_new_tokens,
                                        reward_field=nodes.rollout_reward_field(self.cfg)), episodes=self.ctx.episodes)
-        return {f"val/{name}": value for name, value in report.items() if name.startswith("accuracy")
-                or name in ("reward", "failed_episodes")}
+        return {f"val/{name}": value for name, value in report.items()
+                if name.startswith(("accuracy", "response_length/")) or name in ("reward", "failed_episodes")}
 
     # ------------------------------------------------------------------ the run
 

@@ -550,9 +550,11 @@ def critic_update(ctx: WorkerContext, batch: Batch) -> None:
 # ---------------------------------------------------------------------------- after the graph
 
 
-def record_rollout_metrics(batch: Batch, acc: MeanAccumulator, episodes: bool = False) -> None:
+def record_rollout_metrics(batch: Batch, acc: MeanAccumulator, budget: int, episodes: bool = False) -> None:
     """The step's rows as they trained: those a filter masked instead of dropping them
-    (`FILTERED_OUT`, dag/scheduler.py) are left out, as dropped rows are."""
+    (`FILTERED_OUT`, dag/scheduler.py) are left out, as dropped rows are. `budget`: a
+    response's tokens (`response_token_budget`): the share that reached it is
+    `response/clip_ratio`, as verl counts its response_length/clip_ratio."""
     if FILTERED_OUT in batch:
         batch = batch.select((~batch[FILTERED_OUT]).nonzero().flatten().tolist())
     n = len(batch)
@@ -563,6 +565,7 @@ def record_rollout_metrics(batch: Batch, acc: MeanAccumulator, episodes: bool = 
     lengths = torch.tensor([r for _, r in prompt_and_response_lengths(batch)] if n else [0], dtype=torch.float32)
     acc.add("response/length_mean", float(lengths.sum()), n)
     acc.add_max("response/length_max", float(lengths.max()))
+    acc.add("response/clip_ratio", float((lengths >= budget).sum()) if n else 0.0, n)
     acc.add_total("tokens/total", float(lengths.sum() + (batch["prompt_mask"].sum() if n else 0)))
     if "pixel_values" in batch:  # a VLM's: the bytes the step's images take in the batch (padded per sample)
         acc.add_total("images/batch_bytes", float(sum(batch[f].numel() * batch[f].element_size()

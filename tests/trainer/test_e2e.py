@@ -60,6 +60,8 @@ def test_ray_launcher_run_leaves_summary_plot_checkpoint_and_no_payload(tmp_path
     levels = [k for k in records[0] if k.startswith("val/accuracy/level_")]
     assert sorted(levels) == ["val/accuracy/level_1", "val/accuracy/level_2", "val/accuracy/level_3"]
     assert records[1]["actor/lr"] == pytest.approx(1e-4 / 4)  # the first warm-up step of the cosine schedule
+    # a response's clip ratio at the step and at the held-out evaluation (verl's response_length/clip_ratio)
+    assert 0.0 <= records[1]["response/clip_ratio"] <= 1.0 and 0.0 <= records[0]["val/response_length/clip_ratio"] <= 1
     for key in ("reward/mean", "reward/accuracy", "response/length_mean", "actor/kl", "actor/entropy",
                 "actor/clip_frac", "actor/clip_frac_lower", "actor/approx_kl", "actor/grad_norm",
                 "perf/tokens_per_second", "time/rollout",

@@ -367,9 +367,13 @@ def test_failed_rewards_are_counted_where_they_are_scored_and_episode_lengths_ho
     episode = Batch({"prompt_mask": torch.ones(1, 10, dtype=torch.long), "response_mask": torch.tensor([[1] * 5 + [0] * 6 + [1] * 5]),
                      "observation_mask": torch.tensor([[0] * 5 + [1] * 6 + [0] * 5]), "scores": torch.ones(1),
                      "accuracy": torch.ones(1), "num_turns": torch.tensor([2])})
-    nodes.record_rollout_metrics(episode, acc, episodes=True)
+    nodes.record_rollout_metrics(episode, acc, 16, episodes=True)
     metrics = acc.reduce()
     assert metrics["response/length_mean"] == 16 and metrics["tokens/total"] == 26
+    assert metrics["response/clip_ratio"] == 1.0  # its 16 tokens are the whole budget: cut there, as verl counts it
+    acc = MeanAccumulator()
+    nodes.record_rollout_metrics(episode, acc, 17, episodes=True)
+    assert acc.reduce()["response/clip_ratio"] == 0.0
     # rows a filter masked instead of dropping (too few kept for the training ranks) are left out, as dropped rows are
     from distflow.data.batch import FILTERED_OUT
 
@@ -377,7 +381,7 @@ def test_failed_rewards_are_counted_where_they_are_scored_and_episode_lengths_ho
     two = Batch.concat([episode, episode])
     two.tensors["scores"] = torch.tensor([1.0, 0.0])
     two.tensors[FILTERED_OUT] = torch.tensor([False, True])
-    nodes.record_rollout_metrics(two, acc, episodes=True)
+    nodes.record_rollout_metrics(two, acc, 64, episodes=True)
     assert acc.reduce()["reward/mean"] == 1.0
 
 
