@@ -473,8 +473,12 @@ class Trainer:
             raise checkpoint.CheckpointError(f"checkpoint {path}: dataloader position {state['dataloader']} "
                                              f"does not match step {self.start_step}")
         abandoned = []
-        if self.rank == 0:
-            if self.start_step < self.cfg.trainer.total_steps:  # done no more until it ends again
+        if self.rank == 0:  # said every time: a config copied from a run's config.json names that run's folder
+            total = self.cfg.trainer.total_steps
+            print(f"distflow: resuming from {path} (step {self.start_step} of {total})"
+                  + (": the run is complete, nothing to train" if self.start_step >= total else "")
+                  + f"; trainer.resume=off, or another trainer.output_dir, starts a new run", file=sys.stderr)
+            if self.start_step < total:  # done no more until it ends again
                 (self.run_dir / "summary.json").unlink(missing_ok=True)
             abandoned = checkpoint.set_aside_newer(self.run_dir / "checkpoints", self.start_step)
             for moved in abandoned:

@@ -269,6 +269,7 @@ def test_killed_while_checkpointing_then_resumed_matches_an_uninterrupted_run(tm
 
     proc = _train([f"trainer.output_dir={run}", "trainer.save_every=1", "trainer.keep_last=1"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]  # trainer.resume=auto
+    assert f"distflow: resuming from {run / 'checkpoints' / 'step_2'} (step 2 of 3); trainer.resume=off" in proc.stderr
     resumed = _metrics(run)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]  # the metrics file continues, no step twice
     # bitwise: weights, AdamW moments and the dataloader position are restored exactly, and
@@ -287,6 +288,7 @@ def test_killed_while_checkpointing_then_resumed_matches_an_uninterrupted_run(tm
     # the same command once more: it resumes from `final`, trains nothing and keeps the run's summary
     proc = _train([f"trainer.output_dir={run}", "trainer.save_every=1", "trainer.keep_last=1"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(step 3 of 3): the run is complete, nothing to train; trainer.resume=off" in proc.stderr  # said nothing
     assert (run / "summary.json").read_text() == summary and _metrics(run) == resumed
     # rolled back to step 2 in the same folder: the later `final` is set aside (else `keep_last` would keep it over
     # the new branch's and `resume=auto` would pick it), and step 3 replays exactly
