@@ -11,6 +11,7 @@ value and what is allowed; the CLI prints it and exits with code 2.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import types
@@ -71,6 +72,10 @@ class DataConfig:
                             doc="a malformed row: stop naming file and row, or skip it (counted, replaced)")
     on_long_prompt: str = _spec("error", choices=("error", "skip", "truncate"),
                                 doc="a prompt over max_prompt_length: stop, skip it, or keep its last tokens")
+    chat_template_kwargs: str = _spec("", doc="more arguments to the chat template, a mapping in YAML or JSON: "
+                                              "'{enable_thinking: false}' turns Qwen3's thinking off (TRL's "
+                                              "chat_template_kwargs, verl's data.apply_chat_template_kwargs); "
+                                              "data.chat_template_kwargs.NAME=VALUE sets one")
     max_image_pixels: int = _spec(12_845_056, min=1, max=178_956_970,
                                   doc="an image of more pixels is scaled down to this many, its aspect ratio kept "
                                       "(as qwen-vl-utils and the Qwen2-VL processor scale down to their max_pixels, "
@@ -443,6 +448,13 @@ VERL_KEYS = {
     "trainer.default_local_dir": "trainer.output_dir",
     "trainer.resume_mode": "trainer.resume (auto, off or a checkpoint path)",
     "data.max_response_length": "rollout.max_new_tokens",
+    "data.apply_chat_template_kwargs": "data.chat_template_kwargs",
+    "data.filter_overlong_prompts": "data.on_long_prompt=skip (a prompt over data.max_prompt_length is skipped "
+                                    "and replaced when its step draws it)",
+    "data.truncation": "data.on_long_prompt (error, skip, or truncate: keeps the prompt's last tokens)",
+    "data.shuffle": "nothing: the rows are always shuffled, seeded by trainer.seed",
+    "data.seed": "trainer.seed",
+    "data.prompt_key": "nothing: the prompt is the 'prompt' column (verl's default)",
     "algorithm.adv_estimator": "algorithm.estimator",
     "actor_rollout_ref.model.path": "model.path",
     "actor_rollout_ref.actor.optim.lr": "actor.lr",
@@ -489,14 +501,19 @@ VERL_KEYS = {
     "reward_model.overlong_buffer.penalty_factor": "algorithm.overlong_penalty_factor",
     "critic.optim.lr": "critic.lr",
 }
+VERL_MAPPING_KEYS = ("data.apply_chat_template_kwargs",)  # verl's keys of a mapping, set one name at a time
 
 
 def _set(cfg: Config, dotted: str, value: Any) -> None:
     if dotted.startswith("+"):
         raise ConfigError(f"unknown config key '{dotted}': drop the '+' (Hydra's syntax for a new key; "
                           "DistFlow's keys all exist already)")
-    if dotted in VERL_KEYS:
-        raise ConfigError(f"unknown config key '{dotted}': verl's name; here it is {VERL_KEYS[dotted]}")
+    verl = dotted if dotted in VERL_KEYS else next((k for k in VERL_MAPPING_KEYS if dotted.startswith(k + ".")), None)
+    if verl is not None:
+        raise ConfigError(f"unknown config key '{dotted}': verl's name; here it is {VERL_KEYS[verl]}")
+    if dotted.startswith(TEMPLATE_KWARGS + "."):  # one argument: data.chat_template_kwargs.enable_thinking=false
+        cfg.data.chat_template_kwargs = json.dumps(chat_template_kwargs(cfg) | {dotted[len(TEMPLATE_KWARGS) + 1:]: value})
+        return
     parts = dotted.split(".")
     if parts[0] not in SECTIONS:
         raise ConfigError(f"unknown config key '{dotted}': sections are {', '.join(SECTIONS)}")
@@ -511,6 +528,8 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
 
 
 def _value(cfg: Config, dotted: str) -> Any:
+    if dotted.startswith(TEMPLATE_KWARGS + "."):
+        return chat_template_kwargs(cfg).get(dotted[len(TEMPLATE_KWARGS) + 1:])
     section, name = dotted.split(".")
     return getattr(getattr(cfg, section), name)
 
@@ -695,6 +714,7 @@ def _held_out_of_builtin(cfg: Config) -> None:
 
 
 def _validate_cross(cfg: Config, training: bool) -> None:
+    chat_template_kwargs(cfg)
     _validate_placement(cfg)
     _held_out_of_builtin(cfg)
     if cfg.algorithm.clip_ratio_low >= 1:
@@ -797,6 +817,27 @@ def overlong_buffer_tokens(cfg: Config) -> int:
     if a.overlong_buffer_len or not a.overlong_buffer_fraction:
         return a.overlong_buffer_len
     return max(1, round(a.overlong_buffer_fraction * response_token_budget(cfg)))
+
+
+TEMPLATE_KWARGS = "data.chat_template_kwargs"
+# the chat template's own arguments, which DistFlow sets
+_TEMPLATE_OWN = ("conversation", "messages", "tools", "documents", "add_generation_prompt", "tokenize",
+                 "continue_final_message", "chat_template", "return_dict", "return_tensors")
+
+
+def chat_template_kwargs(cfg: Config) -> dict[str, Any]:
+    """data.chat_template_kwargs as a mapping; a ConfigError names what is wrong with it."""
+    text = cfg.data.chat_template_kwargs.strip()
+    try:
+        value = yaml.safe_load(text) if text else {}
+    except yaml.YAMLError:
+        value = None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ConfigError(f"{TEMPLATE_KWARGS}={cfg.data.chat_template_kwargs!r}: expected a mapping of names to "
+                          "values, e.g. '{enable_thinking: false}'")
+    if own := sorted(set(value) & set(_TEMPLATE_OWN)):
+        raise ConfigError(f"{TEMPLATE_KWARGS}: {', '.join(own)} is set by DistFlow, not here")
+    return value
 
 
 def tool_names(cfg: Config) -> list[str]:

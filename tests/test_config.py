@@ -363,3 +363,24 @@ def test_make_data_refuses_a_count_below_one_and_makes_the_output_folder(tmp_pat
     from distflow.data.dataset import load_rows
 
     assert len(load_rows(str(tmp_path / "a/b/x.parquet"))) == 3
+
+
+def test_chat_template_kwargs_are_a_mapping_set_whole_or_one_name_at_a_time(tmp_path):
+    from distflow.config import chat_template_kwargs, from_dict
+
+    assert chat_template_kwargs(load_config()) == {}
+    whole = load_config(None, ["data.chat_template_kwargs={enable_thinking: false}"])
+    one = load_config(None, ["data.chat_template_kwargs.enable_thinking=false", "data.chat_template_kwargs.n=3"])
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  chat_template_kwargs:\n    enable_thinking: false\n")  # a YAML file's nested mapping
+    assert chat_template_kwargs(whole) == chat_template_kwargs(load_config(str(path))) == {"enable_thinking": False}
+    assert chat_template_kwargs(from_dict(one.to_dict())) == {"enable_thinking": False, "n": 3}  # the workers'
+    with pytest.raises(ConfigError, match=r"^data.chat_template_kwargs='\[1\]': expected a mapping"):
+        load_config(None, ["data.chat_template_kwargs=[1]"])
+    with pytest.raises(ConfigError, match="add_generation_prompt is set by DistFlow"):
+        load_config(None, ["data.chat_template_kwargs.add_generation_prompt=false"])
+    # verl's names say what DistFlow's are
+    with pytest.raises(ConfigError, match="verl's name; here it is data.chat_template_kwargs$"):
+        load_config(None, ["data.apply_chat_template_kwargs.enable_thinking=False"])
+    with pytest.raises(ConfigError, match="verl's name; here it is data.on_long_prompt=skip"):
+        load_config(None, ["data.filter_overlong_prompts=true"])

@@ -39,7 +39,10 @@ def quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, chat_template_kwargs: dict | None = None):
+    """The model folder's tokenizer, padding on the left; `chat_template_kwargs`
+    (data.chat_template_kwargs: Qwen3's enable_thinking) go to every rendering of its chat
+    template, a prompt's, an episode's turns and an agent's messages alike."""
     from transformers import AutoTokenizer
 
     quiet_transformers()
@@ -47,6 +50,8 @@ def load_tokenizer(path: str):
     tok.padding_side = "left"
     if tok.pad_token_id is None:  # many causal LMs ship without one; EOS is the usual stand-in
         tok.pad_token = tok.eos_token
+    if chat_template_kwargs:
+        tok.apply_chat_template = functools.partial(tok.apply_chat_template, **chat_template_kwargs)
     return tok
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from distflow.collectives import all_gather_objects
-from distflow.config import Config, traced_steps
+from distflow.config import Config, chat_template_kwargs, traced_steps
 from distflow.coordinator.double_buffer import DoubleBuffer
 from distflow.coordinator.layout import Layout
 from distflow.coordinator.placement import Placement
@@ -149,7 +149,7 @@ class RolloutWorker:
         self._status = StatusFile(run_dir, roles.world_rank, " (rollout worker)")  # under its rank in the job
         self.rank, self.world = dist.get_rank(), dist.get_world_size()  # within the rollout workers
         self.graph = build_graph(cfg).split(ROLLOUT_ROLES)[0]
-        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.path, chat_template_kwargs(cfg))
         layout = Layout(self.world, tp_size=cfg.rollout.replica_size)
         self.prompts = PromptSource(cfg, layout, self.rank, self.tokenizer.pad_token_id)
         resume_from, self.start_step = start_step_of(cfg, run_dir)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from distflow.algos.kl import AdaptiveKLController, make_kl_controller
 from distflow.collectives import all_gather_objects, all_reduce_sum
-from distflow.config import Config, from_dict, response_token_budget, tool_names, traced_steps
+from distflow.config import Config, chat_template_kwargs, from_dict, response_token_budget, tool_names, traced_steps
 from distflow.coordinator.double_buffer import DoubleBuffer
 from distflow.coordinator.executor import TransferStats
 from distflow.coordinator.layout import Layout
@@ -139,7 +139,7 @@ class PromptSource:
                                    cfg.data.on_long_prompt, cfg.trainer.seed)
         self.sampler = ShardedSampler(len(self.rows), cfg.data.train_batch_size, layout.dp_rank(rank),
                                       layout.dp_size, cfg.trainer.seed)
-        self.prefetch_tokenizer = load_tokenizer(cfg.model.path)
+        self.prefetch_tokenizer = load_tokenizer(cfg.model.path, chat_template_kwargs(cfg))
         self.images = load_image_prompter(cfg.model.path, self.prefetch_tokenizer, cfg.model.dtype)  # a VLM's
         self.tools = prompt_tools(cfg)
         self.counts: dict[int, Counter] = defaultdict(Counter)  # step -> skipped rows, truncated prompts
@@ -384,7 +384,7 @@ class Trainer:
         self.graph = build_graph(cfg)  # validated (and its callables imported) before any model loads
         if stream is not None:
             self.graph = self.graph.split(ROLLOUT_ROLES)[1]
-        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.path, chat_template_kwargs(cfg))
         # Layouts: a rollout replica is a group of replica_size ranks; training is data-parallel over all ranks.
         self.rollout_layout = Layout(self.world, tp_size=cfg.rollout.replica_size)
         self.train_layout = Layout.data_parallel(self.world)
@@ -786,7 +786,7 @@ def run_eval_worker(cfg_dict: dict, report_path: str, k: int) -> dict | None:
     cfg = from_dict(cfg_dict)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     device = worker_device(cfg)
-    tokenizer = load_tokenizer(cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.path, chat_template_kwargs(cfg))
     taken, chosen = heldout_rows(cfg, tokenizer, load_image_prompter(cfg.model.path, tokenizer, cfg.model.dtype),
                                  rank, world)
     with contextlib.ExitStack() as parts:  # each part closed, last built first, even where a later one fails to build

@@ -100,3 +100,22 @@ def test_a_prompt_without_a_chat_template_starts_with_the_bos_its_tokenizer_puts
                                                               special_tokens=[(tok.bos_token, tok.bos_token_id)])
     ids = encode_prompt(tok, row)
     assert ids[0] == tok.bos_token_id and ids[1:] == tok("1+2\n", add_special_tokens=False)["input_ids"]
+
+
+def test_chat_template_kwargs_reach_the_template_of_every_rendering():
+    """data.chat_template_kwargs (Qwen3's enable_thinking, as TRL's chat_template_kwargs and
+    verl's data.apply_chat_template_kwargs): a prompt's and an agent's renderings see them."""
+    from distflow.config import chat_template_kwargs, load_config
+    from distflow.data.dataset import PromptRow
+    from distflow.engines.common import render_prompt
+    from distflow.trainer.nodes import encode_prompt
+
+    thinking = ("{% if enable_thinking is defined and not enable_thinking %}NOTHINK {% endif %}"
+                "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    row = PromptRow(index=0, messages=[{"role": "user", "content": "1+2"}], ground_truth=3, data_source="x")
+    for overrides, text in ([], "1+2"), (["data.chat_template_kwargs.enable_thinking=false"], "NOTHINK 1+2"), \
+            (["data.chat_template_kwargs={enable_thinking: true}"], "1+2"):
+        tok = load_tokenizer(str(ASSET_DIR), chat_template_kwargs(load_config(None, overrides)))
+        tok.chat_template = thinking
+        assert tok.decode(encode_prompt(tok, row)) == text
+        assert render_prompt(tok, row.messages, tools=[]) == text
