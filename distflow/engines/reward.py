@@ -262,11 +262,14 @@ def _takes_verl_keywords(fn: RewardFn, spec: str) -> RewardFn:
     return fn
 
 
-def _scored(fn: RewardFn, args) -> float:
-    """`fn` called on one sample's (data_source, solution_str, ground_truth, extra_info), by
-    keyword as verl does; an `async def` function's result awaited, as verl awaits it."""
+def _scored(fn: RewardFn, args) -> tuple[float, dict[str, float]]:
+    """(score, the other numbers of a dict result: `extras_of`) of `fn` called on one
+    sample's (data_source, solution_str, ground_truth, extra_info), by keyword as verl does;
+    an `async def` function's result awaited, as verl awaits it."""
     result = fn(**dict(zip(REWARD_ARGUMENTS, args)))
-    return score_of(_event_loop().run_until_complete(result) if inspect.isawaitable(result) else result)
+    if inspect.isawaitable(result):
+        result = _event_loop().run_until_complete(result)
+    return score_of(result), extras_of(result)
 
 
 _loops = threading.local()
@@ -329,6 +332,16 @@ def score_of(result: Any) -> float:
     return float(result)
 
 
+def extras_of(result: Any) -> dict[str, float]:
+    """A dict result's other finite numbers (a bool as 0 or 1), as verl keeps them beside the
+    score (its DAPO scorer's "acc"; they are logged as reward_extra/<name>, and "acc" is the
+    sample's accuracy); {} for any other result."""
+    if not isinstance(result, dict):
+        return {}
+    return {str(k): float(v) for k, v in result.items() if k != "score" and isinstance(v, (bool, int, float))
+            and math.isfinite(v)}
+
+
 def serve(spec: str | None, requests, replies, gsm8k_mode: str = "strict",
           code_time_budget_s: float | None = None) -> None:
     """The reward child process's loop: JSON lines in, JSON lines out, one call at a time."""
@@ -368,15 +381,22 @@ class RewardRunner:
 
     def __call__(self, data_source: str, solution_str: str, ground_truth: str,
                  extra_info: dict[str, Any] | None = None) -> tuple[float, int]:
+        """(score, status) of one sample."""
+        return self.scored(data_source, solution_str, ground_truth, extra_info)[:2]
+
+    def scored(self, data_source: str, solution_str: str, ground_truth: str,
+               extra_info: dict[str, Any] | None = None) -> tuple[float, int, dict[str, float]]:
+        """(score, status, the result's other numbers: `extras_of`) of one sample."""
         args = (data_source, solution_str, ground_truth, extra_info)
         with self._lock:
             ok, value = self._in_child(args) if self.timeout_s > 0 else self._in_process(args)
         if ok is None:
-            return 0.0, TIMED_OUT
-        if ok and isinstance(value, float) and math.isfinite(value):
-            return value, OK
-        self._report(value if not ok else f"reward function returned {value!r}, not a finite number")
-        return 0.0, FAILED
+            return 0.0, TIMED_OUT, {}
+        score, extras = value if ok else (None, {})
+        if ok and isinstance(score, float) and math.isfinite(score):
+            return score, OK, extras
+        self._report(value if not ok else f"reward function returned {score!r}, not a finite number")
+        return 0.0, FAILED, {}
 
     def _in_process(self, args) -> tuple[bool, Any]:
         try:

@@ -24,7 +24,7 @@ import torch
 from distflow.collectives import all_gather_objects
 from distflow.data.dataset import PromptRow
 from distflow.engines.agent import FAILED_EPISODE_FIELDS, EpisodeRunner
-from distflow.engines.reward import RewardRunner, rule_reads
+from distflow.engines.reward import RewardRunner
 from distflow.engines.reward_model import RewardModel
 from distflow.engines.rollout import RolloutEngine, SamplingParams, sample_seed
 from distflow.trainer.nodes import score_responses, task
@@ -60,11 +60,11 @@ def _add(tally: Tally, name: str, value: float) -> None:
 def _scored(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[list[int]], seeds, params,
             reward_fn: RewardRunner, accuracy_fn: RewardRunner, episodes: EpisodeRunner | None,
             reward_field: str | None) -> tuple[torch.Tensor, ...]:
-    """(rewards (B,), correct (B,), response lengths (B,), ended with a stop token (B,), failed (B,))
-    of one generation (multi-turn episodes or an agent's samples with `episodes`; failed: its
+    """(rewards (B,), correct (B,), response lengths (B,), ended with a stop token (B,), failed (B,),
+    the reward function's other numbers: `score_responses`' extras) of one generation (multi-turn episodes or an agent's samples with `episodes`; failed: its
     environment or agent raised); the rewards are the rollout's `reward_field` where the run
     takes them from the rollout."""
-    nothing = torch.zeros(0), torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.bool), torch.zeros(0)
+    nothing = torch.zeros(0), torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.bool), torch.zeros(0), {}
     if not rows and engine.tensor_parallel_size == 1:
         return nothing
     if episodes is not None:
@@ -76,7 +76,7 @@ def _scored(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[l
         return nothing
     out.meta.update({"ground_truth": [r.ground_truth for r in rows], "data_source": [r.data_source for r in rows],
                      "extra_info": [r.extra_info for r in rows], "prompt_messages": [r.messages for r in rows]})
-    rewards, correct, _ = score_responses(tokenizer, out, reward_fn, accuracy_fn)
+    rewards, correct, _, extras = score_responses(tokenizer, out, reward_fn, accuracy_fn)
     if reward_field is not None:
         rewards = out[reward_field]
     mask = out["response_mask"]
@@ -86,7 +86,7 @@ def _scored(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[l
     last = (mask.cumsum(-1) == lengths.unsqueeze(-1)) & mask.bool()
     ended = (torch.isin(out["responses"], torch.tensor(engine.stop_token_ids)) & last).any(-1)
     failed = next((out[f] for f in FAILED_EPISODE_FIELDS if f in out), torch.zeros(len(rows)))
-    return rewards, correct, lengths, ended, failed
+    return rewards, correct, lengths, ended, failed, extras
 
 
 def evaluate(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[list[int]],
@@ -96,8 +96,11 @@ def evaluate(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[
     calls it, a worker of a tensor-parallel replica even with no rows)."""
     tally: Tally = {}
     greedy = SamplingParams(max_new_tokens=settings.max_new_tokens, greedy=True)
-    rewards, correct, lengths, ended, failed = _scored(engine, tokenizer, rows, ids, None, greedy, reward_fn,
-                                                       accuracy_fn, episodes, settings.reward_field)
+    rewards, correct, lengths, ended, failed, extras = _scored(engine, tokenizer, rows, ids, None, greedy, reward_fn,
+                                                               accuracy_fn, episodes, settings.reward_field)
+    for name, (total, samples) in extras.items():  # a reward function's own numbers (verl's reward_extra_info)
+        entry = tally.setdefault(f"reward_extra/{name}", [0.0, 0.0])
+        entry[0], entry[1] = entry[0] + total, entry[1] + samples
     for row, r, c, n, e, f in zip(rows, rewards.tolist(), correct.tolist(), lengths.tolist(), ended.tolist(),
                                   failed.tolist()):
         for group in _groups(row, by_source):
@@ -119,12 +122,13 @@ def _sampled(engine, tokenizer, rows, ids, reward_fn, accuracy_fn, settings: Eva
     seeds = [sample_seed(settings.seed, _EVAL_STREAM, row.index, j) for row in rows for j in range(k)]
     params = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                             top_p=settings.top_p)
-    # only accuracy is kept of the samples: scored by the rule alone (a reward model's forwards would be thrown away),
-    # unless the rule reads no answer from some row's ground truth: there the custom function's full marks count
-    unread = not isinstance(reward_fn, RewardModel) and not all(rule_reads(r.data_source, r.ground_truth) for r in rows)
-    _, correct, _, _, _ = _scored(engine, tokenizer, [r for r in rows for _ in range(k)],
-                                  [p for p in ids for _ in range(k)], seeds, params,
-                                  reward_fn if unread else accuracy_fn, accuracy_fn, episodes, None)
+    # only accuracy is kept of the samples, as the greedy responses': a custom function's (its "acc", or its full
+    # marks where the rule reads no answer from a row's ground truth), else the rule's alone (a reward model's
+    # forwards would be thrown away)
+    custom = isinstance(reward_fn, RewardRunner) and reward_fn.spec is not None
+    _, correct, _, _, _, _ = _scored(engine, tokenizer, [r for r in rows for _ in range(k)],
+                                     [p for p in ids for _ in range(k)], seeds, params,
+                                     reward_fn if custom else accuracy_fn, accuracy_fn, episodes, None)
     per_row = correct.view(len(rows), k) if rows else correct.view(0, k)
     for row, samples in zip(rows, per_row.tolist()):
         for group in _groups(row, by_source):

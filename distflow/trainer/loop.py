@@ -578,7 +578,8 @@ class Trainer:
                           EvalSettings(max_new_tokens=self.cfg.rollout.max_new_tokens,
                                        reward_field=nodes.rollout_reward_field(self.cfg)), episodes=self.ctx.episodes)
         return {f"val/{name}": value for name, value in report.items()
-                if name.startswith(("accuracy", "response_length/")) or name in ("reward", "failed_episodes")}
+                if name.startswith(("accuracy", "response_length/", "reward_extra/"))
+                or name in ("reward", "failed_episodes")}
 
     # ------------------------------------------------------------------ the run
 

@@ -199,9 +199,11 @@ def _generated(out: Batch) -> Batch:
                   if k in out.tensors})
 
 
-def score_responses(tokenizer, batch: Batch, reward_fn: RewardRunner | RewardModel,
-                    accuracy_fn: RewardRunner | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rewards, accuracy, status): accuracy is 1 where the rule-based scorer gives full
+def score_responses(tokenizer, batch: Batch, reward_fn: RewardRunner | RewardModel, accuracy_fn: RewardRunner | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, list[float]]]:
+    """(rewards, accuracy, status, extras): extras are the other numbers of a reward
+    function's dict results, name -> [sum, samples] (`extras_of`); a function that returns
+    an "acc" (verl's DAPO scorer) gives the accuracy itself. Otherwise accuracy is 1 where the rule-based scorer gives full
     marks (a code response passes every test), else 0 (and 0 without `accuracy_fn`); where
     the rule reads no such ground truth (a structure, verl's search data), where the reward
     does (a custom function's full marks); status
@@ -215,12 +217,17 @@ def score_responses(tokenizer, batch: Batch, reward_fn: RewardRunner | RewardMod
     texts = tokenizer.batch_decode(batch["responses"] * shown + tokenizer.pad_token_id * (1 - shown),
                                    skip_special_tokens=True)
     learned = isinstance(reward_fn, RewardModel)
-    rewards, correct, status = [], [], []
+    rewards, correct, status, extras = [], [], [], {}
     for text, gt, src, extra in zip(texts, batch["ground_truth"], batch["data_source"], reward_extra_info(batch)):
-        value, state = (0.0, OK) if learned else reward_fn(src, text, gt, extra)
+        value, state, more = (0.0, OK, {}) if learned else reward_fn.scored(src, text, gt, extra)
         rewards.append(value)
         status.append(state)
-        if accuracy_fn is reward_fn:
+        for name, number in more.items():
+            tally = extras.setdefault(name, [0.0, 0.0])
+            tally[0], tally[1] = tally[0] + number, tally[1] + 1
+        if "acc" in more:  # the function's own accuracy
+            marks = more["acc"]
+        elif accuracy_fn is reward_fn:
             marks = value
         elif accuracy_fn is None:
             marks = 0.0
@@ -236,7 +243,7 @@ def score_responses(tokenizer, batch: Batch, reward_fn: RewardRunner | RewardMod
         scores = reward_fn.score([[*prompt, *rest] for prompt, rest in zip(batch["prompt_messages"], after)])
         bad = ~torch.isfinite(scores)
         scores, status = scores.masked_fill(bad, 0.0), status.masked_fill(bad, FAILED)
-    return scores, torch.tensor(correct, dtype=torch.float32), status
+    return scores, torch.tensor(correct, dtype=torch.float32), status, extras
 
 
 def reward_extra_info(batch: Batch) -> list:
@@ -266,7 +273,7 @@ def rollout_reward_field(cfg: Config) -> str | None:
 
 
 def reward(ctx: WorkerContext, batch: Batch) -> Batch:
-    scores, correct, status = score_responses(ctx.tokenizer, batch, ctx.reward_fn, ctx.accuracy_fn)
+    scores, correct, status, extras = score_responses(ctx.tokenizer, batch, ctx.reward_fn, ctx.accuracy_fn)
     given = rollout_reward_field(ctx.cfg)  # rollout.agent's return value / reward.from_env's sum of the
     if given is not None:                  # environment's rewards is the reward; accuracy as always
         scores, status = batch[given], torch.zeros_like(status)
@@ -274,6 +281,8 @@ def reward(ctx: WorkerContext, batch: Batch) -> Batch:
         ctx.acc.add_total("reward/scored", float(len(status)))
         ctx.acc.add_total("reward/failed", float((status == FAILED).sum()))
         ctx.acc.add_total("reward/timed_out", float((status == TIMED_OUT).sum()))
+        for name, (total, samples) in extras.items():  # the function's own numbers, over the samples giving each
+            ctx.acc.add(f"reward_extra/{name}", total, samples)
     return Batch({"scores": scores, "accuracy": correct, "reward_status": status})
 
 
@@ -336,7 +345,7 @@ def greedy_baseline(ctx: WorkerContext, batch: Batch) -> Batch:
         return Batch({"baseline_scores": torch.zeros(0, dtype=torch.float32)})
     out.meta.update({k: [batch[k][i] for i in rows]
                      for k in ("ground_truth", "data_source", "extra_info", "prompt_messages") if k in batch})
-    scores, _, _ = score_responses(ctx.tokenizer, out, ctx.reward_fn, None)
+    scores, _, _, _ = score_responses(ctx.tokenizer, out, ctx.reward_fn, None)
     if overlong_buffer_tokens(ctx.cfg):  # shaped as the samples' scores are (overlong_penalty)
         scores = scores + _overlong(ctx.cfg, out["response_mask"].sum(-1))
     by_group = dict(zip(first, scores.tolist()))

@@ -120,11 +120,11 @@ def test_the_reward_is_the_model_s_score_and_accuracy_the_rule_s(qwen2_reward_mo
     batch = Batch({"responses": responses, "response_mask": (responses != policy_tok.pad_token_id).long()},
                   {"ground_truth": ["7", "85"], "data_source": ["gsm8k"] * 2, "extra_info": [{}] * 2,
                    "prompt_messages": PROMPTS[:2]})
-    scores, accuracy, status = score_responses(policy_tok, batch, rm, RewardRunner(None, 0))
+    scores, accuracy, status, _ = score_responses(policy_tok, batch, rm, RewardRunner(None, 0))
     assert torch.allclose(scores, rm.score(_single_turn(PROMPTS[:2], RESPONSES[:2])), atol=1e-5)
     assert accuracy.tolist() == [1.0, 0.0] and status.tolist() == [0, 0]  # '#### 7' right, '#### 84' not 85
     rm.model.score.weight.data.fill_(float("inf"))  # an overflow: the scores are not finite
-    scores, _, status = score_responses(policy_tok, batch, rm, RewardRunner(None, 0))
+    scores, _, status, _ = score_responses(policy_tok, batch, rm, RewardRunner(None, 0))
     assert scores.tolist() == [0.0, 0.0] and status.tolist() == [FAILED, FAILED]  # counted in reward/failed
 
 
@@ -155,7 +155,7 @@ def test_an_episode_is_scored_as_its_whole_conversation(qwen2_reward_model_dir, 
     assert out["episode_messages"] == [turns]
     out.meta.update({"ground_truth": ["7"], "data_source": ["gsm8k"], "extra_info": [{}],
                      "prompt_messages": PROMPTS[:1]})
-    scores, accuracy, _ = score_responses(tok, out, rm, RewardRunner(None, 0))
+    scores, accuracy, _, _ = score_responses(tok, out, rm, RewardRunner(None, 0))
     assert torch.allclose(scores, rm.score([[*PROMPTS[0], *turns]]), atol=1e-5) and accuracy.tolist() == [1.0]
     last_turn_alone = rm.score(_single_turn(PROMPTS[:1], ["No: #### 7"]))
     assert abs(float(scores[0] - last_turn_alone[0])) > 1e-4

@@ -96,6 +96,23 @@ def test_pass_at_k_of_a_structured_ground_truth_is_the_custom_reward_s(tmp_path)
     assert (report["accuracy"], report["mean@2"], report["pass@2"]) == (1.0, 0.5, 1.0)
 
 
+def test_a_reward_functions_acc_is_the_greedy_and_sampled_accuracy_and_its_numbers_are_reported(tmp_path):
+    """A function returning verl's DAPO dict: its "acc" is the accuracy of the greedy and the
+    sampled responses alike (the rule read these as right: `#### 4` against 4), its other
+    numbers are reported (reward_extra/<name>)."""
+    tok = build_tokenizer()
+    rows = [PromptRow(index=0, messages=[{"role": "user", "content": "q"}], ground_truth="4", data_source="x")]
+    (tmp_path / "strict.py").write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    right = solution_str == 'The answer is 4.'\n"
+        "    return {'score': float(right), 'acc': right, 'chars': len(solution_str)}\n")
+    report = evaluate(ScriptedEngine(tok, ["#### 4"], [["#### 4", "The answer is 4."]]), tok, rows, [[5, 6]],
+                      RewardRunner(f"{tmp_path / 'strict.py'}:score", 0), RewardRunner(None, 0),
+                      EvalSettings(max_new_tokens=24, k=2))
+    assert (report["accuracy"], report["mean@2"], report["pass@2"]) == (0.0, 0.5, 1.0)
+    assert (report["reward_extra/acc"], report["reward_extra/chars"]) == (0.0, 6.0)
+
+
 class EpisodeEngine:
     """Two episodes of a turn, a tool's reply (observation) and a second turn: the first ends its
     last turn with EOS, the second's last turn is cut at the budget."""

@@ -31,6 +31,19 @@ def test_grpo_advantage_node_uses_the_registered_estimator():
     assert torch.allclose(out["advantages"], expected, atol=1e-4)
 
 
+class Scorer:
+    """A reward runner's contract (`RewardRunner`) around `fn(src, text, truth, extra) -> (score, status)`."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def scored(self, *args):
+        return (*self.fn(*args), {})
+
+
 def _on_valid(values: list[float]) -> torch.Tensor:
     """Hand-computed values for the valid tokens of MASK, in row order, as a (4, 3) tensor."""
     out = torch.zeros(MASK.shape)
@@ -244,8 +257,7 @@ def test_greedy_baseline_scores_one_greedy_response_per_group():
         def batch_decode(self, ids, skip_special_tokens):
             return [f"#### {int(row[0])}" for row in ids]
 
-    def reward_fn(src, text, gt, extra):
-        return float(text == f"#### {gt}"), 0
+    reward_fn = Scorer(lambda src, text, gt, extra: (float(text == f"#### {gt}"), 0))
 
     engine = Engine()
     ctx = StepCtx({}, rollout=engine, tokenizer=Tokenizer(), reward_fn=reward_fn)
@@ -357,7 +369,7 @@ def test_failed_rewards_are_counted_where_they_are_scored_and_episode_lengths_ho
             return ["x"] * len(ids)
 
     status = iter([FAILED, FAILED, OK])
-    ctx = StepCtx({}, tokenizer=Tokenizer(), reward_fn=lambda *args: (0.0, next(status)))
+    ctx = StepCtx({}, tokenizer=Tokenizer(), reward_fn=Scorer(lambda *args: (0.0, next(status))))
     ctx.accuracy_fn = ctx.reward_fn
     batch = Batch({"responses": torch.ones(3, 2, dtype=torch.long), "response_mask": torch.ones(3, 2, dtype=torch.long)},
                   {"ground_truth": ["1"] * 3, "data_source": ["a"] * 3, "extra_info": [{}] * 3})
@@ -468,3 +480,41 @@ def test_a_reward_function_sees_an_episode_as_verl_s_reward_managers_show_it(tmp
     assert seen == [["A B C D E", {"level": 1, "num_turns": 6, "rollout_reward_scores": {"env": 0.5}}],
                     ["A", {"level": 2, "num_turns": 2, "rollout_reward_scores": {"env": 0.0}}]]
     assert extra == [{"level": 1}, {"level": 2}]  # the batch's own, unchanged
+
+
+def test_a_reward_functions_other_numbers_are_logged_and_its_acc_is_the_accuracy(tmp_path):
+    """verl's DAPO scorer returns {"score", "acc", "pred"}: "acc" is the sample's accuracy
+    (it came from the default rule, on the user's data), and every other number is a
+    metric, reward_extra/<name>, at the step (and at the held-out evaluation); text is not."""
+    from distflow.engines.reward import RewardRunner
+
+    (tmp_path / "dapo_like.py").write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    right = solution_str == ground_truth\n"
+        "    return {'score': 1.0 if right else -1.0, 'acc': right, 'pred': solution_str, 'length': len(solution_str)}\n")
+
+    class Tokenizer:
+        pad_token_id = 0
+
+        def batch_decode(self, ids, skip_special_tokens):
+            return ["7", "8", "77"]
+
+    batch = Batch({"responses": torch.ones(3, 2, dtype=torch.long), "response_mask": torch.ones(3, 2, dtype=torch.long)},
+                  {"ground_truth": ["7", "7", "7"], "data_source": ["x"] * 3, "extra_info": [{}] * 3})
+    for timeout_s in (0.0, 30.0):  # in this process, and through the child's JSON
+        runner = RewardRunner(f"{tmp_path / 'dapo_like.py'}:score", timeout_s)
+        ctx = StepCtx({}, tokenizer=Tokenizer(), reward_fn=runner)
+        ctx.accuracy_fn = RewardRunner(None, 0)  # the default rule: it reads '77' as wrong and '7' right, as acc does
+        out = nodes.reward(ctx, batch)
+        assert out["scores"].tolist() == [1.0, -1.0, -1.0] and out["accuracy"].tolist() == [1.0, 0.0, 0.0]
+        metrics = ctx.acc.reduce()
+        assert metrics["reward_extra/acc"] == pytest.approx(1 / 3) and metrics["reward_extra/length"] == 4 / 3
+        assert "reward_extra/pred" not in metrics
+        runner.close()
+    # "acc" is the accuracy also where the rule would read otherwise: here it scores every row right
+    (tmp_path / "lenient.py").write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': 0.5, 'acc': 1}\n")
+    ctx = StepCtx({}, tokenizer=Tokenizer(), reward_fn=RewardRunner(f"{tmp_path / 'lenient.py'}:score", 0))
+    ctx.accuracy_fn = RewardRunner(None, 0)
+    assert nodes.reward(ctx, batch)["accuracy"].tolist() == [1.0, 1.0, 1.0]
