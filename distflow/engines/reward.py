@@ -25,6 +25,7 @@ import functools
 import inspect
 import json
 import math
+import numbers
 import os
 import re
 import select
@@ -338,7 +339,7 @@ def extras_of(result: Any) -> dict[str, float]:
     sample's accuracy); {} for any other result."""
     if not isinstance(result, dict):
         return {}
-    return {str(k): float(v) for k, v in result.items() if k != "score" and isinstance(v, (bool, int, float))
+    return {str(k): float(v) for k, v in result.items() if k != "score" and isinstance(v, numbers.Real)
             and math.isfinite(v)}
 
 
