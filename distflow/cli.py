@@ -674,7 +674,7 @@ def cmd_dag_show(args: argparse.Namespace) -> int:
     except OSError as e:
         return _fail(f"--out {out}: {e.strerror or e}{f' ({e.filename})' if e.filename else ''}")
     except subprocess.CalledProcessError as e:
-        return _fail(f"--out {out}: Graphviz's dot failed: {(e.stderr or '').strip().splitlines()[-1:] or e}")
+        return _fail(f"--out {out}: Graphviz's dot failed: {((e.stderr or '').strip().splitlines() or [e])[-1]}")
     print("wrote " + ", ".join(map(str, written)))
     return 0
 

@@ -512,7 +512,8 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
     if verl is not None:
         raise ConfigError(f"unknown config key '{dotted}': verl's name; here it is {VERL_KEYS[verl]}")
     if dotted.startswith(TEMPLATE_KWARGS + "."):  # one argument: data.chat_template_kwargs.enable_thinking=false
-        cfg.data.chat_template_kwargs = json.dumps(chat_template_kwargs(cfg) | {dotted[len(TEMPLATE_KWARGS) + 1:]: value})
+        name = dotted[len(TEMPLATE_KWARGS) + 1:]
+        cfg.data.chat_template_kwargs = json.dumps(chat_template_kwargs(cfg) | {name: value}, default=str)
         return
     parts = dotted.split(".")
     if parts[0] not in SECTIONS:

@@ -25,7 +25,6 @@ from distflow.collectives import all_gather_objects
 from distflow.data.dataset import PromptRow
 from distflow.engines.agent import FAILED_EPISODE_FIELDS, EpisodeRunner
 from distflow.engines.reward import RewardRunner
-from distflow.engines.reward_model import RewardModel
 from distflow.engines.rollout import RolloutEngine, SamplingParams, sample_seed
 from distflow.trainer.nodes import score_responses, task
 
@@ -61,9 +60,10 @@ def _scored(engine: RolloutEngine, tokenizer, rows: list[PromptRow], ids: list[l
             reward_fn: RewardRunner, accuracy_fn: RewardRunner, episodes: EpisodeRunner | None,
             reward_field: str | None) -> tuple[torch.Tensor, ...]:
     """(rewards (B,), correct (B,), response lengths (B,), ended with a stop token (B,), failed (B,),
-    the reward function's other numbers: `score_responses`' extras) of one generation (multi-turn episodes or an agent's samples with `episodes`; failed: its
-    environment or agent raised); the rewards are the rollout's `reward_field` where the run
-    takes them from the rollout."""
+    the reward function's other numbers: `score_responses`' extras) of one generation
+    (multi-turn episodes or an agent's samples with `episodes`; failed: its environment or
+    agent raised); the rewards are the rollout's `reward_field` where the run takes them
+    from the rollout."""
     nothing = torch.zeros(0), torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.bool), torch.zeros(0), {}
     if not rows and engine.tensor_parallel_size == 1:
         return nothing

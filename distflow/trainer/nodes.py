@@ -203,12 +203,12 @@ def score_responses(tokenizer, batch: Batch, reward_fn: RewardRunner | RewardMod
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, list[float]]]:
     """(rewards, accuracy, status, extras): extras are the other numbers of a reward
     function's dict results, name -> [sum, samples] (`extras_of`); a function that returns
-    an "acc" (verl's DAPO scorer) gives the accuracy itself. Otherwise accuracy is 1 where the rule-based scorer gives full
-    marks (a code response passes every test), else 0 (and 0 without `accuracy_fn`); where
-    the rule reads no such ground truth (a structure, verl's search data), where the reward
-    does (a custom function's full marks); status
-    is OK, FAILED (raised or not a number) or TIMED_OUT per sample; a failed sample scores 0
-    and the run goes on. A reward model scores the batch at once, from the prompts'
+    an "acc" (verl's DAPO scorer) gives the accuracy itself. Otherwise accuracy is 1 where
+    the rule-based scorer gives full marks (a code response passes every test), else 0 (and
+    0 without `accuracy_fn`); where the rule reads no such ground truth (a structure, verl's
+    search data), where the reward does (a custom function's full marks); status is OK,
+    FAILED (raised or not a number) or TIMED_OUT per sample; a failed sample scores 0 and
+    the run goes on. A reward model scores the batch at once, from the prompts'
     messages and the responses (an episode's: its turns and observations, `episode_messages`)."""
     shown = batch["response_mask"].bool()
     if "observation_mask" in batch:
