@@ -87,7 +87,7 @@ def test_a_structured_ground_truth_reaches_a_custom_reward_function_as_it_is(tmp
         "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    return float(isinstance(ground_truth, list) and solution_str.endswith(ground_truth[0]))\n")
     listed = RewardRunner(f"{tmp_path / 'listed.py'}:score", 0.0)
-    scores, accuracy, status = score_responses(tok, batch, listed, RewardRunner(None, 0.0))
+    scores, accuracy, status, _ = score_responses(tok, batch, listed, RewardRunner(None, 0.0))
     assert scores.tolist() == [1.0, 0.0] and accuracy.tolist() == [1.0, 0.0] and status.tolist() == [OK, OK]
     cases = {"inputs": ["2\n"], "outputs": ["4"]}
     assert default_compute_score("codecontests", "```python\nprint(int(input()) * 2)\n```", cases) == 1.0
