@@ -672,7 +672,7 @@ def cmd_dag_show(args: argparse.Namespace) -> int:
         else:  # no Graphviz here: a PNG drawn with matplotlib
             written.append(draw_png(graph, out.with_suffix(".png"), title))
     except OSError as e:
-        return _fail(f"--out {out}: {e.strerror or e}{f' ({e.filename})' if e.filename else ''}")
+        return _cannot_write(out, e)
     except subprocess.CalledProcessError as e:
         return _fail(f"--out {out}: Graphviz's dot failed: {((e.stderr or '').strip().splitlines() or [e])[-1]}")
     print("wrote " + ", ".join(map(str, written)))
@@ -718,6 +718,11 @@ def cmd_runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cannot_write(out: Path, e: OSError) -> int:
+    """--out's one line where it cannot be written: why, and the path that refused."""
+    return _fail(f"--out {out}: {e.strerror or e}{f' ({e.filename})' if e.filename else ''}")
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     """Several runs' reward and held-out accuracy overlaid in one PNG."""
     from distflow.trainer.report import read_history, write_overlay
@@ -734,7 +739,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         write_overlay(dict(zip(names, histories)), out)
     except OSError as e:
-        return _fail(f"--out {out}: {e.strerror or e}{f' ({e.filename})' if e.filename else ''}")
+        return _cannot_write(out, e)
     except ValueError as e:  # matplotlib's: a suffix it cannot write ('Format 'xyz' is not supported ...')
         return _fail(f"--out {out}: {e}")
     print(f"wrote {args.out}")
