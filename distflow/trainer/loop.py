@@ -477,7 +477,7 @@ class Trainer:
             total = self.cfg.trainer.total_steps
             print(f"distflow: resuming from {path} (step {self.start_step} of {total})"
                   + (": the run is complete, nothing to train" if self.start_step >= total else "")
-                  + f"; trainer.resume=off, or another trainer.output_dir, starts a new run", file=sys.stderr)
+                  + "; trainer.resume=off, or another trainer.output_dir, starts a new run", file=sys.stderr)
             if self.start_step < total:  # done no more until it ends again
                 (self.run_dir / "summary.json").unlink(missing_ok=True)
             abandoned = checkpoint.set_aside_newer(self.run_dir / "checkpoints", self.start_step)
