@@ -62,10 +62,12 @@ class ShardedSampler:
 
     def next_step(self, state: dict[str, int]) -> int:
         """The step to run next after restoring `state` (saved by `state_dict`)."""
-        for key in ("seed", "batch_size", "num_rows"):
+        for key, setting in (("seed", "trainer.seed"), ("batch_size", "data.train_batch_size"),
+                             ("num_rows", "the rows of data.train_files")):
             if state[key] != getattr(self, key):
-                raise ValueError(f"dataloader state has {key}={state[key]} but this run has "
-                                 f"{getattr(self, key)}; resume with the same data and batch size")
+                raise ValueError(f"its run had {setting}={state[key]}, this one {getattr(self, key)}; the data "
+                                 "order goes on only with the same data, batch size and seed (trainer.resume=off, "
+                                 "or another trainer.output_dir, starts a new run)")
         consumed = state["epoch"] * self.num_rows + state["offset"]
         assert consumed % self.batch_size == 0, "positions are saved at step boundaries"
         return consumed // self.batch_size + 1

@@ -59,12 +59,6 @@ from distflow.trainer.metrics import MeanAccumulator, StageTimer
 from distflow.trainer.recipes import ROLLOUT_ROLES, build_graph
 
 
-def start_step_of(cfg: Config, run_dir: Path) -> tuple[Path | None, int]:
-    """The checkpoint this run resumes from (trainer.resume) and its step; (None, 0) afresh."""
-    path = checkpoint.resolve(cfg.trainer.resume, run_dir)
-    return path, checkpoint.read_state(path)["step"] if path is not None else 0
-
-
 def sample_versions(batch: Batch, engine_version: int) -> torch.Tensor:
     """The weight version each sample's staleness is counted by: with rollout.partial its
     first token's (later tokens may come from newer weights), else the engine's."""
@@ -152,7 +146,8 @@ class RolloutWorker:
         self.tokenizer = load_tokenizer(cfg.model.path, chat_template_kwargs(cfg))
         layout = Layout(self.world, tp_size=cfg.rollout.replica_size)
         self.prompts = PromptSource(cfg, layout, self.rank, self.tokenizer.pad_token_id)
-        resume_from, self.start_step = start_step_of(cfg, run_dir)
+        resume_from = checkpoint.resolve(cfg.trainer.resume, run_dir)
+        self.start_step = self.prompts.resumed_step(resume_from)  # checked before the model loads
         torch.manual_seed(cfg.trainer.seed)
         self.engine = make_rollout_engine(cfg, str(resume_from or cfg.model.path), self.tokenizer, device, actor=None)
         self.engine.weight_version = self.start_step
@@ -270,7 +265,8 @@ def run_disaggregated(cfg: Config, run_dir: Path, progress: bool) -> dict:
             worker.close()
         roles.close()
         return result
-    _, start = start_step_of(cfg, run_dir)
+    resume_from = checkpoint.resolve(cfg.trainer.resume, run_dir)
+    start = checkpoint.read_state(resume_from)["step"] if resume_from is not None else 0
     side = TrainSide(cfg, roles, start + 1)
     eval_cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine="hf",
                                                                     tensor_parallel_size=1, replica_size=1))

@@ -165,6 +165,22 @@ class PromptSource:
         """The step's prompts, tokenised."""
         return self.batch(step, self.sampler.local_positions(step), self.prefetch_tokenizer, self.sampler)
 
+    def resumed_step(self, path: Path | None) -> int:
+        """The step the checkpoint `path` ends on (0 for None: a fresh start), once its saved
+        data position is checked against this run's data, batch size and seed; called
+        before any model loads, so that a changed one stops the run at once."""
+        if path is None:
+            return 0
+        state = checkpoint.read_state(path)
+        try:
+            after = self.sampler.next_step(state["dataloader"])
+        except ValueError as e:
+            raise checkpoint.CheckpointError(f"checkpoint {path}: {e}") from None
+        if after != state["step"] + 1:
+            raise checkpoint.CheckpointError(f"checkpoint {path}: dataloader position {state['dataloader']} "
+                                             f"does not match step {state['step']}")
+        return state["step"]
+
     def take_counts(self, step: int) -> Counter:
         with self.lock:
             return self.counts.pop(step, Counter())
@@ -398,6 +414,7 @@ class Trainer:
         torch.manual_seed(cfg.trainer.seed)
         # resuming: the policy comes from the checkpoint (a HF folder), the reference from model.path
         self.resume_from = checkpoint.resolve(cfg.trainer.resume, run_dir)
+        self.prompts.resumed_step(self.resume_from)  # checked before the models load
         policy_path = str(self.resume_from) if self.resume_from else cfg.model.path
         # the actor and the reference score at the rollout's temperature: the distribution sampled from
         # the actor and the critic keep fp32 master weights and compute in model.dtype
@@ -469,9 +486,6 @@ class Trainer:
         # an adaptive controller goes on from where it was; a fixed one's coefficient is the config's
         if isinstance(self.ctx.reward_kl, AdaptiveKLController) and "reward_kl_coef" in state.get("algorithm", {}):
             self.ctx.reward_kl.value = state["algorithm"]["reward_kl_coef"]
-        if self.prompts.sampler.next_step(state["dataloader"]) != self.start_step + 1:
-            raise checkpoint.CheckpointError(f"checkpoint {path}: dataloader position {state['dataloader']} "
-                                             f"does not match step {self.start_step}")
         abandoned = []
         if self.rank == 0:  # said every time: a config copied from a run's config.json names that run's folder
             total = self.cfg.trainer.total_steps

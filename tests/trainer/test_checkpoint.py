@@ -290,6 +290,11 @@ def test_killed_while_checkpointing_then_resumed_matches_an_uninterrupted_run(tm
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "(step 3 of 3): the run is complete, nothing to train; trainer.resume=off" in proc.stderr  # said nothing
     assert (run / "summary.json").read_text() == summary and _metrics(run) == resumed
+    # a changed batch size cannot go on from the checkpoint's data position: refused by name, the folder untouched
+    proc = _train([f"trainer.output_dir={run}", "data.train_batch_size=8"], tmp_path)
+    assert proc.returncode != 0
+    assert f"checkpoint {run / 'checkpoints' / 'final'}: its run had data.train_batch_size=4, this one 8" in proc.stderr
+    assert (run / "summary.json").read_text() == summary and _metrics(run) == resumed
     # rolled back to step 2 in the same folder: the later `final` is set aside (else `keep_last` would keep it over
     # the new branch's and `resume=auto` would pick it), and step 3 replays exactly
     proc = _train([f"trainer.output_dir={run}", "trainer.save_every=1", "trainer.keep_last=1",
