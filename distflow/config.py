@@ -290,6 +290,9 @@ class SchedulerConfig:
 class RewardConfig:
     custom_fn: str | None = _spec(None, doc="module:function or path.py:function")
     timeout_s: float = _spec(30.0, min=0.0, doc="per-sample limit; the function runs in a child process (0 = in-process, no limit)")
+    async_concurrency: int = _spec(64, min=1, doc="an async def custom_fn (an LLM judge): how many of a worker's samples "
+                                                  "it awaits at once, each within timeout_s; other functions score "
+                                                  "one sample at a time")
     gsm8k_mode: str = _spec("strict", choices=("strict", "flexible"),
                             doc="the default reward's #### rule: strict needs '#### N'; flexible reads the last "
                                 "number when there is no #### (verl's modes); accuracy stays strict")

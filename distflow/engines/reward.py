@@ -263,14 +263,47 @@ def _takes_verl_keywords(fn: RewardFn, spec: str) -> RewardFn:
     return fn
 
 
+def _called(fn: RewardFn, args) -> Any:
+    """`fn`'s result for one sample's (data_source, solution_str, ground_truth, extra_info),
+    called by keyword as verl does."""
+    return fn(**dict(zip(REWARD_ARGUMENTS, args)))
+
+
 def _scored(fn: RewardFn, args) -> tuple[float, dict[str, float]]:
-    """(score, the other numbers of a dict result: `extras_of`) of `fn` called on one
-    sample's (data_source, solution_str, ground_truth, extra_info), by keyword as verl does;
+    """(score, the other numbers of a dict result: `extras_of`) of one sample (`_called`);
     an `async def` function's result awaited, as verl awaits it."""
-    result = fn(**dict(zip(REWARD_ARGUMENTS, args)))
+    result = _called(fn, args)
     if inspect.isawaitable(result):
         result = _event_loop().run_until_complete(result)
     return score_of(result), extras_of(result)
+
+
+def is_async(fn: RewardFn) -> bool:
+    """An `async def` function (a partial of one, an object whose `__call__` is one): its
+    samples are awaited together (`scored_together`)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def scored_together(fn: RewardFn, samples: list, limit_s: float | None, concurrency: int) -> list[list]:
+    """An async function's samples awaited together on this thread's loop, `concurrency` at
+    a time (an LLM judge's requests in flight), each within `limit_s` of its start (None: no
+    limit). Per sample [True, `_scored`'s pair], [False, its traceback], or [None, None]
+    past the limit (cancelled, so that the others go on)."""
+    async def one(args, gate: asyncio.Semaphore) -> list:
+        async with gate:
+            try:
+                result = await asyncio.wait_for(_called(fn, args), limit_s)
+                return [True, (score_of(result), extras_of(result))]
+            except TimeoutError:
+                return [None, None]
+            except Exception:
+                return [False, traceback.format_exc()]
+
+    async def every() -> list[list]:
+        gate = asyncio.Semaphore(concurrency)
+        return list(await asyncio.gather(*(one(args, gate) for args in samples)))
+
+    return _event_loop().run_until_complete(every())
 
 
 _loops = threading.local()
@@ -345,15 +378,27 @@ def extras_of(result: Any) -> dict[str, float]:
 
 def serve(spec: str | None, requests, replies, gsm8k_mode: str = "strict",
           code_time_budget_s: float | None = None) -> None:
-    """The reward child process's loop: JSON lines in, JSON lines out, one call at a time."""
-    fn = load_reward_fn(spec, gsm8k_mode, code_time_budget_s)
-    replies.write(json.dumps(["ready", None]) + "\n")  # start-up does not count against a call's limit
+    """The reward child process's loop: JSON lines in, JSON lines out, one request at a
+    time: one sample's arguments, or {"samples", "limit_s", "concurrency"} for an async
+    function's samples together (`scored_together`). Its first line says whether the
+    function is async, or why it cannot be loaded (one line, as `load_reward_fn` says it)."""
+    try:
+        fn = load_reward_fn(spec, gsm8k_mode, code_time_budget_s)
+    except PluginError as e:
+        replies.write(json.dumps(["failed", str(e)]) + "\n")
+        replies.flush()
+        return
+    replies.write(json.dumps(["ready", {"async": is_async(fn)}]) + "\n")  # start-up counts against no limit
     replies.flush()
     for line in requests:
-        try:
-            reply = [True, _scored(fn, json.loads(line))]
-        except Exception:
-            reply = [False, traceback.format_exc()]
+        request = json.loads(line)
+        if isinstance(request, dict):
+            reply = scored_together(fn, request["samples"], request["limit_s"], request["concurrency"])
+        else:
+            try:
+                reply = [True, _scored(fn, request)]
+            except Exception:
+                reply = [False, traceback.format_exc()]
         replies.write(json.dumps(reply) + "\n")
         replies.flush()
 
@@ -366,19 +411,29 @@ class RewardRunner:
     runs in a child process: a call that exceeds the limit scores 0 with status
     TIMED_OUT, and the child is killed and restarted; the default reward runs a code
     sample's tests while they fit in that limit (`code_score`'s `time_budget_s`), so it
-    scores those it ran. Thread-safe (one call at a time).
+    scores those it ran. A custom function is imported in the child alone (a judge model
+    it loads at import is held once), which starts with the runner: a bad one stops the
+    run at start-up. An `async def` function's samples are awaited together
+    (`scored_all`). Thread-safe (one call at a time).
     `gsm8k_mode` (strict|flexible, config `reward.gsm8k_mode`) is the default reward's GSM8K
     mode, in this process and in the child alike."""
 
-    def __init__(self, spec: str | None, timeout_s: float, gsm8k_mode: str = "strict", measures: str = "reward"):
+    def __init__(self, spec: str | None, timeout_s: float, gsm8k_mode: str = "strict", measures: str = "reward",
+                 concurrency: int = 64):
         """`measures`: "reward", or "accuracy" for the runner of the accuracy metric alone (a
-        failure there counts the sample as wrong, not in reward/failed)."""
+        failure there counts the sample as wrong, not in reward/failed). `concurrency`: an
+        async function's samples in flight at once (config `reward.async_concurrency`)."""
         self.spec, self.timeout_s, self.gsm8k_mode = spec, timeout_s, check_gsm8k_mode(gsm8k_mode)
-        self.measures = measures
-        self.fn = load_reward_fn(spec, gsm8k_mode)  # also in this process: a bad name fails at start-up
+        self.measures, self.concurrency = measures, concurrency
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._reported = False
+        self.fn, self.is_async = None, False  # in a child: learned as it starts
+        if timeout_s <= 0:
+            self.fn = load_reward_fn(spec, gsm8k_mode)
+            self.is_async = is_async(self.fn)
+        elif spec is not None:
+            self._start()
 
     def __call__(self, data_source: str, solution_str: str, ground_truth: str,
                  extra_info: dict[str, Any] | None = None) -> tuple[float, int]:
@@ -391,6 +446,22 @@ class RewardRunner:
         args = (data_source, solution_str, ground_truth, extra_info)
         with self._lock:
             ok, value = self._in_child(args) if self.timeout_s > 0 else self._in_process(args)
+        return self._judged(ok, value)
+
+    def scored_all(self, samples: list[tuple]) -> list[tuple[float, int, dict[str, float]]]:
+        """`scored` of each sample's (data_source, solution_str, ground_truth, extra_info): one
+        after another, or, for an async function, together (`concurrency` at a time, each
+        within the limit; `scored_together`)."""
+        if not self.is_async:
+            return [self.scored(*args) for args in samples]
+        with self._lock:
+            outcomes = (self._together_in_child(samples) if self.timeout_s > 0 else
+                        scored_together(self.fn, samples, None, self.concurrency))
+        return [self._judged(ok, value) for ok, value in outcomes]
+
+    def _judged(self, ok: bool | None, value: Any) -> tuple[float, int, dict[str, float]]:
+        """(score, status, extras) of one sample's outcome: (True, (score, extras)), (False,
+        the error) or (None, _) past the limit."""
         if ok is None:
             return 0.0, TIMED_OUT, {}
         score, extras = value if ok else (None, {})
@@ -406,25 +477,41 @@ class RewardRunner:
             return False, traceback.format_exc()
 
     def _in_child(self, args) -> tuple[bool | None, Any]:
+        line, why = self._ask(args, self.timeout_s)
+        if not line:
+            return (None, None) if line is None else (False, why)
+        ok, value = json.loads(line)
+        return ok, value
+
+    def _together_in_child(self, samples: list[tuple]) -> list[list]:
+        """`scored_together` in the child. Its samples' limits run concurrently, so the whole
+        takes at most one limit per `concurrency` samples; past that (the function blocks its
+        event loop) the child is killed and every sample counts as timed out."""
+        rounds = -(-len(samples) // self.concurrency)
+        line, why = self._ask({"samples": samples, "limit_s": self.timeout_s, "concurrency": self.concurrency},
+                              rounds * self.timeout_s + CODE_CALL_MARGIN_S)
+        if not line:
+            return [[None, None] if line is None else [False, why]] * len(samples)
+        return json.loads(line)
+
+    def _ask(self, request, timeout: float) -> tuple[str | None, str]:
+        """(the child's reply line to `request`, why there is none): "" where it died or could
+        not start, None where nothing came within `timeout` (it is killed; the next call
+        starts a fresh one)."""
         if self._proc is None or self._proc.poll() is not None:
             try:
                 self._start()
-            except RuntimeError as e:  # the sample fails; the next call tries a new child
-                return False, str(e)
+            except (RuntimeError, PluginError) as e:  # the samples fail; the next call tries a new child
+                return "", str(e)
         try:
-            self._proc.stdin.write(json.dumps(args, default=str) + "\n")
+            self._proc.stdin.write(json.dumps(request, default=str) + "\n")
             self._proc.stdin.flush()
-            line = self._readline(self.timeout_s)
+            line = self._readline(timeout)
         except (OSError, ValueError):  # the child died (a crash, os._exit, OOM kill)
             line = ""
-        if line is None:  # hung: kill it; the next call starts a fresh one
-            self._stop()
-            return None, None
         if not line:
             self._stop()
-            return False, "the reward process died while scoring this sample"
-        ok, value = json.loads(line)
-        return ok, value
+        return line, "the reward process died while scoring"
 
     def _readline(self, timeout: float) -> str | None:
         """A line from the child, "" if it died, None if nothing came within `timeout`."""
@@ -438,15 +525,21 @@ class RewardRunner:
         argv = [sys.executable, "-c", _CHILD, json.dumps([self.spec, self.gsm8k_mode, budget, os.getpid()])]
         self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         line = self._readline(START_TIMEOUT_S)
-        if not line or json.loads(line) != ["ready", None]:
-            try:  # its reply channel closed ("") as it exits: its exit code
-                code = self._proc.wait(5) if line == "" else None
-            except subprocess.TimeoutExpired:
-                code = None
+        reply = json.loads(line) if line else None
+        if reply is not None and reply[0] == "ready":
+            self.is_async = reply[1]["async"]
+            return
+        if reply is not None and reply[0] == "failed":  # the function cannot be loaded: its one line
             self._stop()
-            what = (f"did not start within {START_TIMEOUT_S} s" if code is None else
-                    f"exited with code {code} while starting (its error is above)")
-            raise RuntimeError(f"the reward process for {self.spec or 'the default reward'} {what}")
+            raise PluginError(reply[1])
+        try:  # its reply channel closed ("") as it exits: its exit code
+            code = self._proc.wait(5) if line == "" else None
+        except subprocess.TimeoutExpired:
+            code = None
+        self._stop()
+        what = (f"did not start within {START_TIMEOUT_S} s" if code is None else
+                f"exited with code {code} while starting (its error is above)")
+        raise RuntimeError(f"the reward process for {self.spec or 'the default reward'} {what}")
 
     def _stop(self) -> None:
         if self._proc is not None:

@@ -301,7 +301,7 @@ def make_reward_runners(cfg: Config, device: torch.device) -> tuple[RewardRunner
     if rw.model_path is not None:
         return (RewardModel(rw.model_path, device, rw.model_micro_batch_size, rw.model_max_length),
                 RewardRunner(None, rw.timeout_s, measures="accuracy"))
-    reward_fn = RewardRunner(rw.custom_fn, rw.timeout_s, gsm8k_mode=rw.gsm8k_mode)
+    reward_fn = RewardRunner(rw.custom_fn, rw.timeout_s, gsm8k_mode=rw.gsm8k_mode, concurrency=rw.async_concurrency)
     accuracy_fn = (reward_fn if rw.custom_fn is None and rw.gsm8k_mode == "strict"
                    else RewardRunner(None, rw.timeout_s, measures="accuracy"))
     return reward_fn, accuracy_fn

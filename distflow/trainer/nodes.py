@@ -218,8 +218,9 @@ def score_responses(tokenizer, batch: Batch, reward_fn: RewardRunner | RewardMod
                                    skip_special_tokens=True)
     learned = isinstance(reward_fn, RewardModel)
     rewards, correct, status, extras = [], [], [], {}
-    for text, gt, src, extra in zip(texts, batch["ground_truth"], batch["data_source"], reward_extra_info(batch)):
-        value, state, more = (0.0, OK, {}) if learned else reward_fn.scored(src, text, gt, extra)
+    samples = list(zip(batch["data_source"], texts, batch["ground_truth"], reward_extra_info(batch)))
+    results = [(0.0, OK, {})] * len(samples) if learned else reward_fn.scored_all(samples)
+    for (src, text, gt, extra), (value, state, more) in zip(samples, results):
         rewards.append(value)
         status.append(state)
         for name, number in more.items():

@@ -253,11 +253,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_reward_process_that_fails_to_start_fails_the_sample_not_the_run(tmp_path, capsys):
-    from distflow.engines.reward import FAILED, RewardRunner
+def test_a_reward_process_that_fails_to_restart_fails_the_sample_not_the_run(tmp_path, capsys):
+    from distflow.engines.reward import FAILED, OK, RewardRunner
 
     marker = tmp_path / "imported"
-    (tmp_path / "second_import_fails.py").write_text(  # imports here, fails in the reward process
+    (tmp_path / "second_import_fails.py").write_text(  # imports in the first reward process, not in the next
         "import pathlib\n"
         f"MARKER = pathlib.Path({str(marker)!r})\n"
         "if MARKER.exists():\n"
@@ -267,10 +267,79 @@ def test_a_reward_process_that_fails_to_start_fails_the_sample_not_the_run(tmp_p
         "    return 1.0\n")
     runner = RewardRunner(f"{tmp_path / 'second_import_fails.py'}:score", 5.0)
     try:
+        assert runner("d", "abc", "x") == (1.0, OK)
+        runner._proc.kill()  # it dies between calls (an OOM kill): the next call starts another, which fails
+        runner._proc.wait(5)
         assert runner("d", "abc", "x") == (0.0, FAILED)
     finally:
         runner.close()
-    assert "exited with code 1 while starting" in capsys.readouterr().err
+    assert "second_import_fails.py failed: ImportError: a dependency the reward process lacks" in \
+        capsys.readouterr().err
+
+
+def test_a_custom_reward_module_is_imported_in_the_reward_process_alone(tmp_path):
+    """It was imported in the worker too (to fail a bad name early), where it is never
+    called: a judge model loaded at import was held twice per worker."""
+    from distflow.engines.reward import OK, RewardRunner
+
+    log = tmp_path / "imported-by"
+    (tmp_path / "judge_at_import.py").write_text(
+        f"import os\nwith open({str(log)!r}, 'a') as f:\n    f.write(f'{{os.getpid()}}\\n')\n"
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
+    runner = RewardRunner(f"{tmp_path / 'judge_at_import.py'}:score", 5.0)
+    try:
+        assert runner("d", "abc", "x") == (1.0, OK)
+        assert log.read_text().split() == [str(runner._proc.pid)]
+    finally:
+        runner.close()
+
+
+ASYNC_JUDGE = """
+import asyncio, time
+in_flight = peak = 0
+
+async def judge(data_source, solution_str, ground_truth, extra_info=None):
+    global in_flight, peak
+    in_flight += 1
+    peak = max(peak, in_flight)
+    try:
+        if solution_str == "slow":  # a request that never comes back
+            await asyncio.sleep(3600)
+        if solution_str == "block":  # blocking code in the coroutine: its event loop stops with it
+            time.sleep(3600)
+        for _ in range(3):  # a request's round trip
+            await asyncio.sleep(0)
+        return {"score": float(solution_str == ground_truth), "peak": peak}
+    finally:
+        in_flight -= 1
+"""
+
+
+@pytest.mark.parametrize("timeout_s", [0.0, 2.0], ids=["in-process", "child"])
+def test_an_async_reward_function_s_samples_are_awaited_together(tmp_path, timeout_s):
+    """An LLM judge awaited one sample after another took a round trip per sample; a
+    worker's samples are in flight together now, reward.async_concurrency at a time."""
+    from distflow.engines.reward import OK, TIMED_OUT, RewardRunner
+
+    (tmp_path / "judge.py").write_text(ASYNC_JUDGE)
+    runner = RewardRunner(f"{tmp_path / 'judge.py'}:judge", timeout_s, concurrency=4)
+    try:
+        answers = ["7", "8", "7", "7", "9", "7", "7", "8", "7", "7"]
+        results = runner.scored_all([("d", answer, "7", {}) for answer in answers])
+        assert [(score, status) for score, status, _ in results] == [(float(a == "7"), OK) for a in answers]
+        assert max(extras["peak"] for _, _, extras in results) == 4  # four at once, never more
+        if not timeout_s:
+            return
+        child = runner._proc.pid
+        slow = runner.scored_all([("d", "7", "7", {}), ("d", "slow", "7", {}), ("d", "8", "7", {})])
+        assert [(score, status) for score, status, _ in slow] == [(1.0, OK), (0.0, TIMED_OUT), (0.0, OK)]
+        assert runner._proc.pid == child  # cancelled, the others scored: the reward process goes on
+        blocked = runner.scored_all([("d", "block", "7", {}), ("d", "7", "7", {})])
+        assert [status for _, status, _ in blocked] == [TIMED_OUT, TIMED_OUT]  # no reply: the process is killed
+        assert runner.scored_all([("d", "7", "7", {})])[0][:2] == (1.0, OK)  # by a fresh one
+        assert runner._proc.pid != child
+    finally:
+        runner.close()
 
 
 def test_math_verify_works_off_the_main_thread():

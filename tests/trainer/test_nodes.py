@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -42,6 +43,9 @@ class Scorer:
 
     def scored(self, *args):
         return (*self.fn(*args), {})
+
+    def scored_all(self, samples):
+        return [self.scored(*args) for args in samples]
 
 
 def _on_valid(values: list[float]) -> torch.Tensor:
@@ -488,10 +492,10 @@ def test_a_reward_functions_other_numbers_are_logged_and_its_acc_is_the_accuracy
     metric, reward_extra/<name>, at the step (and at the held-out evaluation); text is not."""
     from distflow.engines.reward import RewardRunner
 
-    (tmp_path / "dapo_like.py").write_text(
-        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    right = solution_str == ground_truth\n"
-        "    return {'score': 1.0 if right else -1.0, 'acc': right, 'pred': solution_str, 'length': len(solution_str)}\n")
+    body = ("(data_source, solution_str, ground_truth, extra_info=None):\n"
+            "    right = solution_str == ground_truth\n"
+            "    return {'score': 1.0 if right else -1.0, 'acc': right, 'pred': solution_str, 'length': len(solution_str)}\n")
+    (tmp_path / "dapo_like.py").write_text(f"def score{body}async def judged{body}")  # a plain one and an LLM judge's
 
     class Tokenizer:
         pad_token_id = 0
@@ -501,8 +505,8 @@ def test_a_reward_functions_other_numbers_are_logged_and_its_acc_is_the_accuracy
 
     batch = Batch({"responses": torch.ones(3, 2, dtype=torch.long), "response_mask": torch.ones(3, 2, dtype=torch.long)},
                   {"ground_truth": ["7", "7", "7"], "data_source": ["x"] * 3, "extra_info": [{}] * 3})
-    for timeout_s in (0.0, 30.0):  # in this process, and through the child's JSON
-        runner = RewardRunner(f"{tmp_path / 'dapo_like.py'}:score", timeout_s)
+    for timeout_s, name in itertools.product((0.0, 30.0), ("score", "judged")):  # in this process, and in the child
+        runner = RewardRunner(f"{tmp_path / 'dapo_like.py'}:{name}", timeout_s)
         ctx = StepCtx({}, tokenizer=Tokenizer(), reward_fn=runner)
         ctx.accuracy_fn = RewardRunner(None, 0)  # the default rule: it reads '77' as wrong and '7' right, as acc does
         out = nodes.reward(ctx, batch)
