@@ -410,6 +410,10 @@ class Trainer:
             print(f"distflow: held-out rows: {held_out['skipped_rows']:.0f} of {held_out['rows_chosen']} dropped as "
                   f"bad (data.on_bad_row), {held_out['truncated_prompts']:.0f} prompts truncated "
                   f"(data.on_long_prompt); val/accuracy is measured on what is left", file=sys.stderr)
+        rows, batch = len(self.prompts.rows), cfg.data.train_batch_size
+        if self.rank == 0 and rows < batch:  # verl refuses it (an empty dataloader); a small test set is worth a run
+            print(f"distflow: data.train_files has {rows} rows, fewer than data.train_batch_size={batch}: every step "
+                  "holds some prompts more than once", file=sys.stderr)
         roles = {n.role for n in self.graph.nodes}  # which engines this graph needs
         torch.manual_seed(cfg.trainer.seed)
         # resuming: the policy comes from the checkpoint (a HF folder), the reference from model.path

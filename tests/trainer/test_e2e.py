@@ -109,19 +109,22 @@ def test_ray_launcher_run_leaves_summary_plot_checkpoint_and_no_payload(tmp_path
 
 def test_any_local_model_parquet_data_custom_reward_and_periodic_checkpoints(tmp_path, random_model_dir):
     """The non-default path: model.path, verl parquet files, reward.custom_fn, save_every
-    without save_final (the last step's step_N was skipped, as if `final` stood for it)."""
+    without save_final (the last step's step_N was skipped, as if `final` stood for it),
+    and a training set smaller than a batch (it trains, saying that prompts repeat)."""
     from distflow.data.dataset import write_builtin_parquet
 
-    train = write_builtin_parquet(str(tmp_path / "train.parquet"), "arith", "train", 64)
+    train = write_builtin_parquet(str(tmp_path / "train.parquet"), "arith", "train", 3)
     val = write_builtin_parquet(str(tmp_path / "val.parquet"), "arith", "test", 8)
     (tmp_path / "length_reward.py").write_text(
         "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    return len(solution_str) / 100.0\n")
     out = tmp_path / "run"
-    distflow_train([*SMALL, "trainer.total_steps=2", "runtime.launcher=torchrun", "runtime.num_workers=1",
-               f"model.path={random_model_dir}", f"data.train_files={train}", f"data.val_files={val}",
-               f"reward.custom_fn={tmp_path / 'length_reward.py'}:score", "trainer.save_every=1",
-               "trainer.save_final=false", f"trainer.output_dir={out}"], tmp_path)
+    proc = distflow_train([*SMALL, "trainer.total_steps=2", "runtime.launcher=torchrun", "runtime.num_workers=1",
+                           f"model.path={random_model_dir}", f"data.train_files={train}", f"data.val_files={val}",
+                           f"reward.custom_fn={tmp_path / 'length_reward.py'}:score", "trainer.save_every=1",
+                           "trainer.save_final=false", f"trainer.output_dir={out}"], tmp_path)
+    assert "data.train_files has 3 rows, fewer than data.train_batch_size=4: every step holds some prompts more " \
+           "than once" in proc.stderr
     records = run_metrics(out)
     # the custom reward is used for training (an untrained model never solves a problem,
     # but its responses have length), the rule-based accuracy is still reported
