@@ -289,6 +289,9 @@ class SchedulerConfig:
 @dataclass(kw_only=True)
 class RewardConfig:
     custom_fn: str | None = _spec(None, doc="module:function or path.py:function")
+    custom_fn_kwargs: str = _spec("", doc="more keyword arguments to every call of custom_fn, a mapping in YAML or "
+                                          "JSON ('{strict: true}'); reward.custom_fn_kwargs.NAME=VALUE sets one "
+                                          "(verl's custom_reward_function.reward_kwargs)")
     timeout_s: float = _spec(30.0, min=0.0, doc="per-sample limit; the function runs in a child process (0 = in-process, no limit)")
     async_concurrency: int = _spec(64, min=1, doc="an async def custom_fn (an LLM judge): how many of a worker's samples "
                                                   "it awaits at once, each within timeout_s; other functions score "
@@ -481,6 +484,7 @@ VERL_KEYS = {
     "actor_rollout_ref.rollout.gpu_memory_utilization": "rollout.gpu_memory_utilization",
     "custom_reward_function.path": "reward.custom_fn=path.py:function",
     "custom_reward_function.name": "reward.custom_fn=path.py:function",
+    "custom_reward_function.reward_kwargs": "reward.custom_fn_kwargs",
     "reward_model.enable": "reward.model_path=FOLDER (a sequence-classification reward model)",
     "reward_model.model.path": "reward.model_path",
     "reward_model.micro_batch_size_per_gpu": "reward.model_micro_batch_size",
@@ -504,7 +508,8 @@ VERL_KEYS = {
     "reward_model.overlong_buffer.penalty_factor": "algorithm.overlong_penalty_factor",
     "critic.optim.lr": "critic.lr",
 }
-VERL_MAPPING_KEYS = ("data.apply_chat_template_kwargs",)  # verl's keys of a mapping, set one name at a time
+VERL_MAPPING_KEYS = ("data.apply_chat_template_kwargs", "custom_reward_function.reward_kwargs")  # verl's keys of a
+# mapping, set one name at a time
 
 
 def _set(cfg: Config, dotted: str, value: Any) -> None:
@@ -514,9 +519,11 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
     verl = dotted if dotted in VERL_KEYS else next((k for k in VERL_MAPPING_KEYS if dotted.startswith(k + ".")), None)
     if verl is not None:
         raise ConfigError(f"unknown config key '{dotted}': verl's name; here it is {VERL_KEYS[verl]}")
-    if dotted.startswith(TEMPLATE_KWARGS + "."):  # one argument: data.chat_template_kwargs.enable_thinking=false
-        name = dotted[len(TEMPLATE_KWARGS) + 1:]
-        cfg.data.chat_template_kwargs = json.dumps(chat_template_kwargs(cfg) | {name: value}, default=str)
+    mapping = _mapping_key(dotted)
+    if mapping is not None:  # one argument: data.chat_template_kwargs.enable_thinking=false
+        section, field = mapping.split(".")
+        setattr(getattr(cfg, section), field,
+                json.dumps(mapping_setting(cfg, mapping) | {dotted[len(mapping) + 1:]: value}, default=str))
         return
     parts = dotted.split(".")
     if parts[0] not in SECTIONS:
@@ -532,8 +539,9 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
 
 
 def _value(cfg: Config, dotted: str) -> Any:
-    if dotted.startswith(TEMPLATE_KWARGS + "."):
-        return chat_template_kwargs(cfg).get(dotted[len(TEMPLATE_KWARGS) + 1:])
+    mapping = _mapping_key(dotted)
+    if mapping is not None:
+        return mapping_setting(cfg, mapping).get(dotted[len(mapping) + 1:])
     section, name = dotted.split(".")
     return getattr(getattr(cfg, section), name)
 
@@ -718,7 +726,10 @@ def _held_out_of_builtin(cfg: Config) -> None:
 
 
 def _validate_cross(cfg: Config, training: bool) -> None:
-    chat_template_kwargs(cfg)
+    for key in MAPPING_SETTINGS:
+        mapping_setting(cfg, key)
+    if cfg.reward.custom_fn_kwargs.strip() and cfg.reward.custom_fn is None:
+        raise ConfigError("reward.custom_fn_kwargs: arguments to reward.custom_fn, which is not set")
     _validate_placement(cfg)
     _held_out_of_builtin(cfg)
     if cfg.algorithm.clip_ratio_low >= 1:
@@ -824,24 +835,47 @@ def overlong_buffer_tokens(cfg: Config) -> int:
 
 
 TEMPLATE_KWARGS = "data.chat_template_kwargs"
-# the chat template's own arguments, which DistFlow sets
-_TEMPLATE_OWN = ("conversation", "messages", "tools", "documents", "add_generation_prompt", "tokenize",
-                 "continue_final_message", "chat_template", "return_dict", "return_tensors")
+REWARD_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")  # verl's compute_score keywords
+# the settings that are mappings of names to values: (an example, the names DistFlow sets itself: the chat
+# template's own arguments, the reward function's per-sample ones)
+MAPPING_SETTINGS = {
+    TEMPLATE_KWARGS: ("{enable_thinking: false}", ("conversation", "messages", "tools", "documents",
+                                                   "add_generation_prompt", "tokenize", "continue_final_message",
+                                                   "chat_template", "return_dict", "return_tensors")),
+    "reward.custom_fn_kwargs": ("{strict: true}", REWARD_ARGUMENTS),
+}
 
 
-def chat_template_kwargs(cfg: Config) -> dict[str, Any]:
-    """data.chat_template_kwargs as a mapping; a ConfigError names what is wrong with it."""
-    text = cfg.data.chat_template_kwargs.strip()
+def _mapping_key(dotted: str) -> str | None:
+    """The mapping setting `dotted` sets one name of (data.chat_template_kwargs.NAME), if any."""
+    return next((key for key in MAPPING_SETTINGS if dotted.startswith(key + ".")), None)
+
+
+def mapping_setting(cfg: Config, key: str) -> dict[str, Any]:
+    """A mapping setting (`MAPPING_SETTINGS`) as a mapping; a ConfigError names what is wrong with it."""
+    section, field = key.split(".")
+    given = getattr(getattr(cfg, section), field)
+    text = given.strip()
     try:
         value = yaml.safe_load(text) if text else {}
     except yaml.YAMLError:
         value = None
+    example, reserved = MAPPING_SETTINGS[key]
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-        raise ConfigError(f"{TEMPLATE_KWARGS}={cfg.data.chat_template_kwargs!r}: expected a mapping of names to "
-                          "values, e.g. '{enable_thinking: false}'")
-    if own := sorted(set(value) & set(_TEMPLATE_OWN)):
-        raise ConfigError(f"{TEMPLATE_KWARGS}: {', '.join(own)} is set by DistFlow, not here")
+        raise ConfigError(f"{key}={given!r}: expected a mapping of names to values, e.g. '{example}'")
+    if own := sorted(set(value) & set(reserved)):
+        raise ConfigError(f"{key}: {', '.join(own)} is set by DistFlow, not here")
     return value
+
+
+def chat_template_kwargs(cfg: Config) -> dict[str, Any]:
+    """data.chat_template_kwargs as a mapping (`mapping_setting`)."""
+    return mapping_setting(cfg, TEMPLATE_KWARGS)
+
+
+def reward_fn_kwargs(cfg: Config) -> dict[str, Any]:
+    """reward.custom_fn_kwargs as a mapping (`mapping_setting`)."""
+    return mapping_setting(cfg, "reward.custom_fn_kwargs")
 
 
 def tool_names(cfg: Config) -> list[str]:

@@ -365,6 +365,23 @@ def test_make_data_refuses_a_count_below_one_and_makes_the_output_folder(tmp_pat
     assert len(load_rows(str(tmp_path / "a/b/x.parquet"))) == 3
 
 
+def test_reward_fn_kwargs_are_a_mapping_for_the_custom_function_alone(tmp_path):
+    from distflow.config import from_dict, reward_fn_kwargs
+
+    one = load_config(None, ["reward.custom_fn=r.py:score", "reward.custom_fn_kwargs.strict=true",
+                             "reward.custom_fn_kwargs.bonus=0.5"])
+    path = tmp_path / "c.yaml"
+    path.write_text("reward:\n  custom_fn: r.py:score\n  custom_fn_kwargs:\n    strict: true\n    bonus: 0.5\n")
+    assert reward_fn_kwargs(from_dict(one.to_dict())) == reward_fn_kwargs(load_config(str(path))) == \
+        {"strict": True, "bonus": 0.5}
+    with pytest.raises(ConfigError, match="^reward.custom_fn_kwargs: arguments to reward.custom_fn, which is not set"):
+        load_config(None, ["reward.custom_fn_kwargs.strict=true"])
+    with pytest.raises(ConfigError, match="^reward.custom_fn_kwargs: ground_truth is set by DistFlow"):
+        load_config(None, ["reward.custom_fn=r.py:score", "reward.custom_fn_kwargs={ground_truth: 7}"])
+    with pytest.raises(ConfigError, match="verl's name; here it is reward.custom_fn_kwargs$"):
+        load_config(None, ["custom_reward_function.reward_kwargs.strict=true"])
+
+
 def test_chat_template_kwargs_are_a_mapping_set_whole_or_one_name_at_a_time(tmp_path):
     from distflow.config import chat_template_kwargs, from_dict
 

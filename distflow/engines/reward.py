@@ -37,6 +37,7 @@ import traceback
 from fractions import Fraction
 from typing import Any, Protocol
 
+from distflow.config import REWARD_ARGUMENTS
 from distflow.plugins import PluginError, load_callable
 
 GSM8K_MODES = ("strict", "flexible")
@@ -234,32 +235,34 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth: str
     return math_verify_score(solution_str, ground_truth)
 
 
-def load_reward_fn(spec: str | None, gsm8k_mode: str = "strict", code_time_budget_s: float | None = None) -> RewardFn:
+def load_reward_fn(spec: str | None, gsm8k_mode: str = "strict", code_time_budget_s: float | None = None,
+                   kwargs: dict[str, Any] | None = None) -> RewardFn:
     """`None` -> the default in that GSM8K mode, running a code sample's tests while they fit
-    in `code_time_budget_s`; `module:function` or `file.py:function` -> that function (the
-    mode and the budget are the default reward's: a custom function ignores them)."""
+    in `code_time_budget_s`; `module:function` or `file.py:function` -> that function, given
+    `kwargs` (reward.custom_fn_kwargs) at every call (the mode and the budget are the default
+    reward's: a custom function ignores them)."""
     check_gsm8k_mode(gsm8k_mode)
     if spec is not None:
-        return _takes_verl_keywords(load_callable(spec, "reward.custom_fn"), spec)
+        fn = _takes_verl_keywords(load_callable(spec, "reward.custom_fn"), spec, kwargs or {})
+        return functools.partial(fn, **kwargs) if kwargs else fn
     if gsm8k_mode == "strict" and code_time_budget_s is None:
         return default_compute_score  # itself, so that it stays verl's plain signature
     return functools.partial(default_compute_score, gsm8k_mode=gsm8k_mode, code_time_budget_s=code_time_budget_s)
 
 
-REWARD_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")  # verl's compute_score keywords
-
-
-def _takes_verl_keywords(fn: RewardFn, spec: str) -> RewardFn:
-    """`fn`, where it can be called as verl calls a reward function, by keyword; else one line."""
+def _takes_verl_keywords(fn: RewardFn, spec: str, kwargs: dict[str, Any]) -> RewardFn:
+    """`fn`, where it can be called as verl calls a reward function, by keyword, with
+    `kwargs` besides; else one line."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin without one: its call will say
         return fn
     try:
-        signature.bind(**dict.fromkeys(REWARD_ARGUMENTS))
+        signature.bind(**dict.fromkeys(REWARD_ARGUMENTS), **kwargs)
     except TypeError:
+        more = f" and reward.custom_fn_kwargs' {', '.join(kwargs)}" if kwargs else ""
         raise PluginError(f"reward.custom_fn={spec!r}: {getattr(fn, '__name__', 'it')}{signature} cannot be called "
-                          f"with verl's keyword arguments {', '.join(REWARD_ARGUMENTS)}") from None
+                          f"with verl's keyword arguments {', '.join(REWARD_ARGUMENTS)}{more}") from None
     return fn
 
 
@@ -329,10 +332,10 @@ import json, os, sys
 replies = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)
 sys.stdout = sys.stderr
-spec, gsm8k_mode, code_time_budget_s, parent = json.loads(sys.argv[1])
+spec, gsm8k_mode, code_time_budget_s, kwargs, parent = json.loads(sys.argv[1])
 from distflow.engines.reward import end_with_parent, serve
 end_with_parent(parent)
-serve(spec, sys.stdin, replies, gsm8k_mode, code_time_budget_s)
+serve(spec, sys.stdin, replies, gsm8k_mode, code_time_budget_s, kwargs)
 """
 
 
@@ -377,13 +380,13 @@ def extras_of(result: Any) -> dict[str, float]:
 
 
 def serve(spec: str | None, requests, replies, gsm8k_mode: str = "strict",
-          code_time_budget_s: float | None = None) -> None:
+          code_time_budget_s: float | None = None, kwargs: dict[str, Any] | None = None) -> None:
     """The reward child process's loop: JSON lines in, JSON lines out, one request at a
     time: one sample's arguments, or {"samples", "limit_s", "concurrency"} for an async
     function's samples together (`scored_together`). Its first line says whether the
     function is async, or why it cannot be loaded (one line, as `load_reward_fn` says it)."""
     try:
-        fn = load_reward_fn(spec, gsm8k_mode, code_time_budget_s)
+        fn = load_reward_fn(spec, gsm8k_mode, code_time_budget_s, kwargs)
     except PluginError as e:
         replies.write(json.dumps(["failed", str(e)]) + "\n")
         replies.flush()
@@ -419,18 +422,20 @@ class RewardRunner:
     mode, in this process and in the child alike."""
 
     def __init__(self, spec: str | None, timeout_s: float, gsm8k_mode: str = "strict", measures: str = "reward",
-                 concurrency: int = 64):
+                 concurrency: int = 64, kwargs: dict[str, Any] | None = None):
         """`measures`: "reward", or "accuracy" for the runner of the accuracy metric alone (a
         failure there counts the sample as wrong, not in reward/failed). `concurrency`: an
-        async function's samples in flight at once (config `reward.async_concurrency`)."""
+        async function's samples in flight at once (config `reward.async_concurrency`).
+        `kwargs`: more keyword arguments to every call of a custom function
+        (`reward.custom_fn_kwargs`)."""
         self.spec, self.timeout_s, self.gsm8k_mode = spec, timeout_s, check_gsm8k_mode(gsm8k_mode)
-        self.measures, self.concurrency = measures, concurrency
+        self.measures, self.concurrency, self.kwargs = measures, concurrency, kwargs or {}
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._reported = False
         self.fn, self.is_async = None, False  # in a child: learned as it starts
         if timeout_s <= 0:
-            self.fn = load_reward_fn(spec, gsm8k_mode)
+            self.fn = load_reward_fn(spec, gsm8k_mode, kwargs=kwargs)
             self.is_async = is_async(self.fn)
         elif spec is not None:
             self._start()
@@ -522,7 +527,8 @@ class RewardRunner:
         # a fresh interpreter (not a fork of this threaded, torch-loaded one) that imports
         # only the reward module; its stdout is the reply channel, its prints go to stderr
         budget = max(self.timeout_s - CODE_CALL_MARGIN_S, 0.0)  # a code sample's tests run while they fit in it
-        argv = [sys.executable, "-c", _CHILD, json.dumps([self.spec, self.gsm8k_mode, budget, os.getpid()])]
+        argv = [sys.executable, "-c", _CHILD,
+                json.dumps([self.spec, self.gsm8k_mode, budget, self.kwargs, os.getpid()])]
         self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         line = self._readline(START_TIMEOUT_S)
         reply = json.loads(line) if line else None

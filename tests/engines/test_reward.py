@@ -277,6 +277,27 @@ def test_a_reward_process_that_fails_to_restart_fails_the_sample_not_the_run(tmp
         capsys.readouterr().err
 
 
+@pytest.mark.parametrize("timeout_s", [0.0, 30.0], ids=["in-process", "child"])
+def test_reward_fn_kwargs_reach_every_call_of_the_custom_function(tmp_path, timeout_s):
+    """verl's custom_reward_function.reward_kwargs: more keyword arguments to every call;
+    a function that cannot take them is refused at start-up in one line."""
+    from distflow.engines.reward import OK, RewardRunner
+
+    (tmp_path / "tunable.py").write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info=None, strict=False, bonus=0.0):\n"
+        "    right = solution_str == ground_truth if strict else solution_str.strip() == ground_truth\n"
+        "    return float(right) + bonus\n")
+    spec = f"{tmp_path / 'tunable.py'}:score"
+    runner = RewardRunner(spec, timeout_s, kwargs={"strict": True, "bonus": 0.5})
+    try:
+        assert runner("d", "7", "7", {}) == (1.5, OK) and runner("d", " 7", "7", {}) == (0.5, OK)
+    finally:
+        runner.close()
+    with pytest.raises(ValueError, match=r"cannot be called with verl's keyword arguments data_source, solution_str, "
+                                         r"ground_truth, extra_info and reward.custom_fn_kwargs' strict, typo$"):
+        RewardRunner(spec, timeout_s, kwargs={"strict": True, "typo": 1})
+
+
 def test_a_custom_reward_module_is_imported_in_the_reward_process_alone(tmp_path):
     """It was imported in the worker too (to fail a bad name early), where it is never
     called: a judge model loaded at import was held twice per worker."""
