@@ -48,9 +48,9 @@ def _wandb_records(path: str):
             yield record
 
 
-def read_wandb(run_dir: Path) -> tuple[dict[str, dict[int, float]], dict]:
-    """(metric -> step -> value, the run's config) from the offline run."""
-    (path,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+def read_wandb(run_dir: Path, run_id: str = "*") -> tuple[dict[str, dict[int, float]], dict]:
+    """(metric -> step -> value, the run's config) from the offline run (the one of `run_id`)."""
+    (path,) = glob.glob(str(run_dir / "wandb" / f"offline-run-*-{run_id}" / "run-*.wandb"))
     history: dict[str, dict[int, float]] = {}
     config = {}
     for record in _wandb_records(path):
@@ -89,12 +89,13 @@ def mlflow_status(run_dir: Path) -> str:
     return run.info.status  # FINISHED, FAILED, RUNNING
 
 
-def read_mlflow(run_dir: Path) -> tuple[dict[str, dict[int, float]], dict, dict]:
+def read_mlflow(run_dir: Path, run_id: str | None = None) -> tuple[dict[str, dict[int, float]], dict, dict]:
+    """(metric -> step -> value, params, tags) of the experiment's one run (or of `run_id`)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
     (experiment,) = [e for e in client.search_experiments() if e.name == "distflow"]
-    (run,) = client.search_runs([experiment.experiment_id])
+    (run,) = [client.get_run(run_id)] if run_id else client.search_runs([experiment.experiment_id])
     metrics = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
                for key in run.data.metrics}
     return metrics, run.data.params, run.data.tags

@@ -463,13 +463,15 @@ class Trainer:
         self.writer = MetricsWriter(run_dir / "metrics.jsonl") if self.rank == 0 else None
         self.progress = progress and self.rank == 0
         self.start_step, self.history, self.bad_steps, self.wall_before = 0, [], 0, 0.0
+        self.new_branch = False  # resumed from a rollback or another run's checkpoint (rank 0 knows)
         if self.resume_from is not None:
             self._resume(self.resume_from)
         elif self.rank == 0:
             set_aside_earlier_run(run_dir)
         # last, so that a run that failed to start leaves no tracker run open
         self.trackers = Trackers(tracked_cfg, run_dir, self.rank,  # TensorBoard, W&B, MLflow (trainer.logger)
-                                 resumed=self.resume_from is not None, start_step=self.start_step)
+                                 resumed=self.resume_from is not None, start_step=self.start_step,
+                                 history=self.history, new_branch=self.new_branch)
 
     def _policy(self, policy_path: str):
         """The policy to train: the model folder or the checkpoint; with LoRA the base model
@@ -510,28 +512,31 @@ class Trainer:
             self.bad_steps = self.bad_steps + 1 if skipped_an_update(record) or scored_nothing(record) \
                 or failed_every_episode(record) else 0
         if self.writer is not None:  # the run's metrics file continues from the checkpoint's copy
-            self._keep_metrics_the_checkpoint_lacks(rolled_back=bool(abandoned))
+            kept = self._keep_metrics_the_checkpoint_lacks(rolled_back=bool(abandoned))
+            self.new_branch = bool(abandoned) or kept  # the folder's W&B and MLflow runs logged other steps
             tmp = self.writer.path.with_suffix(".tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
             os.replace(tmp, self.writer.path)
 
-    def _keep_metrics_the_checkpoint_lacks(self, rolled_back: bool) -> None:
+    def _keep_metrics_the_checkpoint_lacks(self, rolled_back: bool) -> bool:
         """The run folder's metrics file, before the checkpoint's copy replaces it, kept as
         `metrics-<n>.jsonl` where its records are not the run the checkpoint goes on: a
         rollback's abandoned branch (`rolled_back`: later checkpoints were set aside; its
         steps after the checkpoint show why it was abandoned), or another run's (a
-        checkpoint of another folder resumed here). After a crash the steps past the last
-        checkpoint run again, so the file is replaced as it is."""
+        checkpoint of another folder resumed here): then True. After a crash the steps past
+        the last checkpoint run again, so the file is replaced as it is."""
         try:
             lines = [line for line in self.writer.path.read_text().splitlines() if line.strip()]
         except FileNotFoundError:
-            return
+            return False
         # the checkpoint's file is a copy of this one when it was written: the same text (NaN too)
         if lines and (rolled_back or lines[:len(self.history)] != [json.dumps(r) for r in self.history]):
             kept = checkpoint.set_aside_numbered(self.writer.path)
             why = "the abandoned branch's" if rolled_back else "another run's"
             print(f"distflow: resumed from step {self.start_step}: this folder's metrics.jsonl ({why} steps) is "
                   f"kept as {kept.name}", file=sys.stderr)
+            return True
+        return False
 
     # ------------------------------------------------------------------ one step
 

@@ -12,7 +12,10 @@ A run resumed in its folder continues its W&B and MLflow runs (their ids are kep
 `trackers.json`): one run per training run, not one per launch. Steps logged after the
 checkpoint by the launch that stopped are logged again by the resumed one: MLflow keeps
 both values; W&B online keeps the first (it takes no step twice). W&B offline writes one
-folder per launch, each with the run's id.
+folder per launch, each with the run's id. A run resumed from an earlier checkpoint than
+its last (a rollback), or from another run's, goes another way from what those runs
+logged: it gets new W&B and MLflow runs, which are given the checkpoint's steps first,
+and so does a run resumed into a folder with none.
 """
 
 from __future__ import annotations
@@ -102,7 +105,7 @@ class WandbTracker:
         self.run = wandb.init(project=project, name=name, dir=str(run_dir), mode=mode, id=run_id,
                               resume="allow" if run_id else None,
                               settings=wandb.Settings(console="off", x_disable_stats=True))
-        self.run_id = self.run.id
+        self.run_id, self.new = self.run.id, run_id is None
         self.run.config.update(info["config"], allow_val_change=True)  # a resumed run may change some
         self.run.summary.update({"git_commit": info["git_commit"], "versions": info["versions"]})
 
@@ -128,6 +131,7 @@ class MlflowTracker:
         except MlflowException:  # not in this store (the file was replaced): a new run
             earlier = None
         logged = earlier.data.params if earlier is not None and earlier.info.lifecycle_stage == "active" else None
+        self.new = logged is None
         if logged is None:
             found = self.client.get_experiment_by_name(experiment)
             experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
@@ -164,12 +168,20 @@ def _mlflow_key(name: str) -> str:
     return "".join(c if c.isalnum() or c in "_-./ " else "_" for c in name)
 
 
+def _metrics(record: dict) -> dict[str, float]:
+    """A metrics.jsonl record's numbers but its step."""
+    return {k: float(v) for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+
+
 class Trackers:
     """The trackers `trainer.logger` names besides jsonl, as one; empty off rank 0."""
 
-    def __init__(self, cfg: Config, run_dir: Path, rank: int, resumed: bool = False, start_step: int = 0):
-        """`resumed`: the run goes on from a checkpoint, of step `start_step`; in the same
-        folder, its W&B and MLflow runs go on too."""
+    def __init__(self, cfg: Config, run_dir: Path, rank: int, resumed: bool = False, start_step: int = 0,
+                 history: list[dict] = (), new_branch: bool = False):
+        """`resumed`: the run goes on from a checkpoint, of step `start_step`, whose steps are
+        `history`; in the same folder its W&B and MLflow runs go on too, unless `new_branch`
+        (a rollback, another run's checkpoint: what those runs logged after it is not this
+        run's). A new W&B or MLflow run of a resumed run is given `history` first."""
         self.trackers: list[Tracker] = []
         if rank != 0:
             return
@@ -181,7 +193,7 @@ class Trackers:
         experiment = t.experiment_name or run_dir.name
         ids_file = run_dir / RUN_IDS
         try:
-            earlier = json.loads(ids_file.read_text()) if resumed and ids_file.is_file() else {}
+            earlier = json.loads(ids_file.read_text()) if resumed and not new_branch and ids_file.is_file() else {}
         except ValueError:  # a file cut short: new runs
             earlier = {}
         ids = dict(earlier)  # a launch without one of the trackers keeps its id for a later one
@@ -197,6 +209,9 @@ class Trackers:
                                                        earlier.get("mlflow")))
                 if name in ("wandb", "mlflow"):
                     ids[name] = self.trackers[-1].run_id
+                    if resumed and self.trackers[-1].new:
+                        for record in history:
+                            self.trackers[-1].log(_metrics(record), int(record["step"]))
         except BaseException:  # one failed to start (W&B online without a key): those started are closed, failed
             self.close(failed=True)
             raise
@@ -206,8 +221,7 @@ class Trackers:
     def log(self, record: dict) -> None:
         if not self.trackers:
             return
-        step = int(record["step"])
-        metrics = {k: float(v) for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+        metrics, step = _metrics(record), int(record["step"])
         for tracker in self.trackers:
             tracker.log(metrics, step)
 

@@ -46,5 +46,5 @@ def test_state_roundtrip_resumes_the_same_stream():
     fresh = ShardedSampler(num_rows=10, batch_size=4, rank=1, world_size=2, seed=5)
     nxt = fresh.next_step(state)
     assert nxt == 8 and fresh.local_positions(nxt) == s.local_positions(8)
-    with pytest.raises(ValueError, match="seed=5 but this run has 6"):
+    with pytest.raises(ValueError, match="its run had trainer.seed=5, this one 6; "):
         ShardedSampler(num_rows=10, batch_size=4, rank=1, world_size=2, seed=6).next_step(state)

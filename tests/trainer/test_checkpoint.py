@@ -18,6 +18,7 @@ from distflow.engines.actor import Actor, OptimConfig
 from distflow.engines.common import causal_lm_skeleton, load_causal_lm
 from distflow.trainer import checkpoint
 from helpers import distflow_sweep, run_gloo
+from tracking_readers import assert_same, by_key, read_mlflow
 
 SMALL = ["trainer.total_steps=3", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
          "algorithm.group_size=4", "data.val_max_samples=16", "rollout.max_new_tokens=24",
@@ -259,7 +260,8 @@ def test_killed_while_checkpointing_then_resumed_matches_an_uninterrupted_run(tm
     run = tmp_path / "run"
     # rank 0 is SIGKILLed while it writes the final checkpoint (step 3), after logging step 3:
     # steps 1-3 of this first attempt are an uninterrupted run; step_2 stays the latest checkpoint
-    proc = _train([f"trainer.output_dir={run}", "trainer.save_every=1", "trainer.keep_last=1"], tmp_path,
+    logged = "trainer.logger=jsonl,mlflow"  # a tracker's runs: continued by a resume, new for a rollback
+    proc = _train([f"trainer.output_dir={run}", "trainer.save_every=1", "trainer.keep_last=1", logged], tmp_path,
                   env={"DISTFLOW_FAULT": "checkpoint:3"})
     assert proc.returncode != 0
     uninterrupted = _metrics(run)
@@ -267,11 +269,13 @@ def test_killed_while_checkpointing_then_resumed_matches_an_uninterrupted_run(tm
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["final.tmp", "step_2"]  # keep_last=1
     assert checkpoint.latest(run / "checkpoints") == run / "checkpoints" / "step_2"
 
-    proc = _train([f"trainer.output_dir={run}", "trainer.save_every=1", "trainer.keep_last=1"], tmp_path)
+    tracked = json.loads((run / "trackers.json").read_text())["mlflow"]
+    proc = _train([f"trainer.output_dir={run}", "trainer.save_every=1", "trainer.keep_last=1", logged], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]  # trainer.resume=auto
     assert f"distflow: resuming from {run / 'checkpoints' / 'step_2'} (step 2 of 3); trainer.resume=off" in proc.stderr
     resumed = _metrics(run)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]  # the metrics file continues, no step twice
+    assert json.loads((run / "trackers.json").read_text())["mlflow"] == tracked  # the same MLflow run goes on
     # bitwise: weights, AdamW moments and the dataloader position are restored exactly, and
     # sampling is seeded per (step, prompt, sample), so the resumed step replays exactly
     assert [_untimed(r) for r in resumed] == [_untimed(r) for r in uninterrupted]
@@ -297,9 +301,14 @@ def test_killed_while_checkpointing_then_resumed_matches_an_uninterrupted_run(tm
     assert (run / "summary.json").read_text() == summary and _metrics(run) == resumed
     # rolled back to step 2 in the same folder: the later `final` is set aside (else `keep_last` would keep it over
     # the new branch's and `resume=auto` would pick it), and step 3 replays exactly
-    proc = _train([f"trainer.output_dir={run}", "trainer.save_every=1", "trainer.keep_last=1",
+    proc = _train([f"trainer.output_dir={run}", "trainer.save_every=1", "trainer.keep_last=1", logged,
                    f"trainer.resume={run / 'checkpoints' / 'step_2'}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # a new MLflow run for the new branch, holding the checkpoint's steps and its own; the old one keeps the old
+    branch = json.loads((run / "trackers.json").read_text())["mlflow"]
+    assert branch != tracked
+    assert_same(read_mlflow(run, branch)[0], by_key(_metrics(run)))
+    assert_same(read_mlflow(run, tracked)[0], by_key(resumed))
     assert "the later checkpoint final of this run folder is set aside" in proc.stderr
     assert sorted(p.name for p in (run / "checkpoints-abandoned").iterdir()) == ["final"]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["final", "step_2"]

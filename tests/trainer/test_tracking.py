@@ -76,6 +76,38 @@ def test_a_resumed_run_continues_its_wandb_and_mlflow_runs(tmp_path):
     assert json.loads((tmp_path / "trackers.json").read_text()) == first_ids
 
 
+def test_a_rollback_gets_new_wandb_and_mlflow_runs_holding_the_checkpoint_s_steps(tmp_path):
+    """Resumed from an earlier checkpoint than its last (or from another run's), a run's later
+    steps are not the ones its W&B and MLflow runs logged: W&B online kept the abandoned
+    branch's value of every step up to its last (it takes no step twice), MLflow showed both
+    branches in one run. It gets new runs, given the checkpoint's steps first; the abandoned
+    branch's runs stay as they were."""
+    cfg = load_config(None, [ALL])
+    first = Trackers(cfg, tmp_path, rank=0)
+    for record in RECORDS:
+        first.log(record)
+    first.close()
+    first_ids = json.loads((tmp_path / "trackers.json").read_text())
+    branch = [{"step": 2, "reward/mean": 7.0, "actor/loss": -0.7, "time/step": 2.0},
+              {"step": 3, "reward/mean": 70.0, "actor/loss": -7.0, "time/step": 3.0}]
+    again = Trackers(cfg, tmp_path, rank=0, resumed=True, start_step=1, history=RECORDS[:2], new_branch=True)
+    for record in branch:
+        again.log(record)
+    again.close()
+    ids = json.loads((tmp_path / "trackers.json").read_text())
+    assert ids["wandb"] != first_ids["wandb"] and ids["mlflow"] != first_ids["mlflow"]
+    expected = by_key(RECORDS[:2] + branch)
+    assert_same(read_wandb(tmp_path, ids["wandb"])[0], expected)
+    assert_same(read_mlflow(tmp_path, ids["mlflow"])[0], expected)
+    assert_same(read_mlflow(tmp_path, first_ids["mlflow"])[0], by_key(RECORDS))
+    assert_same(read_tensorboard(tmp_path), expected)  # one folder's writer: the steps after the checkpoint purged
+    # resumed into a folder that has no runs yet (another run's checkpoint): its new runs hold the checkpoint's steps
+    other = tmp_path / "other"
+    Trackers(cfg, other, rank=0, resumed=True, start_step=1, history=RECORDS[:2]).close()
+    assert_same(read_mlflow(other)[0], by_key(RECORDS[:2]))
+    assert_same(read_wandb(other)[0], by_key(RECORDS[:2]))
+
+
 def test_tensorboard_shows_a_resumed_run_s_steps_once(tmp_path):
     """A launch that stopped after logging steps 1-3 with its last checkpoint at step 1: the
     resumed launch logs steps 2 and 3 again. TensorBoard showed both launches' values of
