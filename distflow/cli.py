@@ -43,7 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from distflow.config import BUILTIN_MODEL, Config, ConfigError, load_config, relocated_file_spec, tool_names, validate
+from distflow.config import (BUILTIN_MODEL, Config, ConfigError, load_config, relocated_file_spec, reward_fn_specs,
+                             tool_names, validate)
 from distflow.data.dataset import BUILTIN_TASKS, write_builtin_parquet
 from distflow.runtime import netns
 
@@ -199,8 +200,8 @@ def check_inputs(cfg: Config, training: bool = True) -> None:
     run_dir = Path(cfg.trainer.output_dir or "").expanduser()
     if cfg.trainer.output_dir and run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"trainer.output_dir={cfg.trainer.output_dir!r}: exists and is not a folder")
-    if cfg.reward.custom_fn is not None:
-        check_callable(cfg.reward.custom_fn, "reward.custom_fn")
+    for spec in reward_fn_specs(cfg):
+        check_callable(spec, "reward.custom_fn")
     if cfg.reward.model_path is not None:
         from distflow.engines.reward_model import RewardModelError, check_reward_model
 

@@ -288,7 +288,11 @@ class SchedulerConfig:
 
 @dataclass(kw_only=True)
 class RewardConfig:
-    custom_fn: str | None = _spec(None, doc="module:function or path.py:function")
+    custom_fn: str | None = _spec(None, doc="module:function or path.py:function; several, comma-separated: their "
+                                            "scores' weighted sum (TRL's reward_funcs), each logged as "
+                                            "reward_extra/<its name>")
+    custom_fn_weights: str = _spec("", doc="comma-separated, one per custom_fn function: the weights of their sum "
+                                           "(TRL's reward_weights); empty: 1 each")
     custom_fn_kwargs: str = _spec("", doc="more keyword arguments to every call of custom_fn, a mapping in YAML or "
                                           "JSON ('{strict: true}'); reward.custom_fn_kwargs.NAME=VALUE sets one "
                                           "(verl's custom_reward_function.reward_kwargs)")
@@ -788,8 +792,7 @@ def _validate_cross(cfg: Config, training: bool) -> None:
         limit = ("rollout.max_new_tokens" if budget == cfg.rollout.max_new_tokens and cfg.rollout.max_turns == 1
                  else "the episode's token budget (rollout.max_total_tokens, else max_new_tokens x max_turns)")
         raise ConfigError(f"algorithm.overlong_buffer_len={buffer}: must be <= {limit}={budget}")
-    if cfg.reward.custom_fn is not None and ":" not in cfg.reward.custom_fn:
-        raise ConfigError(f"reward.custom_fn={cfg.reward.custom_fn!r}: expected module:function or path.py:function")
+    reward_fn_weights(cfg)  # the functions named as module:function and their weights
     traced_steps(cfg)
 
 
@@ -871,6 +874,31 @@ def mapping_setting(cfg: Config, key: str) -> dict[str, Any]:
 def chat_template_kwargs(cfg: Config) -> dict[str, Any]:
     """data.chat_template_kwargs as a mapping (`mapping_setting`)."""
     return mapping_setting(cfg, TEMPLATE_KWARGS)
+
+
+def reward_fn_specs(cfg: Config) -> list[str]:
+    """reward.custom_fn's functions ([] for none), each module:function or path.py:function."""
+    specs = [s.strip() for s in (cfg.reward.custom_fn or "").split(",") if s.strip()]
+    for spec in specs:
+        if ":" not in spec:
+            raise ConfigError(f"reward.custom_fn={cfg.reward.custom_fn!r}: expected module:function or "
+                              f"path.py:function, comma-separated ({spec!r} is neither)")
+    return specs
+
+
+def reward_fn_weights(cfg: Config) -> list[float]:
+    """reward.custom_fn_weights, one per reward.custom_fn function (1 each where empty)."""
+    specs, text = reward_fn_specs(cfg), cfg.reward.custom_fn_weights.strip()
+    if not text:
+        return [1.0] * len(specs)
+    try:
+        weights = [float(w) for w in text.split(",")]
+    except ValueError:
+        weights = []
+    if len(weights) != len(specs) or not all(math.isfinite(w) for w in weights):
+        raise ConfigError(f"reward.custom_fn_weights={text!r}: expected {len(specs)} finite number(s), "
+                          f"comma-separated, one per reward.custom_fn function")
+    return weights
 
 
 def reward_fn_kwargs(cfg: Config) -> dict[str, Any]:
@@ -998,7 +1026,9 @@ def _default(dotted: str) -> Any:
 
 def relocated_file_spec(spec: str, place: Callable[[str], str]) -> str:
     """`[openenv:]file.py:name` with its file's path passed through `place`; a module's
-    `module:name`, or a registered name, as it is."""
+    `module:name`, or a registered name, as it is; a comma-separated list, each of them."""
+    if "," in spec:  # several (reward.custom_fn), each so
+        return ",".join(relocated_file_spec(part.strip(), place) for part in spec.split(",") if part.strip())
     prefix = "openenv:" if spec.startswith("openenv:") else ""
     target, _, name = spec.removeprefix(prefix).rpartition(":")
     return f"{prefix}{place(target)}:{name}" if target.endswith(".py") else spec

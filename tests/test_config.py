@@ -365,6 +365,21 @@ def test_make_data_refuses_a_count_below_one_and_makes_the_output_folder(tmp_pat
     assert len(load_rows(str(tmp_path / "a/b/x.parquet"))) == 3
 
 
+def test_several_reward_functions_take_one_weight_each():
+    from distflow.config import reward_fn_specs, reward_fn_weights
+
+    two = load_config(None, ["reward.custom_fn=r.py:fmt, my_pkg.rewards:acc", "reward.custom_fn_weights=0.5,2"])
+    assert reward_fn_specs(two) == ["r.py:fmt", "my_pkg.rewards:acc"] and reward_fn_weights(two) == [0.5, 2.0]
+    assert reward_fn_weights(load_config(None, ["reward.custom_fn=r.py:fmt,r.py:acc"])) == [1.0, 1.0]
+    assert reward_fn_specs(load_config()) == [] and reward_fn_weights(load_config()) == []
+    for weights in ("1", "1,x", "1,inf"):
+        with pytest.raises(ConfigError, match=rf"^reward.custom_fn_weights='{weights}': expected 2 finite number"):
+            load_config(None, ["reward.custom_fn=r.py:fmt,r.py:acc", f"reward.custom_fn_weights={weights}"])
+    with pytest.raises(ConfigError, match=r"^reward.custom_fn='r.py:fmt,acc': expected module:function or "
+                                          r"path.py:function, comma-separated \('acc' is neither\)"):
+        load_config(None, ["reward.custom_fn=r.py:fmt,acc"])
+
+
 def test_reward_fn_kwargs_are_a_mapping_for_the_custom_function_alone(tmp_path):
     from distflow.config import from_dict, reward_fn_kwargs
 

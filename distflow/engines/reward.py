@@ -236,18 +236,59 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth: str
 
 
 def load_reward_fn(spec: str | None, gsm8k_mode: str = "strict", code_time_budget_s: float | None = None,
-                   kwargs: dict[str, Any] | None = None) -> RewardFn:
+                   kwargs: dict[str, Any] | None = None, weights: list[float] | None = None) -> RewardFn:
     """`None` -> the default in that GSM8K mode, running a code sample's tests while they fit
     in `code_time_budget_s`; `module:function` or `file.py:function` -> that function, given
-    `kwargs` (reward.custom_fn_kwargs) at every call (the mode and the budget are the default
-    reward's: a custom function ignores them)."""
+    `kwargs` (reward.custom_fn_kwargs) at every call; several, comma-separated -> their sum,
+    weighted by `weights` (1 each by default; `weighted_sum`). The mode and the budget are the
+    default reward's: a custom function ignores them."""
     check_gsm8k_mode(gsm8k_mode)
     if spec is not None:
-        fn = _takes_verl_keywords(load_callable(spec, "reward.custom_fn"), spec, kwargs or {})
-        return functools.partial(fn, **kwargs) if kwargs else fn
+        specs = [part.strip() for part in spec.split(",") if part.strip()]
+        fns = [_takes_verl_keywords(load_callable(part, "reward.custom_fn"), part, kwargs or {}) for part in specs]
+        fns = [functools.partial(fn, **kwargs) if kwargs else fn for fn in fns]
+        weights = weights or [1.0] * len(fns)
+        if len(fns) == 1 and weights == [1.0]:
+            return fns[0]
+        return weighted_sum(fns, [part.rpartition(":")[2] for part in specs], weights)
     if gsm8k_mode == "strict" and code_time_budget_s is None:
         return default_compute_score  # itself, so that it stays verl's plain signature
     return functools.partial(default_compute_score, gsm8k_mode=gsm8k_mode, code_time_budget_s=code_time_budget_s)
+
+
+def weighted_sum(fns: list[RewardFn], names: list[str], weights: list[float]) -> RewardFn:
+    """Several reward functions as one, as TRL sums its reward_funcs by reward_weights: the
+    score is the weighted sum of theirs (one that returns None for a sample adds nothing, as
+    TRL's NaN; all None fails the sample), and each one's own score is kept under its name,
+    beside their dicts' other numbers (a later function's win), so that it is logged as
+    reward_extra/<name>; a name another has, or "score" or "acc", gets its position (1, 2 ...)
+    appended. Awaited where one of them is `async def`."""
+    keys: list[str] = []
+    for i, name in enumerate(names, 1):
+        keys.append(f"{name}_{i}" if name in keys or name in ("score", "acc") else name)
+
+    def total(results: list) -> dict[str, float]:
+        out: dict[str, float] = {"score": 0.0}
+        for key, weight, result in zip(keys, weights, results):
+            if result is not None:
+                value = score_of(result)
+                out |= extras_of(result) | {key: value}
+                out["score"] += weight * value
+        if all(result is None for result in results):
+            raise ValueError(f"every reward function ({', '.join(names)}) returned None for this sample")
+        return out
+
+    if not any(is_async(fn) for fn in fns):
+        return lambda **arguments: total([fn(**arguments) for fn in fns])
+
+    async def awaited(**arguments) -> dict[str, float]:
+        results = []
+        for fn in fns:
+            result = fn(**arguments)
+            results.append(await result if inspect.isawaitable(result) else result)
+        return total(results)
+
+    return awaited
 
 
 def _takes_verl_keywords(fn: RewardFn, spec: str, kwargs: dict[str, Any]) -> RewardFn:
@@ -332,10 +373,10 @@ import json, os, sys
 replies = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)
 sys.stdout = sys.stderr
-spec, gsm8k_mode, code_time_budget_s, kwargs, parent = json.loads(sys.argv[1])
+spec, gsm8k_mode, code_time_budget_s, kwargs, weights, parent = json.loads(sys.argv[1])
 from distflow.engines.reward import end_with_parent, serve
 end_with_parent(parent)
-serve(spec, sys.stdin, replies, gsm8k_mode, code_time_budget_s, kwargs)
+serve(spec, sys.stdin, replies, gsm8k_mode, code_time_budget_s, kwargs, weights)
 """
 
 
@@ -380,13 +421,14 @@ def extras_of(result: Any) -> dict[str, float]:
 
 
 def serve(spec: str | None, requests, replies, gsm8k_mode: str = "strict",
-          code_time_budget_s: float | None = None, kwargs: dict[str, Any] | None = None) -> None:
+          code_time_budget_s: float | None = None, kwargs: dict[str, Any] | None = None,
+          weights: list[float] | None = None) -> None:
     """The reward child process's loop: JSON lines in, JSON lines out, one request at a
     time: one sample's arguments, or {"samples", "limit_s", "concurrency"} for an async
     function's samples together (`scored_together`). Its first line says whether the
     function is async, or why it cannot be loaded (one line, as `load_reward_fn` says it)."""
     try:
-        fn = load_reward_fn(spec, gsm8k_mode, code_time_budget_s, kwargs)
+        fn = load_reward_fn(spec, gsm8k_mode, code_time_budget_s, kwargs, weights)
     except PluginError as e:
         replies.write(json.dumps(["failed", str(e)]) + "\n")
         replies.flush()
@@ -422,20 +464,20 @@ class RewardRunner:
     mode, in this process and in the child alike."""
 
     def __init__(self, spec: str | None, timeout_s: float, gsm8k_mode: str = "strict", measures: str = "reward",
-                 concurrency: int = 64, kwargs: dict[str, Any] | None = None):
+                 concurrency: int = 64, kwargs: dict[str, Any] | None = None, weights: list[float] | None = None):
         """`measures`: "reward", or "accuracy" for the runner of the accuracy metric alone (a
         failure there counts the sample as wrong, not in reward/failed). `concurrency`: an
         async function's samples in flight at once (config `reward.async_concurrency`).
         `kwargs`: more keyword arguments to every call of a custom function
-        (`reward.custom_fn_kwargs`)."""
+        (`reward.custom_fn_kwargs`); `weights`: of several functions' sum (`weighted_sum`)."""
         self.spec, self.timeout_s, self.gsm8k_mode = spec, timeout_s, check_gsm8k_mode(gsm8k_mode)
-        self.measures, self.concurrency, self.kwargs = measures, concurrency, kwargs or {}
+        self.measures, self.concurrency, self.kwargs, self.weights = measures, concurrency, kwargs or {}, weights
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._reported = False
         self.fn, self.is_async = None, False  # in a child: learned as it starts
         if timeout_s <= 0:
-            self.fn = load_reward_fn(spec, gsm8k_mode, kwargs=kwargs)
+            self.fn = load_reward_fn(spec, gsm8k_mode, kwargs=kwargs, weights=weights)
             self.is_async = is_async(self.fn)
         elif spec is not None:
             self._start()
@@ -528,7 +570,7 @@ class RewardRunner:
         # only the reward module; its stdout is the reply channel, its prints go to stderr
         budget = max(self.timeout_s - CODE_CALL_MARGIN_S, 0.0)  # a code sample's tests run while they fit in it
         argv = [sys.executable, "-c", _CHILD,
-                json.dumps([self.spec, self.gsm8k_mode, budget, self.kwargs, os.getpid()])]
+                json.dumps([self.spec, self.gsm8k_mode, budget, self.kwargs, self.weights, os.getpid()])]
         self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         line = self._readline(START_TIMEOUT_S)
         reply = json.loads(line) if line else None

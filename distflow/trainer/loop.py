@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from distflow.algos.kl import AdaptiveKLController, make_kl_controller
 from distflow.collectives import all_gather_objects, all_reduce_sum
-from distflow.config import (Config, chat_template_kwargs, from_dict, response_token_budget, reward_fn_kwargs, tool_names,
-                             traced_steps)
+from distflow.config import (Config, chat_template_kwargs, from_dict, response_token_budget, reward_fn_kwargs,
+                             reward_fn_weights, tool_names, traced_steps)
 from distflow.coordinator.double_buffer import DoubleBuffer
 from distflow.coordinator.executor import TransferStats
 from distflow.coordinator.layout import Layout
@@ -303,7 +303,7 @@ def make_reward_runners(cfg: Config, device: torch.device) -> tuple[RewardRunner
         return (RewardModel(rw.model_path, device, rw.model_micro_batch_size, rw.model_max_length),
                 RewardRunner(None, rw.timeout_s, measures="accuracy"))
     reward_fn = RewardRunner(rw.custom_fn, rw.timeout_s, gsm8k_mode=rw.gsm8k_mode, concurrency=rw.async_concurrency,
-                             kwargs=reward_fn_kwargs(cfg))
+                             kwargs=reward_fn_kwargs(cfg), weights=reward_fn_weights(cfg))
     accuracy_fn = (reward_fn if rw.custom_fn is None and rw.gsm8k_mode == "strict"
                    else RewardRunner(None, rw.timeout_s, measures="accuracy"))
     return reward_fn, accuracy_fn

@@ -298,6 +298,55 @@ def test_reward_fn_kwargs_reach_every_call_of_the_custom_function(tmp_path, time
         RewardRunner(spec, timeout_s, kwargs={"strict": True, "typo": 1})
 
 
+SEVERAL_REWARDS = """
+import asyncio
+
+def fmt(data_source, solution_str, ground_truth, extra_info=None):
+    return 1.0 if solution_str.startswith("####") else 0.0
+
+def score(data_source, solution_str, ground_truth, extra_info=None):  # verl's DAPO scorer's form
+    right = solution_str.removeprefix("####").strip() == ground_truth
+    return {"score": 1.0 if right else -1.0, "acc": right}
+
+def only_long(data_source, solution_str, ground_truth, extra_info=None):  # None: not this function's sample
+    return float(len(solution_str)) if len(solution_str) > 4 else None
+
+async def judged(data_source, solution_str, ground_truth, extra_info=None):
+    await asyncio.sleep(0)
+    return 0.25
+"""
+
+
+@pytest.mark.parametrize("timeout_s", [0.0, 30.0], ids=["in-process", "child"])
+def test_several_reward_functions_score_their_weighted_sum_each_kept_by_name(tmp_path, timeout_s):
+    """TRL's reward_funcs with reward_weights: the score is the weighted sum, each function's
+    own score is kept under its name (logged as reward_extra/<name>; a function called
+    "score" gets its position), a dict's "acc" stays the accuracy, a None adds nothing, and
+    all None fails the sample; an async function among them makes the sum awaited."""
+    from distflow.engines.reward import FAILED, OK, RewardRunner
+
+    (tmp_path / "several.py").write_text(SEVERAL_REWARDS)
+    path = tmp_path / "several.py"
+    runner = RewardRunner(f"{path}:fmt,{path}:score,{path}:only_long", timeout_s, weights=[0.5, 2.0, 0.1])
+    try:
+        assert runner.scored("d", "#### 7", "7", {}) == (0.5 + 2.0 + 0.1 * 6, OK, {
+            "fmt": 1.0, "acc": 1.0, "score_2": 1.0, "only_long": 6.0})
+        assert runner.scored("d", "8", "7", {}) == (-2.0, OK, {"fmt": 0.0, "acc": 0.0, "score_2": -1.0})
+    finally:
+        runner.close()
+    nothing = RewardRunner(f"{path}:only_long,{path}:only_long", timeout_s)
+    try:
+        assert nothing("d", "8", "7", {}) == (0.0, FAILED)
+    finally:
+        nothing.close()
+    awaited = RewardRunner(f"{path}:fmt,{path}:judged", timeout_s, weights=[1.0, 4.0])
+    try:
+        assert awaited.is_async and awaited.scored_all([("d", "#### 7", "7", {}), ("d", "7", "7", {})]) == [
+            (2.0, OK, {"fmt": 1.0, "judged": 0.25}), (1.0, OK, {"fmt": 0.0, "judged": 0.25})]
+    finally:
+        awaited.close()
+
+
 def test_a_custom_reward_module_is_imported_in_the_reward_process_alone(tmp_path):
     """It was imported in the worker too (to fail a bad name early), where it is never
     called: a judge model loaded at import was held twice per worker."""

@@ -117,18 +117,24 @@ def test_any_local_model_parquet_data_custom_reward_and_periodic_checkpoints(tmp
     val = write_builtin_parquet(str(tmp_path / "val.parquet"), "arith", "test", 8)
     (tmp_path / "length_reward.py").write_text(
         "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    return len(solution_str) / 100.0\n")
+        "    return len(solution_str) / 100.0\n"
+        "def has_digit(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(any(c.isdigit() for c in solution_str))\n")
     out = tmp_path / "run"
     proc = distflow_train([*SMALL, "trainer.total_steps=2", "runtime.launcher=torchrun", "runtime.num_workers=1",
                            f"model.path={random_model_dir}", f"data.train_files={train}", f"data.val_files={val}",
-                           f"reward.custom_fn={tmp_path / 'length_reward.py'}:score", "trainer.save_every=1",
+                           f"reward.custom_fn={tmp_path / 'length_reward.py'}:score,"
+                           f"{tmp_path / 'length_reward.py'}:has_digit", "reward.custom_fn_weights=1,0.5",
+                           "trainer.save_every=1",
                            "trainer.save_final=false", f"trainer.output_dir={out}"], tmp_path)
     assert "data.train_files has 3 rows, fewer than data.train_batch_size=4: every step holds some prompts more " \
            "than once" in proc.stderr
     records = run_metrics(out)
-    # the custom reward is used for training (an untrained model never solves a problem,
-    # but its responses have length), the rule-based accuracy is still reported
+    # the custom rewards are used for training (an untrained model never solves a problem,
+    # but its responses have length), the rule-based accuracy is still reported; each function's own mean too
     assert records[1]["reward/mean"] > 0 and records[1]["reward/accuracy"] == 0.0
+    assert records[1]["reward/mean"] == pytest.approx(records[1]["reward_extra/score_1"]
+                                                      + 0.5 * records[1]["reward_extra/has_digit"], rel=1e-4)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_1", "step_2"]
     assert (out / "checkpoints" / "step_2" / "model.safetensors").exists()
 

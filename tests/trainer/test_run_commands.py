@@ -196,13 +196,13 @@ def test_a_cluster_launch_names_local_files_by_absolute_paths(tmp_path, monkeypa
     (tmp_path / "model" / "model.safetensors").write_text("")
     cfg = load_config(None, ["data.train_files=train.jsonl,builtin:arith:train", "data.val_files=builtin:arith:test",
                              "model.path=model",
-                             "reward.custom_fn=reward.py:score", "rollout.env=env.py:Game",
+                             "reward.custom_fn=reward.py:score,my_pkg.rewards:fmt", "rollout.env=env.py:Game",
                              "rollout.max_turns=2", "algorithm.graph=graph.yaml", "algorithm.estimator=est.py:fn",
                              "algorithm.kl_type=kl.py:mine+", "algorithm.reward_kl_type=kl.py:mine"])
     with_absolute_paths(cfg)
     assert cfg.data.train_files == f"{tmp_path / 'train.jsonl'},builtin:arith:train"
     assert cfg.data.val_files == "builtin:arith:test" and cfg.model.path == str(tmp_path / "model")
-    assert cfg.reward.custom_fn == f"{tmp_path / 'reward.py'}:score"
+    assert cfg.reward.custom_fn == f"{tmp_path / 'reward.py'}:score,my_pkg.rewards:fmt"  # each of several
     assert cfg.rollout.env == f"{tmp_path / 'env.py'}:Game" and cfg.algorithm.graph == str(tmp_path / "graph.yaml")
     assert cfg.algorithm.estimator == f"{tmp_path / 'est.py'}:fn"
     assert (cfg.algorithm.kl_type, cfg.algorithm.reward_kl_type) == (f"{tmp_path / 'kl.py'}:mine+",
