@@ -200,6 +200,11 @@ class AlgorithmConfig:
                                              "0 = synchronous")
     dynamic_sampling: bool = _spec(False, doc="DAPO: drop groups whose rewards are all equal and generate more "
                                               "prompts until the batch is full")
+    mask_truncated_responses: bool = _spec(False, doc="responses that reach the token budget (response/clip_ratio "
+                                                      "counts them) add nothing to the policy loss, their tokens "
+                                                      "not counted (DAPO's overlong filtering, TRL's "
+                                                      "mask_truncated_completions); their rewards still set their "
+                                                      "groups' advantages")
     entropy_coef: float = _spec(0.0, min=0.0)
     gamma: float = _spec(1.0, min=0.0, max=1.0, doc="discount (PPO's GAE, REINFORCE++)")
     lam: float = _spec(1.0, min=0.0, max=1.0, doc="GAE lambda")

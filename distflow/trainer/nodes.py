@@ -550,6 +550,9 @@ def _mini_batches(ctx: WorkerContext, batch: Batch, engine, make_loss, prefix: s
 
 def actor_update(ctx: WorkerContext, batch: Batch) -> None:
     policy_loss = ctx.params.get("policy_loss", "vanilla")
+    if ctx.cfg.algorithm.mask_truncated_responses:  # for the loss alone: the step's other nodes see every token
+        reached = torch.tensor([r for _, r in prompt_and_response_lengths(batch)]) >= response_token_budget(ctx.cfg)
+        batch = Batch({**batch.tensors, "response_mask": batch["response_mask"] * ~reached[:, None]}, batch.meta)
     _mini_batches(ctx, batch, ctx.actor, lambda t, s: make_policy_loss(ctx.cfg, t, s, policy_loss), "actor")
 
 

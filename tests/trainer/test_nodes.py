@@ -151,6 +151,44 @@ class StepCtx(Ctx):
         self.__dict__.update(parts)
 
 
+class GradientsOfTheLoss:
+    """An actor's `train_mini_batch` contract: the loss of each mini-batch on log-probs of 0,
+    and its gradient per token, kept."""
+
+    def __init__(self):
+        self.grads: list[torch.Tensor] = []
+
+    def train_mini_batch(self, mini, micro, loss_fn):
+        log_probs = torch.zeros(mini["response_mask"].shape, requires_grad=True)
+        loss, metrics = loss_fn(log_probs, torch.zeros_like(log_probs), mini)
+        loss.backward()
+        self.grads.append(log_probs.grad)
+        return {"skipped": 0.0, **metrics}
+
+    def release_gradients(self):
+        pass
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_mask_truncated_responses_leaves_responses_at_the_budget_out_of_the_policy_loss(masked):
+    """DAPO's overlong filtering, TRL's mask_truncated_completions: a response that reached
+    rollout.max_new_tokens gets no gradient and its tokens are not counted; the others' are
+    the mean over their own tokens; the batch the step's other nodes see keeps every token."""
+    ctx = StepCtx({}, f"algorithm.mask_truncated_responses={str(masked).lower()}", "rollout.max_new_tokens=3",
+                  "algorithm.use_kl_loss=false", "algorithm.rollout_correction=off", "data.train_batch_size=4",
+                  "actor.ppo_mini_batch_size=4", "algorithm.group_size=1")
+    ctx.actor = GradientsOfTheLoss()
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]])
+    batch = Batch({"response_mask": mask, "prompt_mask": torch.ones(4, 2, dtype=torch.long),
+                   "advantages": torch.ones(4, 3), "mini_batch": torch.zeros(4, dtype=torch.long)})
+    nodes.actor_update(ctx, batch)
+    (grad,) = ctx.actor.grads
+    kept = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0], [0, 0, 0]]) if masked else mask
+    # token-mean of -advantage * ratio: -1 / (kept tokens) on each kept token
+    torch.testing.assert_close(grad, -kept / kept.sum())
+    assert batch["response_mask"] is mask  # the step's batch is left as it was
+
+
 def test_kl_in_reward_node_subtracts_beta_kl_and_feeds_the_controller():
     from distflow.algos.kl import make_kl_controller
 
