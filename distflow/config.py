@@ -200,8 +200,8 @@ class AlgorithmConfig:
                                              "0 = synchronous")
     dynamic_sampling: bool = _spec(False, doc="DAPO: drop groups whose rewards are all equal and generate more "
                                               "prompts until the batch is full")
-    mask_truncated_responses: bool = _spec(False, doc="responses that reach the token budget (response/clip_ratio "
-                                                      "counts them) add nothing to the policy loss, their tokens "
+    mask_truncated_responses: bool = _spec(False, doc="responses cut at their token budget (their last token no "
+                                                      "stop token) add nothing to the policy loss, their tokens "
                                                       "not counted (DAPO's overlong filtering, TRL's "
                                                       "mask_truncated_completions); their rewards still set their "
                                                       "groups' advantages")
@@ -302,9 +302,9 @@ class RewardConfig:
                                           "JSON ('{strict: true}'); reward.custom_fn_kwargs.NAME=VALUE sets one "
                                           "(verl's custom_reward_function.reward_kwargs)")
     timeout_s: float = _spec(30.0, min=0.0, doc="per-sample limit; the function runs in a child process (0 = in-process, no limit)")
-    async_concurrency: int = _spec(64, min=1, doc="an async def custom_fn (an LLM judge): how many of a worker's samples "
-                                                  "it awaits at once, each within timeout_s; other functions score "
-                                                  "one sample at a time")
+    async_concurrency: int = _spec(64, min=1, doc="an async def custom_fn (an LLM judge): how many of a worker's "
+                                                  "samples it awaits at once, each within timeout_s; other functions "
+                                                  "score one sample at a time")
     gsm8k_mode: str = _spec("strict", choices=("strict", "flexible"),
                             doc="the default reward's #### rule: strict needs '#### N'; flexible reads the last "
                                 "number when there is no #### (verl's modes); accuracy stays strict")
@@ -864,8 +864,8 @@ def mapping_setting(cfg: Config, key: str) -> dict[str, Any]:
     section, field = key.split(".")
     given = getattr(getattr(cfg, section), field)
     text = given.strip()
-    try:
-        value = yaml.safe_load(text) if text else {}
+    try:  # as JSON holds it (a YAML date as its text): the same values in every process, a reward child's too
+        value = json.loads(json.dumps(yaml.safe_load(text), default=str)) if text else {}
     except yaml.YAMLError:
         value = None
     example, reserved = MAPPING_SETTINGS[key]
@@ -935,11 +935,26 @@ def _flatten(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
         dotted = f"{prefix}{key}"
         if key in SECTIONS and not prefix and value in (None, ""):  # a section whose keys are all commented out
             continue
-        if isinstance(value, dict):  # a section, or another program's (verl's actor_rollout_ref): its dotted keys
+        if isinstance(value, dict) and dotted in MAPPING_SETTINGS:  # a mapping's value, nested values and all
+            items.append((dotted, json.dumps(_scalars_typed(value), default=str)))
+        elif isinstance(value, dict):  # a section, or another program's (verl's actor_rollout_ref): its dotted keys
             items.extend(_flatten(value, dotted + "."))
         else:
             items.append((dotted, value))
     return items
+
+
+def _scalars_typed(value: Any) -> Any:
+    """A nested value of a config file (read with every scalar as its text) with each scalar
+    read as YAML reads it (numbers, booleans, null)."""
+    if isinstance(value, dict):
+        return {k: _scalars_typed(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_scalars_typed(v) for v in value]
+    try:
+        return yaml.safe_load(value) if value != "" else ""
+    except yaml.YAMLError:
+        return value
 
 
 def parse_override(text: str) -> tuple[str, Any]:

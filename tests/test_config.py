@@ -389,6 +389,14 @@ def test_reward_fn_kwargs_are_a_mapping_for_the_custom_function_alone(tmp_path):
     path.write_text("reward:\n  custom_fn: r.py:score\n  custom_fn_kwargs:\n    strict: true\n    bonus: 0.5\n")
     assert reward_fn_kwargs(from_dict(one.to_dict())) == reward_fn_kwargs(load_config(str(path))) == \
         {"strict": True, "bonus": 0.5}
+    # a nested value stays nested (a judge's settings), read as YAML reads it; a date as its text, as JSON holds it
+    path.write_text("reward:\n  custom_fn: r.py:score\n  custom_fn_kwargs:\n    judge: {model: gpt, temperature: 0}\n"
+                    "    since: 2024-01-01\n")
+    nested = {"judge": {"model": "gpt", "temperature": 0}, "since": "2024-01-01"}
+    assert reward_fn_kwargs(load_config(str(path))) == nested
+    assert reward_fn_kwargs(load_config(None, ["reward.custom_fn=r.py:score",
+                                               "reward.custom_fn_kwargs={judge: {model: gpt, temperature: 0}, "
+                                               "since: 2024-01-01}"])) == nested
     with pytest.raises(ConfigError, match="^reward.custom_fn_kwargs: arguments to reward.custom_fn, which is not set"):
         load_config(None, ["reward.custom_fn_kwargs.strict=true"])
     with pytest.raises(ConfigError, match="^reward.custom_fn_kwargs: ground_truth is set by DistFlow"):

@@ -35,7 +35,7 @@ import threading
 import time
 import traceback
 from fractions import Fraction
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from distflow.config import REWARD_ARGUMENTS
 from distflow.plugins import PluginError, load_callable
@@ -258,35 +258,36 @@ def load_reward_fn(spec: str | None, gsm8k_mode: str = "strict", code_time_budge
 
 def weighted_sum(fns: list[RewardFn], names: list[str], weights: list[float]) -> RewardFn:
     """Several reward functions as one, as TRL sums its reward_funcs by reward_weights: the
-    score is the weighted sum of theirs (one that returns None for a sample adds nothing, as
-    TRL's NaN; all None fails the sample), and each one's own score is kept under its name,
-    beside their dicts' other numbers (a later function's win), so that it is logged as
-    reward_extra/<name>; a name another has, or "score" or "acc", gets its position (1, 2 ...)
-    appended. Awaited where one of them is `async def`."""
+    score is the weighted sum of theirs (one that returns None or NaN for a sample adds
+    nothing, as TRL's nansum; none with a number fails the sample), and each one's own score
+    is kept under its name, beside their dicts' other numbers (a later function's win), so
+    that it is logged as reward_extra/<name>; a name another has, or "score" or "acc", gets
+    its position (1, 2 ...) appended. Awaited where one of them is `async def` (the others
+    then run on threads)."""
     keys: list[str] = []
     for i, name in enumerate(names, 1):
         keys.append(f"{name}_{i}" if name in keys or name in ("score", "acc") else name)
 
     def total(results: list) -> dict[str, float]:
         out: dict[str, float] = {"score": 0.0}
-        for key, weight, result in zip(keys, weights, results):
-            if result is not None:
-                value = score_of(result)
+        values = [None if result is None else score_of(result) for result in results]
+        for key, weight, result, value in zip(keys, weights, results, values):
+            if value is not None and not math.isnan(value):
                 out |= extras_of(result) | {key: value}
                 out["score"] += weight * value
-        if all(result is None for result in results):
-            raise ValueError(f"every reward function ({', '.join(names)}) returned None for this sample")
+        if len(out) == 1:
+            raise ValueError(f"no reward function ({', '.join(names)}) gave this sample a number (None or NaN)")
         return out
 
     if not any(is_async(fn) for fn in fns):
         return lambda **arguments: total([fn(**arguments) for fn in fns])
 
     async def awaited(**arguments) -> dict[str, float]:
-        results = []
-        for fn in fns:
-            result = fn(**arguments)
-            results.append(await result if inspect.isawaitable(result) else result)
-        return total(results)
+        # a plain function runs on a thread, as verl runs a plain scorer beside async ones: on the event
+        # loop it would hold up every other sample's call (and their time limits would run on meanwhile)
+        return total(list(await asyncio.gather(*(fn(**arguments) if is_async(fn) else
+                                                 asyncio.to_thread(functools.partial(fn, **arguments))
+                                                 for fn in fns))))
 
     return awaited
 
@@ -328,24 +329,29 @@ def is_async(fn: RewardFn) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
-def scored_together(fn: RewardFn, samples: list, limit_s: float | None, concurrency: int) -> list[list]:
+def scored_together(fn: RewardFn, samples: list, limit_s: float | None, concurrency: int,
+                    each: Callable[[int, list], None] | None = None) -> list[list]:
     """An async function's samples awaited together on this thread's loop, `concurrency` at
     a time (an LLM judge's requests in flight), each within `limit_s` of its start (None: no
     limit). Per sample [True, `_scored`'s pair], [False, its traceback], or [None, None]
-    past the limit (cancelled, so that the others go on)."""
-    async def one(args, gate: asyncio.Semaphore) -> list:
+    past the limit (cancelled, so that the others go on); `each(i, outcome)` is told each
+    sample's as it comes."""
+    async def one(i: int, args, gate: asyncio.Semaphore) -> list:
         async with gate:
             try:
                 result = await asyncio.wait_for(_called(fn, args), limit_s)
-                return [True, (score_of(result), extras_of(result))]
-            except TimeoutError:
-                return [None, None]
+                outcome = [True, (score_of(result), extras_of(result))]
+            except (TimeoutError, asyncio.TimeoutError):  # the same class from Python 3.11 on
+                outcome = [None, None]
             except Exception:
-                return [False, traceback.format_exc()]
+                outcome = [False, traceback.format_exc()]
+        if each is not None:
+            each(i, outcome)
+        return outcome
 
     async def every() -> list[list]:
         gate = asyncio.Semaphore(concurrency)
-        return list(await asyncio.gather(*(one(args, gate) for args in samples)))
+        return list(await asyncio.gather(*(one(i, args, gate) for i, args in enumerate(samples))))
 
     return _event_loop().run_until_complete(every())
 
@@ -366,6 +372,7 @@ def _event_loop() -> asyncio.AbstractEventLoop:
 # ---------------------------------------------------------------------------- running rewards safely
 
 OK, FAILED, TIMED_OUT = 0, 1, 2  # per-sample reward status
+_DIED = "the reward process died while scoring"
 START_TIMEOUT_S = 120
 CODE_CALL_MARGIN_S = 1.0  # of a reward call's limit, kept for what a code sample's call does besides its tests
 _CHILD = """
@@ -430,22 +437,24 @@ def serve(spec: str | None, requests, replies, gsm8k_mode: str = "strict",
     try:
         fn = load_reward_fn(spec, gsm8k_mode, code_time_budget_s, kwargs, weights)
     except PluginError as e:
-        replies.write(json.dumps(["failed", str(e)]) + "\n")
-        replies.flush()
+        _reply(replies, ["failed", str(e)])
         return
-    replies.write(json.dumps(["ready", {"async": is_async(fn)}]) + "\n")  # start-up counts against no limit
-    replies.flush()
+    _reply(replies, ["ready", {"async": is_async(fn)}])  # start-up counts against no limit
     for line in requests:
         request = json.loads(line)
-        if isinstance(request, dict):
-            reply = scored_together(fn, request["samples"], request["limit_s"], request["concurrency"])
-        else:
-            try:
-                reply = [True, _scored(fn, request)]
-            except Exception:
-                reply = [False, traceback.format_exc()]
-        replies.write(json.dumps(reply) + "\n")
-        replies.flush()
+        if isinstance(request, dict):  # a line per sample as it is scored: [its index, outcome ...]
+            scored_together(fn, request["samples"], request["limit_s"], request["concurrency"],
+                            lambda i, outcome: _reply(replies, [i, *outcome]))
+            continue
+        try:
+            _reply(replies, [True, _scored(fn, request)])
+        except Exception:
+            _reply(replies, [False, traceback.format_exc()])
+
+
+def _reply(replies, message: list) -> None:
+    replies.write(json.dumps(message) + "\n")
+    replies.flush()
 
 
 class RewardRunner:
@@ -524,46 +533,68 @@ class RewardRunner:
             return False, traceback.format_exc()
 
     def _in_child(self, args) -> tuple[bool | None, Any]:
-        line, why = self._ask(args, self.timeout_s)
+        why = self._send(args)
+        line = "" if why else self._reply(self.timeout_s)
         if not line:
-            return (None, None) if line is None else (False, why)
+            return (None, None) if line is None else (False, why or _DIED)
         ok, value = json.loads(line)
         return ok, value
 
     def _together_in_child(self, samples: list[tuple]) -> list[list]:
-        """`scored_together` in the child. Its samples' limits run concurrently, so the whole
-        takes at most one limit per `concurrency` samples; past that (the function blocks its
-        event loop) the child is killed and every sample counts as timed out."""
-        rounds = -(-len(samples) // self.concurrency)
-        line, why = self._ask({"samples": samples, "limit_s": self.timeout_s, "concurrency": self.concurrency},
-                              rounds * self.timeout_s + CODE_CALL_MARGIN_S)
-        if not line:
-            return [[None, None] if line is None else [False, why]] * len(samples)
-        return json.loads(line)
+        """`scored_together` in the child, which answers each sample as it is scored. Their
+        limits run concurrently, so the whole takes at most one limit per `concurrency`
+        samples; past that (the function blocks its event loop, or ignores its cancellation)
+        the child is killed and the samples not answered by then count as timed out."""
+        outcomes: list[list | None] = [None] * len(samples)
+        why = self._send({"samples": samples, "limit_s": self.timeout_s, "concurrency": self.concurrency})
+        deadline = time.monotonic() + -(-len(samples) // self.concurrency) * self.timeout_s + CODE_CALL_MARGIN_S
+        for _ in range(0 if why else len(samples)):
+            line = self._reply(max(deadline - time.monotonic(), 0.0))
+            if not line:
+                why = _DIED if line == "" else None
+                break
+            i, ok, value = json.loads(line)
+            outcomes[i] = [ok, value]
+        return [outcome or ([False, why] if why else [None, None]) for outcome in outcomes]
 
-    def _ask(self, request, timeout: float) -> tuple[str | None, str]:
-        """(the child's reply line to `request`, why there is none): "" where it died or could
-        not start, None where nothing came within `timeout` (it is killed; the next call
-        starts a fresh one)."""
+    def _send(self, request) -> str | None:
+        """`request` to the child, started first where there is none: None, or why it could not."""
         if self._proc is None or self._proc.poll() is not None:
             try:
                 self._start()
             except (RuntimeError, PluginError) as e:  # the samples fail; the next call tries a new child
-                return "", str(e)
+                return str(e)
         try:
             self._proc.stdin.write(json.dumps(request, default=str) + "\n")
             self._proc.stdin.flush()
-            line = self._readline(timeout)
         except (OSError, ValueError):  # the child died (a crash, os._exit, OOM kill)
-            line = ""
+            self._stop()
+            return _DIED
+        return None
+
+    def _reply(self, timeout: float) -> str | None:
+        """The child's next line: "" where it died, None where none came within `timeout`;
+        either way it is stopped (the next call starts a fresh one)."""
+        line = self._readline(timeout)
         if not line:
             self._stop()
-        return line, "the reward process died while scoring"
+        return line
 
     def _readline(self, timeout: float) -> str | None:
-        """A line from the child, "" if it died, None if nothing came within `timeout`."""
-        ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
-        return self._proc.stdout.readline() if ready else None
+        """A line from the child, "" if it died, None if nothing came within `timeout`. Read
+        from its pipe itself, not through a buffered reader, whose lines read ahead a
+        `select` would not see."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._unread:
+            ready, _, _ = select.select([self._proc.stdout], [], [], max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                return None
+            chunk = os.read(self._proc.stdout.fileno(), 1 << 16)
+            if not chunk:
+                return ""
+            self._unread += chunk
+        line, _, self._unread = self._unread.partition(b"\n")
+        return line.decode() + "\n"
 
     def _start(self) -> None:
         # a fresh interpreter (not a fork of this threaded, torch-loaded one) that imports
@@ -572,6 +603,7 @@ class RewardRunner:
         argv = [sys.executable, "-c", _CHILD,
                 json.dumps([self.spec, self.gsm8k_mode, budget, self.kwargs, self.weights, os.getpid()])]
         self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self._unread = b""  # what came from its pipe after the last line taken
         line = self._readline(START_TIMEOUT_S)
         reply = json.loads(line) if line else None
         if reply is not None and reply[0] == "ready":

@@ -551,9 +551,18 @@ def _mini_batches(ctx: WorkerContext, batch: Batch, engine, make_loss, prefix: s
 def actor_update(ctx: WorkerContext, batch: Batch) -> None:
     policy_loss = ctx.params.get("policy_loss", "vanilla")
     if ctx.cfg.algorithm.mask_truncated_responses:  # for the loss alone: the step's other nodes see every token
-        reached = torch.tensor([r for _, r in prompt_and_response_lengths(batch)]) >= response_token_budget(ctx.cfg)
-        batch = Batch({**batch.tensors, "response_mask": batch["response_mask"] * ~reached[:, None]}, batch.meta)
+        cut = truncated(batch, ctx.rollout.stop_token_ids)
+        batch = Batch({**batch.tensors, "response_mask": batch["response_mask"] * ~cut[:, None]}, batch.meta)
     _mini_batches(ctx, batch, ctx.actor, lambda t, s: make_policy_loss(ctx.cfg, t, s, policy_loss), "actor")
+
+
+def truncated(batch: Batch, stop_ids) -> torch.Tensor:
+    """(N,) bool: the responses whose last token is no stop token, cut at their token budget
+    (TRL's is_truncated; an episode's last assistant token: its last turn was cut)."""
+    mask = batch["response_mask"].bool()
+    last = mask.shape[1] - 1 - mask.flip(-1).int().argmax(-1)  # the last generated token's column
+    ends = batch["responses"].gather(1, last[:, None]).squeeze(1)
+    return mask.any(-1) & ~torch.isin(ends, torch.tensor(list(stop_ids), dtype=ends.dtype))
 
 
 def critic_update(ctx: WorkerContext, batch: Batch) -> None:

@@ -84,6 +84,7 @@ class TensorBoardTracker:
         there on is hidden (it logged past its last checkpoint), not shown beside the new."""
         from torch.utils.tensorboard import SummaryWriter
 
+        self.new = not any((run_dir / TENSORBOARD_DIR).glob("events.out.tfevents.*"))  # no earlier launch's steps
         self.writer = SummaryWriter(str(run_dir / TENSORBOARD_DIR), purge_step=purge_step)
         self.writer.add_text("run_info", "\n".join(f"    {k} = {v}" for k, v in sorted(_flat(info).items())))
 
@@ -181,7 +182,8 @@ class Trackers:
         """`resumed`: the run goes on from a checkpoint, of step `start_step`, whose steps are
         `history`; in the same folder its W&B and MLflow runs go on too, unless `new_branch`
         (a rollback, another run's checkpoint: what those runs logged after it is not this
-        run's). A new W&B or MLflow run of a resumed run is given `history` first."""
+        run's). A new W&B or MLflow run of a resumed run is given `history` first, and so are
+        TensorBoard's first event files in the folder."""
         self.trackers: list[Tracker] = []
         if rank != 0:
             return
@@ -209,9 +211,9 @@ class Trackers:
                                                        earlier.get("mlflow")))
                 if name in ("wandb", "mlflow"):
                     ids[name] = self.trackers[-1].run_id
-                    if resumed and self.trackers[-1].new:
-                        for record in history:
-                            self.trackers[-1].log(_metrics(record), int(record["step"]))
+                if resumed and self.trackers[-1].new:  # a run of its own, or a folder's first event files
+                    for record in history:
+                        self.trackers[-1].log(_metrics(record), int(record["step"]))
         except BaseException:  # one failed to start (W&B online without a key): those started are closed, failed
             self.close(failed=True)
             raise

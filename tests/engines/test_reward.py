@@ -308,8 +308,13 @@ def score(data_source, solution_str, ground_truth, extra_info=None):  # verl's D
     right = solution_str.removeprefix("####").strip() == ground_truth
     return {"score": 1.0 if right else -1.0, "acc": right}
 
-def only_long(data_source, solution_str, ground_truth, extra_info=None):  # None: not this function's sample
-    return float(len(solution_str)) if len(solution_str) > 4 else None
+def only_long(data_source, solution_str, ground_truth, extra_info=None):  # None or NaN: not this one's sample
+    return float(len(solution_str)) if len(solution_str) > 4 else None if solution_str != "nan" else float("nan")
+
+def slow_fmt(data_source, solution_str, ground_truth, extra_info=None):  # a plain function beside an async one
+    import time
+    time.sleep(0.3)
+    return 1.0
 
 async def judged(data_source, solution_str, ground_truth, extra_info=None):
     await asyncio.sleep(0)
@@ -336,7 +341,7 @@ def test_several_reward_functions_score_their_weighted_sum_each_kept_by_name(tmp
         runner.close()
     nothing = RewardRunner(f"{path}:only_long,{path}:only_long", timeout_s)
     try:
-        assert nothing("d", "8", "7", {}) == (0.0, FAILED)
+        assert nothing("d", "8", "7", {}) == (0.0, FAILED) and nothing("d", "nan", "7", {}) == (0.0, FAILED)
     finally:
         nothing.close()
     awaited = RewardRunner(f"{path}:fmt,{path}:judged", timeout_s, weights=[1.0, 4.0])
@@ -345,6 +350,13 @@ def test_several_reward_functions_score_their_weighted_sum_each_kept_by_name(tmp
             (2.0, OK, {"fmt": 1.0, "judged": 0.25}), (1.0, OK, {"fmt": 0.0, "judged": 0.25})]
     finally:
         awaited.close()
+    if timeout_s:  # the plain one runs on a thread: on the event loop, six of its 0.3 s calls in a row put the
+        # later samples past their 1 s limits
+        beside = RewardRunner(f"{path}:slow_fmt,{path}:judged", 1.0, concurrency=6)
+        try:
+            assert beside.scored_all([("d", "7", "7", {})] * 6) == [(1.25, OK, {"slow_fmt": 1.0, "judged": 0.25})] * 6
+        finally:
+            beside.close()
 
 
 def test_a_custom_reward_module_is_imported_in_the_reward_process_alone(tmp_path):
@@ -376,6 +388,7 @@ async def judge(data_source, solution_str, ground_truth, extra_info=None):
         if solution_str == "slow":  # a request that never comes back
             await asyncio.sleep(3600)
         if solution_str == "block":  # blocking code in the coroutine: its event loop stops with it
+            await asyncio.sleep(0.2)
             time.sleep(3600)
         for _ in range(3):  # a request's round trip
             await asyncio.sleep(0)
@@ -404,8 +417,9 @@ def test_an_async_reward_function_s_samples_are_awaited_together(tmp_path, timeo
         slow = runner.scored_all([("d", "7", "7", {}), ("d", "slow", "7", {}), ("d", "8", "7", {})])
         assert [(score, status) for score, status, _ in slow] == [(1.0, OK), (0.0, TIMED_OUT), (0.0, OK)]
         assert runner._proc.pid == child  # cancelled, the others scored: the reward process goes on
-        blocked = runner.scored_all([("d", "block", "7", {}), ("d", "7", "7", {})])
-        assert [status for _, status, _ in blocked] == [TIMED_OUT, TIMED_OUT]  # no reply: the process is killed
+        blocked = runner.scored_all([("d", "7", "7", {}), ("d", "block", "7", {})])
+        # no reply past the deadline: the process is killed; what was scored before is kept
+        assert [(score, status) for score, status, _ in blocked] == [(1.0, OK), (0.0, TIMED_OUT)]
         assert runner.scored_all([("d", "7", "7", {})])[0][:2] == (1.0, OK)  # by a fresh one
         assert runner._proc.pid != child
     finally:

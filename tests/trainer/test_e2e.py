@@ -155,6 +155,8 @@ TWO_WORKER_RUNS = {
     "tis": ["trainer.total_steps=2", "trainer.save_final=false", "actor.ppo_mini_batch_size=2",
             "algorithm.rollout_correction=token_tis"],
     "bf16": ["model.dtype=bfloat16"],
+    "truncated_masked": ["trainer.total_steps=2", "trainer.save_final=false", "actor.ppo_mini_batch_size=2",
+                         "actor.micro_batch_size=2", "algorithm.mask_truncated_responses=true"],
 }
 
 
@@ -245,6 +247,16 @@ def test_rollout_correction_runs_end_to_end_and_measures_the_mismatch(two_worker
         assert record["rollout_correction/weight_mean"] == pytest.approx(1.0, abs=1e-3)
         assert record["rollout_correction/weight_max"] == pytest.approx(1.0, abs=1e-2)
         assert record["rollout_correction/corrected_fraction"] == 0.0
+
+
+def test_masking_truncated_responses_changes_the_update_alone(two_worker_runs):
+    """algorithm.mask_truncated_responses on 2 workers, with the engine's stop tokens: step 1
+    samples what the run without it samples (the same weights), and where some responses were
+    cut at the 24-token budget its update differs."""
+    fixed, masked = run_metrics(two_worker_runs["fixed"])[1], run_metrics(two_worker_runs["truncated_masked"])[1]
+    for k in ["reward/mean", "reward/accuracy", "response/length_mean", "response/clip_ratio", "tokens/total"]:
+        assert fixed[k] == masked[k], k
+    assert fixed["response/clip_ratio"] > 0 and masked["actor/pg_loss"] != pytest.approx(fixed["actor/pg_loss"])
 
 
 def test_bf16_compute_trains_on_fp32_master_weights_end_to_end(two_worker_runs):

@@ -170,20 +170,24 @@ class GradientsOfTheLoss:
 
 
 @pytest.mark.parametrize("masked", [False, True])
-def test_mask_truncated_responses_leaves_responses_at_the_budget_out_of_the_policy_loss(masked):
-    """DAPO's overlong filtering, TRL's mask_truncated_completions: a response that reached
-    rollout.max_new_tokens gets no gradient and its tokens are not counted; the others' are
-    the mean over their own tokens; the batch the step's other nodes see keeps every token."""
+def test_mask_truncated_responses_leaves_cut_responses_out_of_the_policy_loss(masked):
+    """DAPO's overlong filtering, TRL's mask_truncated_completions: a response whose last token
+    is no stop token (cut at rollout.max_new_tokens) gets no gradient and its tokens are not
+    counted; one that ends on its stop token at the budget is whole; the others' are the
+    mean over their own tokens; the batch the step's other nodes see keeps every token."""
+    from types import SimpleNamespace
+
     ctx = StepCtx({}, f"algorithm.mask_truncated_responses={str(masked).lower()}", "rollout.max_new_tokens=3",
                   "algorithm.use_kl_loss=false", "algorithm.rollout_correction=off", "data.train_batch_size=4",
                   "actor.ppo_mini_batch_size=4", "algorithm.group_size=1")
-    ctx.actor = GradientsOfTheLoss()
+    ctx.actor, ctx.rollout, stop, pad = GradientsOfTheLoss(), SimpleNamespace(stop_token_ids=(2, 7)), 2, 0
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]])
-    batch = Batch({"response_mask": mask, "prompt_mask": torch.ones(4, 2, dtype=torch.long),
+    responses = torch.tensor([[5, stop, pad], [5, 6, 8], [7, pad, pad], [5, 6, 7]])  # row 1 alone is cut
+    batch = Batch({"responses": responses, "response_mask": mask, "prompt_mask": torch.ones(4, 2, dtype=torch.long),
                    "advantages": torch.ones(4, 3), "mini_batch": torch.zeros(4, dtype=torch.long)})
     nodes.actor_update(ctx, batch)
     (grad,) = ctx.actor.grads
-    kept = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0], [0, 0, 0]]) if masked else mask
+    kept = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0], [1, 1, 1]]) if masked else mask
     # token-mean of -advantage * ratio: -1 / (kept tokens) on each kept token
     torch.testing.assert_close(grad, -kept / kept.sum())
     assert batch["response_mask"] is mask  # the step's batch is left as it was

@@ -106,6 +106,7 @@ def test_a_rollback_gets_new_wandb_and_mlflow_runs_holding_the_checkpoint_s_step
     Trackers(cfg, other, rank=0, resumed=True, start_step=1, history=RECORDS[:2]).close()
     assert_same(read_mlflow(other)[0], by_key(RECORDS[:2]))
     assert_same(read_wandb(other)[0], by_key(RECORDS[:2]))
+    assert_same(read_tensorboard(other), by_key(RECORDS[:2]))  # its first event files too
 
 
 def test_tensorboard_shows_a_resumed_run_s_steps_once(tmp_path):
